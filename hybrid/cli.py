@@ -1,0 +1,97 @@
+"""`hybrid estimate | plan | ...`: parse, call, print. Bad input exits 2 with one clear line."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import HybridError
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="preset name, HF config.json (or its folder), "
+                   "package.module:factory; omit with --params")
+    p.add_argument("--params", help="bare parameter count (e.g. 7.5e9): model states only")
+    g = p.add_argument_group("cluster")
+    g.add_argument("--nodes", type=int, default=1, help="machines (default 1)")
+    g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per machine (default 8)")
+    g.add_argument("--gpu", default="h100-80gb", help="GPU model from the catalogue (default h100-80gb)")
+    g.add_argument("--gpu-memory", help="override the GPU's memory, e.g. 80GiB or 40GB")
+    t = p.add_argument_group("training step")
+    t.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per step (default 1)")
+    t.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's maximum, at most 4096)")
+    t.add_argument("--precision", default="bf16-mixed", help="fp32 | bf16-mixed | bf16 (default bf16-mixed)")
+    t.add_argument("--optimizer", default="adamw", help="adamw | sgd | adafactor (default adamw)")
+    t.add_argument("--activation-checkpointing", default="none", help="none | selective | full (default none)")
+    t.add_argument("--attention", default="sdpa", help="sdpa (flash) | eager (default sdpa)")
+    t.add_argument("--shard-size", type=int, help="ranks per shard group for hsdp (default: GPUs per node)")
+    o = p.add_argument_group("output")
+    o.add_argument("--method", default="analytic", help="analytic (closed form, default)")
+    o.add_argument("--strategies-dir", action="append", default=[], help="extra catalogue directory (repeatable)")
+    o.add_argument("--json", action="store_true", help="print the JSON contract instead of a table")
+
+
+def _job(args):
+    from .cluster import Cluster
+    from .profile import resolve_model
+    from .spec import TrainSpec
+
+    src = resolve_model(args.model, args.params)
+    cluster = Cluster.build(args.nodes, args.gpus_per_node, args.gpu, args.gpu_memory)
+    seq = args.seq_len if args.seq_len is not None else min(4096, src.profile.max_positions or 2048)
+    spec = TrainSpec(micro_batch=args.micro_batch, seq_len=seq, precision=args.precision,
+                     optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing,
+                     attention=args.attention)
+    if args.method != "analytic":
+        raise HybridError(f"unknown method {args.method!r}. Available: analytic")
+    return src, cluster, spec
+
+
+def cmd_estimate(args) -> int:
+    from .catalogue import get_strategy, load_catalogue
+    from .planner import format_plan, plan
+
+    src, cluster, spec = _job(args)
+    cat = load_catalogue(args.strategies_dir)
+    get_strategy(args.strategy, cat)
+    p = plan(src.profile, spec, cluster, cat, args.shard_size, strategies=[args.strategy])
+    print(json.dumps(p.to_dict(), indent=2) if args.json else format_plan(p).replace(
+        "the simplest strategy that fits", "it fits"))
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from .catalogue import load_catalogue
+    from .planner import format_plan, plan
+
+    src, cluster, spec = _job(args)
+    p = plan(src.profile, spec, cluster, load_catalogue(args.strategies_dir), args.shard_size)
+    print(json.dumps(p.to_dict(), indent=2) if args.json else format_plan(p))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybrid", description="Choose and apply a data-parallel "
+                                     "strategy from an honest per-GPU memory estimate.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("estimate", help="memory breakdown of one strategy")
+    _common(e)
+    e.add_argument("--strategy", required=True, help="catalogue name (see `hybrid plan`)")
+    e.set_defaults(func=cmd_estimate)
+    p = sub.add_parser("plan", help="every strategy side by side, and the choice")
+    _common(p)
+    p.set_defaults(func=cmd_plan)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except HybridError as e:
+        print(f"hybrid: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,14 @@
+"""The one exception type for bad user input.
+
+Subclasses ValueError so callers that catch ValueError keep working; the CLI turns it into a
+one-line message and exit code 2, while genuine bugs still show their traceback.
+"""
+
+
+class HybridError(ValueError):
+    """Bad input: the message names the wrong value, the rule it breaks and the fix."""
+
+
+def unknown_name(kind: str, value: str, valid) -> HybridError:
+    """The registry-style error: `unknown GPU 'h100'. Available: a100-40gb, ...`."""
+    return HybridError(f"unknown {kind} {value!r}. Available: {', '.join(sorted(valid))}")

@@ -1,0 +1,103 @@
+"""Saved-activation and logits/loss bytes of one micro-batch for a decoder-only transformer.
+
+Counted tensor by tensor from what autograd keeps for our `models.Decoder` and the Hugging Face
+Llama/Mistral/GPT-2 implementations (see tests/test_activations.py, which checks each formula
+against the tensors a saved-tensors hook sees). The structure follows Korthikanti et al. 2022
+(arXiv 2205.05198, sec. 4.1), whose s*b*h*(34 + 5*a*s/h) is the GPT-3 case with dropout; ours has
+no dropout, RMSNorm upcasts to fp32, and SwiGLU keeps four f-wide tensors instead of two.
+
+Two compute regimes:
+- native: weights are held in the compute dtype (FSDP2 MixedPrecisionPolicy, DeepSpeed bf16, pure
+  bf16, fp32); every activation is in that dtype, c bytes.
+- autocast: fp32 weights under torch.autocast(bf16) (DDP bf16-mixed); the residual stream and
+  norms stay fp32, each matmul input is cast to bf16 once per consumer, and autocast caches a bf16
+  copy of every weight until backward has used it.
+All results are bytes per micro-batch (b sequences of s tokens).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..presets import DecoderConfig
+from ..spec import TrainSpec
+
+# fp32 bytes: RMSNorm's upcast copy, softmax/log-softmax outputs, logsumexp, norm statistics.
+F32 = 4
+
+
+@dataclass(frozen=True)
+class ActivationTerms:
+    per_layer: int
+    """Bytes each block keeps from forward to its backward (after checkpointing)."""
+    recompute: int
+    """Extra bytes while one checkpointed block is recomputed in backward (0 without checkpointing)."""
+    head_forward: int
+    """Final norm, logits and log-softmax output alive at the end of forward."""
+    head_backward: int
+    """Peak of the loss backward: head_forward plus the fp32 gradients of the log-softmax."""
+    autocast_cache: int
+    """bf16 weight copies autocast holds from forward into backward (autocast regime only)."""
+    layers: int
+
+    @property
+    def forward_end(self) -> int:
+        return self.layers * self.per_layer + self.head_forward
+
+
+def _layer_full(d: DecoderConfig, spec: TrainSpec, c: int, autocast: bool) -> float:
+    """Bytes per token one block saves with no checkpointing."""
+    h, kv, f, a, s = d.hidden, d.kv_dim, d.ffn, d.heads, spec.seq_len
+    llama = d.style == "llama"
+    if autocast:
+        c = 2
+        # RMSNorm: fp32 input + rsqrt + fp32 normalised; LayerNorm: fp32 input + mean + rstd.
+        norm = (2 * F32 * h + F32) if llama else (F32 * h + 2 * F32)
+        # each consumer of a norm output casts it to bf16 once (q, k, v; gate, up / fc)
+        casts = c * h * (3 + (2 if llama else 1))
+        norms = 2 * norm + casts
+    else:
+        # RMSNorm: fp32 upcast + rsqrt + cast back + weighted output; LayerNorm: input, output, stats.
+        norm = (F32 * h + F32 + 2 * c * h) if llama else (2 * c * h + 2 * F32)
+        norms = 2 * norm
+    if spec.attention == "sdpa":
+        attn = 2 * c * h + 2 * c * kv + F32 * a          # q, k, v, output; logsumexp per head
+    else:
+        # q, k and v (expanded to every head), output copy; fp32 softmax and its cast, per head s x s
+        attn = 4 * c * h + (F32 + (c if c < F32 else 0)) * a * s
+    mlp = 4 * c * f if llama else 2 * c * f               # gate, silu, up, product | fc, gelu
+    return norms + attn + mlp
+
+
+def _layer_selective(d: DecoderConfig, c: int, autocast: bool) -> float:
+    """Bytes per token with selective checkpointing: block input + matmul and attention outputs."""
+    h, kv, f, a = d.hidden, d.kv_dim, d.ffn, d.heads
+    mm = 2 if autocast else c
+    block_input = (F32 if autocast else c) * h
+    linears = mm * (h + 2 * kv + h) + mm * ((2 * f + h) if d.style == "llama" else (f + h))
+    return block_input + linears + mm * h + F32 * a       # + attention output and logsumexp
+
+
+def activation_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> ActivationTerms:
+    c = spec.bytes.compute
+    T = spec.micro_batch * spec.seq_len
+    full = _layer_full(d, spec, c, autocast) * T
+    ckpt = spec.activation_checkpointing
+    if ckpt == "none":
+        per_layer, recompute = full, 0.0
+    elif ckpt == "full":
+        per_layer = (F32 if autocast else c) * d.hidden * T   # the block input
+        recompute = full
+    else:
+        per_layer = _layer_selective(d, c, autocast) * T
+        recompute = full - per_layer
+    logits = (2 if autocast else c) * d.vocab * T
+    # log_softmax keeps its fp32 output; the fp32 upcast of bf16 logits is transient.
+    head_fwd = logits + F32 * d.vocab * T + (2 * F32 * d.hidden if d.style == "llama" else c * d.hidden) * T
+    # loss backward: grad of the log-softmax output and grad of its input, both fp32 (b*s*vocab).
+    head_bwd = head_fwd + 2 * F32 * d.vocab * T
+    cache = 0
+    if autocast:
+        matrices = d.layers * sum(m[0] * m[1] for m in d.block_matrices() if len(m) == 2)
+        cache = 2 * (matrices + d.vocab * d.hidden)           # every matmul weight + LM head
+    return ActivationTerms(per_layer=int(per_layer), recompute=int(recompute), head_forward=int(head_fwd),
+                           head_backward=int(head_bwd), autocast_cache=int(cache), layers=d.layers)

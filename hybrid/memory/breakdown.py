@@ -1,0 +1,58 @@
+"""MemoryBreakdown: per-GPU bytes by category at the peak, plus host (CPU) bytes (pure)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..units import fmt_bytes
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries", "buffers", "overhead")
+"""params: parameter storage on the GPU (sharded or whole, incl. a persistent low-precision copy);
+grads: gradient storage; optimizer: optimizer states and fp32 master copies held by the optimizer;
+activations: tensors saved for backward by the blocks; temporaries: logits, loss, autocast weight
+casts, optimizer-step scratch, recomputation; buffers: communication buffers (DDP buckets, FSDP
+all-gathered units and reduce-scatter inputs, DeepSpeed buckets, hpZ secondary copy);
+overhead: the runtime's share (CUDA context, allocator headroom), not a tensor."""
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per GPU at the estimated peak. `activations` is None when it cannot be known (a model
+    given only as a parameter count); the total then covers the known parts and says so."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int | None
+    temporaries: int
+    buffers: int
+    overhead: int
+    cpu: int = 0
+    """Host memory per rank for offloaded state (pinned buffers included)."""
+    model_states: int = 0
+    """Parameters + gradients + optimizer state at their largest (all gradients present), whatever
+    the moment of the peak: the figure the ZeRO paper tabulates."""
+    phase: str = ""
+    """When the peak happens: forward, backward, step."""
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def tensors(self) -> int:
+        """Everything but the runtime overhead: what a tracer of live tensors would count."""
+        return sum(getattr(self, c) or 0 for c in CATEGORIES if c != "overhead")
+
+    @property
+    def total(self) -> int:
+        return self.tensors + self.overhead
+
+    @property
+    def largest(self) -> str:
+        return max(CATEGORIES, key=lambda c: getattr(self, c) or 0)
+
+    def to_dict(self) -> dict:
+        d = {c: getattr(self, c) for c in CATEGORIES}
+        d["total"] = self.total
+        return d
+
+    def describe_largest(self) -> str:
+        c = self.largest
+        return f"{c} {fmt_bytes(getattr(self, c))}"

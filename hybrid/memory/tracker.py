@@ -1,0 +1,170 @@
+"""Live-tensor accounting at the dispatcher: every storage an op creates is recorded with its size,
+its birth and death time and a category, so the peak and what it was made of can be read after the
+run. Works on real tensors (CPU or CUDA) and on fake ones (nothing allocated), and through tensor
+subclasses (DTensor) by their inner tensors.
+
+Categories are first guessed from context (the phase the driver is in, the op's namespace) and then
+corrected by identity at sync points (`relabel`): whatever is a parameter, a gradient or optimizer
+state at that moment is labelled so for its whole life. Storages resized in place (FSDP2 frees and
+re-allocates unsharded parameters with `UntypedStorage.resize_`) count as freed and re-born.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .breakdown import CATEGORIES
+
+_COMM_NAMESPACES = {"_c10d_functional", "c10d", "fsdp", "_dtensor"}
+
+
+def storages_of(t) -> list:
+    """Untyped storages behind a tensor, looking through wrapper subclasses such as DTensor."""
+    out, todo = [], [t]
+    while todo:
+        x = todo.pop()
+        if is_traceable_wrapper_subclass(x):
+            attrs, _ = x.__tensor_flatten__()
+            todo.extend(v for v in (getattr(x, a) for a in attrs) if isinstance(v, torch.Tensor))
+        elif isinstance(x, torch.Tensor):
+            out.append(x.untyped_storage())
+    return out
+
+
+class _Owner:
+    """A storage's label, shared by all records of that storage."""
+    __slots__ = ("label",)
+
+    def __init__(self, label):
+        self.label = label
+
+
+@dataclass
+class _Record:
+    nbytes: int
+    born: int
+    died: int | None
+    owner: _Owner
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Use as a context manager around training steps; set `phase` as the steps progress."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[_Record] = []
+        self._live = WeakIdKeyDictionary()      # storage -> (_Record, _Owner)
+        self._refs: dict[int, weakref.ref] = {}
+        self.clock = 0
+        self.current = 0
+        self.peak = 0
+        self.peak_time = 0
+        self.peak_phase = ""
+        self.phase = "setup"
+        self._orig_resize = None
+
+    # --- bookkeeping -------------------------------------------------------------------------
+    def _default_label(self, op) -> str:
+        ns = getattr(op, "namespace", "")
+        if ns in _COMM_NAMESPACES:
+            return "buffers"
+        return {"setup": "buffers", "forward": "activations", "head": "temporaries",
+                "backward": "temporaries", "step": "temporaries"}.get(self.phase, "temporaries")
+
+    def _open(self, st, label: str, owner: _Owner | None = None):
+        nbytes = st.nbytes()
+        owner = owner or _Owner(label)
+        self.clock += 1
+        rec = _Record(nbytes, self.clock, None, owner)
+        self.records.append(rec)
+        self._live[st] = (rec, owner)
+        key = id(rec)
+        self._refs[key] = weakref.ref(st, lambda _r, rec=rec, key=key: self._close(rec, key))
+        self._grow(nbytes)
+
+    def _close(self, rec: _Record, key=None):
+        if rec.died is None:
+            self.clock += 1
+            rec.died = self.clock
+            self.current -= rec.nbytes
+        if key is not None:
+            self._refs.pop(key, None)
+
+    def _grow(self, nbytes: int):
+        self.current += nbytes
+        if self.current > self.peak:
+            self.peak, self.peak_time, self.peak_phase = self.current, self.clock, self.phase
+
+    def register(self, tensors, label: str):
+        """Count tensors that existed before tracking began (parameters, states)."""
+        for t in tensors:
+            for st in storages_of(t):
+                if st not in self._live and st.nbytes() > 0:
+                    self._open(st, label)
+
+    def relabel(self, tensors, label: str):
+        """Everything stored in these tensors is `label`, for its whole life."""
+        for t in tensors:
+            for st in storages_of(t):
+                entry = self._live.get(st)
+                if entry is None:
+                    if st.nbytes() > 0:
+                        self._open(st, label)
+                else:
+                    entry[1].label = label
+
+    # --- the dispatch hook -------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        label = None
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            for st in storages_of(t):
+                if st not in self._live and st.nbytes() > 0:
+                    label = label or self._default_label(func)
+                    self._open(st, label)
+        return out
+
+    def _on_resize(self, st, size):
+        entry = self._live.get(st)
+        self._orig_resize(st, size)
+        if entry is None:
+            if size > 0:
+                self._open(st, "buffers")
+            return
+        rec, owner = entry
+        self._close(rec)
+        if size > 0:
+            self._open(st, owner.label, owner)
+
+    def __enter__(self):
+        self._orig_resize = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(st, size):
+            tracker._on_resize(st, size)
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._orig_resize
+        return super().__exit__(*exc)
+
+    # --- results -----------------------------------------------------------------------------
+    def breakdown_at(self, time: int) -> dict[str, int]:
+        out = defaultdict(int)
+        for r in self.records:
+            if r.born <= time and (r.died is None or r.died > time):
+                out[r.owner.label] += r.nbytes
+        return {c: out.get(c, 0) for c in CATEGORIES if c != "overhead"}
+
+    def peak_breakdown(self) -> dict[str, int]:
+        return self.breakdown_at(self.peak_time)

@@ -1,0 +1,246 @@
+"""nn.Module (real, meta or fake), preset, HF config or bare count -> ModelProfile.
+
+The profile is everything the memory model needs to know about a model: counts (tied weights once),
+bytes by dtype, the repeated block that is the natural wrap/shard unit, and transformer dimensions
+when they can be read. torch is imported only when a module has to be built or walked.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .errors import HybridError
+from .presets import PRESETS, DecoderConfig, from_hf_config
+from .units import parse_count
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    name: str
+    params: int
+    """Unique parameter elements (a tied embedding / LM head counted once)."""
+    trainable_params: int
+    """Of those, the ones with requires_grad."""
+    param_bytes: int
+    """Bytes of the parameters as the model was built (its dtypes), unique storage once."""
+    dtype_bytes: tuple[tuple[str, int], ...] = ()
+    """(dtype name, bytes) pairs: how the parameter bytes split by dtype."""
+    buffer_bytes: int = 0
+    """Registered buffers (persistent or not), e.g. rotary frequencies."""
+    block_class: str | None = None
+    """Class name of the repeated unit (HF `_no_split_modules`, else the class repeated in a
+    ModuleList); None when the model has no repeated unit and is wrapped whole."""
+    num_blocks: int = 0
+    block_params: int = 0
+    """Parameters of the largest unit."""
+    root_params: int = 0
+    """Parameters outside every unit (embeddings, final norm, head)."""
+    largest_layer_params: int = 0
+    """Most parameters owned directly by one module (DeepSpeed's 'largest layer')."""
+    largest_param: int = 0
+    """Elements of the largest single parameter tensor."""
+    factored_state: int | None = None
+    """Adafactor-like optimizer state elements (rows + cols per matrix); None if shapes unknown."""
+    tied_groups: tuple[tuple[str, ...], ...] = ()
+    """Names that share one parameter, e.g. (('embed.weight', 'lm_head.weight'),)."""
+    decoder: DecoderConfig | None = None
+    """Transformer dimensions when known; without them activations are reported as unknown."""
+    source: str = "module"
+    """preset | hf-config | module | params."""
+
+    @property
+    def max_positions(self) -> int | None:
+        return self.decoder.max_positions if self.decoder else None
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in ("name", "params", "trainable_params", "param_bytes",
+                                           "buffer_bytes", "block_class", "num_blocks", "block_params",
+                                           "root_params", "largest_layer_params", "largest_param",
+                                           "factored_state", "source")}
+        d["dtype_bytes"] = dict(self.dtype_bytes)
+        d["tied_groups"] = [list(g) for g in self.tied_groups]
+        d["decoder"] = self.decoder.to_dict() if self.decoder else None
+        return d
+
+
+def profile_decoder(cfg: DecoderConfig, name: str, source: str = "preset") -> ModelProfile:
+    """Closed-form profile of a decoder shape as built in fp32 (no torch)."""
+    block_sizes = [1]
+    for s in cfg.block_matrices():
+        block_sizes.append(s[0] * (s[1] if len(s) == 2 else 1))
+    largest_layer = max(cfg.vocab * cfg.hidden, cfg.ffn * cfg.hidden + (cfg.ffn if cfg.style == "gpt2" else 0))
+    tied = (("embed.weight", "lm_head.weight"),) if cfg.tied else ()
+    return ModelProfile(
+        name=name, params=cfg.params, trainable_params=cfg.params, param_bytes=4 * cfg.params,
+        dtype_bytes=(("float32", 4 * cfg.params),),
+        buffer_bytes=4 * (cfg.head_dim // 2) if cfg.style == "llama" else 0,
+        block_class="Block", num_blocks=cfg.layers, block_params=cfg.block_params,
+        root_params=cfg.root_params, largest_layer_params=largest_layer,
+        largest_param=cfg.largest_param, factored_state=cfg.factored_state, tied_groups=tied,
+        decoder=cfg, source=source)
+
+
+def profile_params(count: int | str, name: str | None = None) -> ModelProfile:
+    """A model known only by its parameter count: model states only, activations unknown."""
+    n = parse_count(count)
+    return ModelProfile(name=name or f"{n:.3g} params", params=n, trainable_params=n,
+                        param_bytes=4 * n, dtype_bytes=(("float32", 4 * n),), source="params")
+
+
+def find_blocks(module) -> tuple[str | None, list]:
+    """The wrap/shard unit: HF `_no_split_modules` when present, else the class repeated in the
+    largest ModuleList. Returns (class name, instances), or (None, []) when there is none."""
+    import torch.nn as nn
+
+    no_split = getattr(module, "_no_split_modules", None) or ()
+    if no_split:
+        blocks = [m for m in module.modules() if type(m).__name__ in set(no_split)]
+        if blocks:
+            return type(blocks[0]).__name__, blocks
+    best: tuple[int, str | None, list] = (0, None, [])
+    for m in module.modules():
+        if isinstance(m, nn.ModuleList) and len(m) >= 2:
+            cls, count = Counter(type(c).__name__ for c in m).most_common(1)[0]
+            if count < 2:
+                continue
+            members = [c for c in m if type(c).__name__ == cls]
+            size = sum(p.numel() for c in members for p in c.parameters())
+            if size > best[0]:
+                best = (size, cls, members)
+    return best[1], best[2]
+
+
+def profile_module(module, name: str | None = None) -> ModelProfile:
+    """Walk a real, meta or fake nn.Module. Tied parameters are the same Parameter object under
+    several names (works on meta, where data_ptr() is 0 for everything)."""
+    named = list(module.named_parameters(remove_duplicate=False))
+    if not named:
+        raise HybridError(f"model {name or type(module).__name__} has no parameters: "
+                          "there is nothing to train or shard")
+    groups: dict[int, list[str]] = {}
+    unique = {}
+    for n, p in named:
+        groups.setdefault(id(p), []).append(n)
+        unique[id(p)] = p
+    params = list(unique.values())
+    dtype_bytes: Counter = Counter()
+    for p in params:
+        dtype_bytes[str(p.dtype).replace("torch.", "")] += p.numel() * p.element_size()
+    cls, blocks = find_blocks(module)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    block_sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()]
+    factored = sum((p.shape[-2] + p.shape[-1]) * (p.numel() // (p.shape[-2] * p.shape[-1]))
+                   if p.dim() >= 2 else p.numel() for p in params)
+    return ModelProfile(
+        name=name or type(module).__name__,
+        params=sum(p.numel() for p in params),
+        trainable_params=sum(p.numel() for p in params if p.requires_grad),
+        param_bytes=sum(dtype_bytes.values()), dtype_bytes=tuple(sorted(dtype_bytes.items())),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
+        block_class=cls, num_blocks=len(blocks), block_params=max(block_sizes, default=0),
+        root_params=sum(p.numel() for p in params if id(p) not in in_blocks),
+        largest_layer_params=max(own, default=0), largest_param=max(p.numel() for p in params),
+        factored_state=factored,
+        tied_groups=tuple(tuple(g) for g in groups.values() if len(g) > 1),
+        decoder=_decoder_of(module, len(blocks)), source="module")
+
+
+def _decoder_of(module, num_blocks: int) -> DecoderConfig | None:
+    cfg = getattr(module, "config", None)
+    if isinstance(cfg, DecoderConfig):
+        return cfg
+    if cfg is not None and hasattr(cfg, "to_dict"):
+        return from_hf_config(cfg.to_dict())
+    return None
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved MODEL argument: its profile and, when it can be built, how."""
+
+    profile: ModelProfile
+    build: Callable[..., Any] | None = None
+    """build(device='meta', attention='sdpa', prefer_hf=False) -> (nn.Module, implementation)."""
+
+
+def resolve_model(spec: str | None = None, params: str | int | None = None) -> ModelSource:
+    """MODEL as the CLI takes it: a preset name, a HF config.json (or a folder holding one),
+    `package.module:factory`, or `params=7.5e9` for a bare count."""
+    if params is not None:
+        return ModelSource(profile_params(params, name=spec))
+    if not spec:
+        raise HybridError("no model given: name a preset, a config.json, package.module:factory, "
+                          f"or pass --params. Presets: {', '.join(PRESETS)}")
+    if spec.lower() in PRESETS:
+        cfg = PRESETS[spec.lower()]
+        return ModelSource(profile_decoder(cfg, spec.lower()), _decoder_builder(cfg))
+    path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
+    if path.endswith(".json"):
+        return _from_config_json(path)
+    if ":" in spec:
+        return _from_factory(spec)
+    raise HybridError(f"unknown model {spec!r}. Give a preset ({', '.join(PRESETS)}), a HF "
+                      "config.json path, package.module:factory, or --params N")
+
+
+def _decoder_builder(cfg: DecoderConfig):
+    def build(device="meta", attention="sdpa", prefer_hf=False):
+        if prefer_hf and cfg.hf_model_type:
+            try:
+                from .models import build_hf
+                return build_hf(cfg, device=device, attention=attention), "transformers"
+            except ImportError:
+                pass
+        from .models import build_decoder
+        return build_decoder(cfg, device=device, attention=attention), "hybrid"
+    return build
+
+
+def _from_config_json(path: str) -> ModelSource:
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        raise HybridError(f"model config {path!r} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise HybridError(f"model config {path!r} is not valid JSON: {e}") from None
+    name = cfg.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path))) or path
+    dec = from_hf_config(cfg)
+    if dec is not None:
+        return ModelSource(profile_decoder(dec, name, source="hf-config"), _decoder_builder(dec))
+
+    def build(device="meta", attention="sdpa", prefer_hf=True):
+        import torch
+        try:
+            from transformers import AutoConfig, AutoModelForCausalLM
+        except ImportError:
+            raise HybridError(f"model_type {cfg.get('model_type')!r} in {path} needs transformers: "
+                              "pip install 'hybrid[hf]'") from None
+        c = dict(cfg)
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(
+                AutoConfig.for_model(c.pop("model_type"), **c), attn_implementation=attention), "transformers"
+
+    model, _ = build()
+    return ModelSource(profile_module(model, name), build)
+
+
+def _from_factory(spec: str) -> ModelSource:
+    mod_name, _, fn_name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as e:
+        raise HybridError(f"cannot load model factory {spec!r}: {e}") from None
+
+    def build(device="meta", attention="sdpa", prefer_hf=False):
+        import torch
+        with torch.device(device):
+            return fn(), "factory"
+
+    model, _ = build()
+    return ModelSource(profile_module(model, spec), build)

@@ -1,0 +1,91 @@
+"""What is being trained: batch shape, precision, optimizer, checkpointing (pure, no torch)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from .errors import HybridError
+
+Precision = Literal["fp32", "bf16-mixed", "bf16"]
+Optimizer = Literal["adamw", "sgd", "adafactor"]
+Checkpointing = Literal["none", "selective", "full"]
+Attention = Literal["sdpa", "eager"]
+
+_ALIASES = {"flash": "sdpa", "bf16_mixed": "bf16-mixed", "mixed": "bf16-mixed", "adam": "adamw",
+            "off": "none", "false": "none", "true": "full"}
+
+
+def choice(kind: str, value: str, allowed) -> str:
+    """Normalise a user string to one of `allowed` once, at the boundary."""
+    options = get_args(allowed) if not isinstance(allowed, (tuple, list)) else allowed
+    v = str(value).strip().lower()
+    v = _ALIASES.get(v, v)
+    if v not in options:
+        raise HybridError(f"unknown {kind} {value!r}. Available: {', '.join(options)}")
+    return v
+
+
+@dataclass(frozen=True)
+class DtypeBytes:
+    """Bytes per element of each kind of tensor under a precision mode."""
+
+    param: int
+    """Parameter storage the optimizer updates (fp32 master in bf16-mixed)."""
+    compute: int
+    """Weights and activations inside forward/backward."""
+    grad: int
+    """Gradients as the optimizer sees them."""
+    state: int
+    """Each optimizer state element (torch keeps states in the parameter's dtype)."""
+
+
+_DTYPE_BYTES = {
+    "fp32": DtypeBytes(param=4, compute=4, grad=4, state=4),
+    "bf16-mixed": DtypeBytes(param=4, compute=2, grad=4, state=4),
+    "bf16": DtypeBytes(param=2, compute=2, grad=2, state=2),
+}
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """One training step's shape and numerics, per rank."""
+
+    micro_batch: int = 1
+    """Sequences per rank per forward (the micro-batch). Must be >= 1."""
+    seq_len: int = 2048
+    """Tokens per sequence. Must be >= 1 and at most the model's maximum positions."""
+    precision: Precision = "bf16-mixed"
+    """fp32; bf16-mixed (bf16 compute, fp32 master weights, grads and optimizer state); or bf16
+    (everything in bf16, optimizer state included)."""
+    optimizer: Optimizer = "adamw"
+    """adamw (2 states per parameter), sgd with momentum (1 state), adafactor (factored second
+    moment: one row and one column vector per matrix, no first moment)."""
+    activation_checkpointing: Checkpointing = "none"
+    """none; selective (keep matmul/attention outputs, recompute the rest); full (keep only each
+    block's input and recompute the block in backward)."""
+    attention: Attention = "sdpa"
+    """sdpa (fused/flash kernels: no s x s score matrix kept) or eager (softmax scores kept)."""
+
+    def __post_init__(self):
+        for attr in ("micro_batch", "seq_len"):
+            v = getattr(self, attr)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise HybridError(f"{attr.replace('_', '-')} must be a positive integer, got {v!r}")
+        object.__setattr__(self, "precision", choice("precision", self.precision, Precision))
+        object.__setattr__(self, "optimizer", choice("optimizer", self.optimizer, Optimizer))
+        object.__setattr__(self, "activation_checkpointing",
+                           choice("activation checkpointing", self.activation_checkpointing, Checkpointing))
+        object.__setattr__(self, "attention", choice("attention", self.attention, Attention))
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+    @property
+    def bytes(self) -> DtypeBytes:
+        return _DTYPE_BYTES[self.precision]
+
+    def to_dict(self) -> dict:
+        return {"micro_batch": self.micro_batch, "seq_len": self.seq_len, "precision": self.precision,
+                "optimizer": self.optimizer, "activation_checkpointing": self.activation_checkpointing,
+                "attention": self.attention}

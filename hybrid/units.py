@@ -1,0 +1,72 @@
+"""Parsing and printing of byte sizes and counts (pure, no torch)."""
+from __future__ import annotations
+
+import re
+
+from .errors import HybridError
+
+GiB = 1024**3
+MiB = 1024**2
+
+# Binary units are powers of 1024, decimal units powers of 1000 (IEC 80000-13).
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_COUNT_UNITS = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+_NUMBER = r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*"
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """'80GiB' -> 85899345920, '80GB' -> 80e9, '8e10' -> 80e9. Raises HybridError otherwise."""
+    if isinstance(text, (int, float)):
+        if text <= 0:
+            raise HybridError(f"memory size must be positive, got {text}")
+        return int(text)
+    m = re.fullmatch(_NUMBER + r"([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _BYTE_UNITS:
+        raise HybridError(
+            f"cannot parse memory size {text!r}: use a number with an optional unit, "
+            "e.g. 80GiB, 80GB, 40960MiB or 8.5e10"
+        )
+    value = float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
+    if value <= 0:
+        raise HybridError(f"memory size must be positive, got {text!r}")
+    return int(value)
+
+
+def parse_count(text: str | int | float) -> int:
+    """'7.5e9' -> 7500000000, '7B' -> 7e9, '125M' -> 125e6."""
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        m = re.fullmatch(_NUMBER + r"([A-Za-z]?)\s*", str(text))
+        if not m or m.group(2).lower() not in _COUNT_UNITS:
+            raise HybridError(
+                f"cannot parse parameter count {text!r}: use e.g. 7.5e9, 7B or 125M"
+            )
+        value = float(m.group(1)) * _COUNT_UNITS[m.group(2).lower()]
+    if value < 1:
+        raise HybridError(f"parameter count must be at least 1, got {text!r}")
+    return int(value)
+
+
+def fmt_bytes(n: int | float | None) -> str:
+    """Human form in binary units, e.g. '12.4 GiB'; None prints as 'unknown'."""
+    if n is None:
+        return "unknown"
+    n = float(n)
+    for unit, size in (("TiB", 1024**4), ("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_count(n: int) -> str:
+    """7241732096 -> '7.24B'."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
