@@ -18,6 +18,7 @@ _EXPORTS = {
     "MemoryBreakdown": "memory.breakdown",
     "Plan": "planner", "Candidate": "planner", "plan": "planner",
     "estimate": "api",
+    "auto_wrap": "auto", "Wrapped": "wrapped", "init_distributed": "mesh", "build_mesh": "mesh",
 }
 
 __all__ = sorted(_EXPORTS)

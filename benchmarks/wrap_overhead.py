@@ -1,0 +1,102 @@
+"""Per-step time of auto_wrap(model) against the same backend wired by hand, alternating step by
+step in one run (2 CPU ranks, gloo). Target: ratio <= 1.02.
+
+    .venv/bin/python benchmarks/wrap_overhead.py [--steps 30]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from benchmarks._launch import run
+from hybrid.presets import DecoderConfig
+
+CFG = DecoderConfig("llama", 2048, 256, 4, 8, 688, 256, kv_heads=4, tied=True)
+MB, SEQ = 4, 128
+
+
+def by_hand(family, model):
+    """The backend wired the way its own documentation shows."""
+    import torch.distributed as dist
+    if family == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=3e-4)
+        return ddp, lambda loss: loss.backward(), lambda: (opt.step(), opt.zero_grad(set_to_none=True))
+    if family == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        return model, lambda loss: loss.backward(), lambda: (opt.step(), opt.zero_grad(set_to_none=True))
+    import deepspeed
+
+    from hybrid.backends.ds_config import ds_config
+    from hybrid.catalogue import get_strategy
+    from hybrid.spec import TrainSpec
+    # the same ZeRO-3 settings auto_wrap generates, so only the wrapper itself is compared
+    cfg = ds_config(get_strategy("zero3"), TrainSpec(MB, SEQ, precision="fp32"), CFG.hidden,
+                    dist.get_world_size(), dist.get_world_size(), cuda=False)
+    eng, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4),
+                                   config=cfg, dist_init_required=not dist.is_initialized())
+    return eng, eng.backward, eng.step
+
+
+def bench(steps: int):
+    import torch.distributed as dist
+
+    from hybrid import auto_wrap
+    from hybrid.models import build_decoder
+    rows = []
+    for family, strategy in (("ddp", "ddp"), ("fsdp", "fsdp"), ("deepspeed", "zero3")):
+        w = auto_wrap(build_decoder(CFG, seed=0), strategy=strategy, precision="fp32", micro_batch=MB,
+                      seq_len=SEQ, verbose=False)
+        hand, backward, step = by_hand(family, build_decoder(CFG, seed=0))
+        ids = torch.randint(0, CFG.vocab, (MB, SEQ), generator=torch.Generator().manual_seed(dist.get_rank()))
+        def ours_step():
+            loss = w(ids, labels=ids).loss
+            w.backward(loss)
+            w.step()
+            w.zero_grad()
+
+        def hand_step():
+            loss = hand(ids, labels=ids).loss
+            backward(loss)
+            step()
+
+        ours, theirs = [], []
+        for i in range(steps + 3):
+            # alternate which goes first so neither always pays for the other's cache misses
+            order = ((ours_step, ours), (hand_step, theirs)) if i % 2 else ((hand_step, theirs), (ours_step, ours))
+            for fn, times in order:
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                if i >= 3:                   # warm-up steps are not counted
+                    times.append(time.perf_counter() - t0)
+        times = torch.tensor([statistics.median(ours), statistics.median(theirs)])
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        rows.append((strategy, times[0].item(), times[1].item()))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=30)
+    args = ap.parse_args()
+    rows = run(2, bench, args.steps)
+    print(f"{'strategy':<10}{'auto_wrap s/step':>18}{'by hand s/step':>16}{'ratio':>8}")
+    for name, ours, theirs in rows:
+        print(f"{name:<10}{ours:>18.4f}{theirs:>16.4f}{ours / theirs:>8.3f}")
+
+
+if __name__ == "__main__":
+    main()

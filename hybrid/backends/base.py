@@ -1,0 +1,113 @@
+"""The engine every backend returns, and the helpers they share (checkpointing, unit discovery)."""
+from __future__ import annotations
+
+import functools
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+
+import torch
+import torch.nn as nn
+
+from ..errors import HybridError
+from ..profile import find_blocks
+
+
+class Engine(ABC):
+    """What Wrapped drives: the same five verbs whatever the library underneath."""
+
+    family: str = ""
+
+    def __init__(self, model: nn.Module, runner, optimizer):
+        self.model = model          # the user's module (FSDP2 shards it in place)
+        self.runner = runner        # what forward calls: DDP / the FSDP module / the DeepSpeed engine
+        self.optimizer = optimizer
+
+    def forward(self, *args, **kwargs):
+        return self.runner(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @abstractmethod
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded model state on every rank, CPU tensors, under the model's own names."""
+
+
+def check_optimizer_factory(factory) -> None:
+    if not callable(factory):
+        raise HybridError(f"optimizer must be a callable that takes the parameters and returns an "
+                          f"optimizer, e.g. lambda ps: torch.optim.AdamW(ps, lr=3e-4); got {factory!r}")
+
+
+def shardable_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated units to wrap/shard one by one. A unit that shares a parameter with anything
+    outside it (tied weights across units) is left to the root, so a shared tensor is sharded as
+    one group, never split between two."""
+    _, blocks = find_blocks(model)
+    owners: dict[int, set[int]] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(id(m))
+    out = []
+    for b in blocks:
+        inside = {id(m) for m in b.modules()}
+        if all(owners[id(p)] <= inside for p in b.parameters()):
+            out.append(b)
+    return out
+
+
+def _selective_policy():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    save = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
+    """Recompute each block in backward: 'full' keeps only the block input, 'selective' keeps
+    matmul and attention outputs too. The block's forward is replaced on the instance, so module
+    and parameter names stay exactly the user's (checkpoints stay portable)."""
+    if mode == "none":
+        return 0
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    blocks = find_blocks(model)[1]
+    if not blocks:
+        raise HybridError(f"activation checkpointing {mode!r} needs repeated blocks to recompute, and "
+                          f"{type(model).__name__} has none (no _no_split_modules, no ModuleList of one class)")
+    if mode == "selective":
+        policy = _selective_policy()
+        context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    else:
+        from torch.utils.checkpoint import noop_context_fn as context_fn
+    for block in blocks:
+        inner = block.forward
+
+        @functools.wraps(inner)
+        def forward(*args, _inner=inner, **kwargs):
+            return checkpoint(_inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        block.forward = forward
+    return len(blocks)
+
+
+def call_with_batch(fn, args, kwargs):
+    """w(batch) with a dict batch calls the model with keyword arguments (HF style)."""
+    if len(args) == 1 and not kwargs and isinstance(args[0], Mapping):
+        return fn(**args[0])
+    return fn(*args, **kwargs)
+
+
+def to_cpu_state(items) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", copy=True) for k, v in items}

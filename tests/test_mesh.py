@@ -1,0 +1,71 @@
+"""2D meshes: node-local shard groups across two real torchrun launchers, and bad shapes."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hybrid.errors import HybridError
+from hybrid.models import build_decoder
+from tests.dist_utils import free_port, run_ranks
+
+HERE = os.path.dirname(__file__)
+
+
+def test_two_torchrun_nodes_have_node_local_shard_groups(tmp_path):
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+         "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+         os.path.join(HERE, "scripts", "two_nodes.py"), str(tmp_path)],
+        env=env, cwd=os.path.dirname(HERE), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for node in (0, 1)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    for r, info in enumerate(ranks):
+        assert info["mesh"] == [2, 2]
+        assert info["shard_ranks"] == ([0, 1] if r < 2 else [2, 3])
+        assert info["nodes_in_group"] == [info["node"]] * 2  # every peer on my node
+        assert info["node"] == r // 2
+
+
+def bad_inputs():
+    from hybrid import auto_wrap
+    errors = {}
+    cases = {
+        "shard": dict(strategy="hsdp", shard_size=3),
+        "name": dict(strategy="zero4"),
+        "cuda_fsdp": dict(strategy="fsdp-offload"),
+        "cuda_ds": dict(strategy="zero3-offload"),
+        "optimizer": dict(strategy="ddp", optimizer="adamw"),
+        "cluster": dict(strategy="ddp", cluster=__import__("hybrid").Cluster.build(8, 8)),
+    }
+    for key, kwargs in cases.items():
+        try:
+            auto_wrap(build_decoder("tiny-llama"), precision="fp32", seq_len=16, verbose=False, **kwargs)
+            errors[key] = None
+        except HybridError as e:
+            errors[key] = str(e)
+    return errors
+
+
+def test_bad_input_is_a_clear_error_on_every_rank_without_hanging():
+    results = run_ranks(4, bad_inputs)
+    assert all(r == results[0] for r in results)
+    e = results[0]
+    assert "world size 4 is not divisible by shard size 3" in e["shard"]
+    assert "unknown strategy 'zero4'. Available:" in e["name"]
+    assert "needs CUDA; this machine has none" in e["cuda_fsdp"]
+    assert "needs CUDA; this machine has none" in e["cuda_ds"]
+    assert "optimizer must be a callable" in e["optimizer"]
+    assert "the cluster spec has 64 GPUs (8 x 8) but this job runs 4 ranks" in e["cluster"]
+
+
+def test_not_a_module():
+    from hybrid import auto_wrap
+    with pytest.raises(HybridError, match="auto_wrap needs an nn.Module, got dict"):
+        auto_wrap({"weights": torch.zeros(2)})
