@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from benchmarks._launch import run
+from hybrid.launch import run_ranks
 from hybrid.presets import DecoderConfig
 
 CFG = DecoderConfig("llama", 2048, 256, 4, 8, 688, 256, kv_heads=4, tied=True)
@@ -92,7 +92,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
-    rows = run(2, bench, args.steps)
+    rows = run_ranks(2, bench, args.steps)[0]
     print(f"{'strategy':<10}{'auto_wrap s/step':>18}{'by hand s/step':>16}{'ratio':>8}")
     for name, ours, theirs in rows:
         print(f"{name:<10}{ours:>18.4f}{theirs:>16.4f}{ours / theirs:>8.3f}")

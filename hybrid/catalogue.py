@@ -19,7 +19,7 @@ _KNOBS = {
     "fsdp": {"reshard_after_forward", "offload_params", "offload_optimizer"},
     "deepspeed": {"stage", "offload_optimizer", "offload_params", "hpz", "reduce_bucket_size",
                   "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters",
-                  "param_persistence_threshold"},
+                  "max_reuse_distance", "param_persistence_threshold"},
 }
 
 
@@ -63,6 +63,9 @@ class Strategy:
     """ZeRO-3 elements prefetched ahead; None = 0.9 hidden^2 (HF 'auto'), 5e7 if unknown."""
     max_live_parameters: int = 1_000_000_000
     """ZeRO-3 cap on gathered elements alive at once (DeepSpeed default 1e9)."""
+    max_reuse_distance: int = 1_000_000_000
+    """ZeRO-3 keeps a gathered parameter if it is used again within this many parameter fetches
+    (DeepSpeed default 1e9): the last blocks of forward stay gathered into backward."""
     param_persistence_threshold: int | None = None
     """ZeRO-3: params smaller than this stay whole on every rank; None = 10 hidden (HF 'auto')."""
     source: str = "<builtin>"
@@ -209,7 +212,7 @@ def load_file(path: str) -> Strategy:
         if bad:
             raise HybridError(f"{path}:{lines.get(key, 1)}: {key} must be {t}, got {value!r}")
     for key in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size",
-                "max_live_parameters", "param_persistence_threshold"):
+                "max_live_parameters", "max_reuse_distance", "param_persistence_threshold"):
         if data.get(key) is not None:
             if data[key] < 0:
                 raise HybridError(f"{path}:{lines.get(key, 1)}: {key} must be >= 0, got {data[key]!r}")

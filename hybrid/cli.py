@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -26,7 +27,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     t.add_argument("--attention", default="sdpa", help="sdpa (flash) | eager (default sdpa)")
     t.add_argument("--shard-size", type=int, help="ranks per shard group for hsdp (default: GPUs per node)")
     o = p.add_argument_group("output")
-    o.add_argument("--method", default="analytic", help="analytic (closed form, default)")
+    o.add_argument("--method", default="analytic",
+                   help="analytic (closed form, instant; default) | traced (simulate one rank of the real job "
+                        "with fake tensors, seconds per strategy) | measured (run it here on local ranks)")
+    o.add_argument("--implementation", default="auto",
+                   help="what traced/measured runs for a preset: auto (transformers when installed, else "
+                        "ours) | transformers | hybrid")
     o.add_argument("--strategies-dir", action="append", default=[], help="extra catalogue directory (repeatable)")
     o.add_argument("--json", action="store_true", help="print the JSON contract instead of a table")
 
@@ -42,9 +48,42 @@ def _job(args):
     spec = TrainSpec(micro_batch=args.micro_batch, seq_len=seq, precision=args.precision,
                      optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing,
                      attention=args.attention)
-    if args.method != "analytic":
-        raise HybridError(f"unknown method {args.method!r}. Available: analytic")
+    if args.method not in ("analytic", "traced", "measured"):
+        raise HybridError(f"unknown method {args.method!r}. Available: analytic, traced, measured")
+    if args.implementation not in ("auto", "transformers", "hybrid"):
+        raise HybridError(f"unknown implementation {args.implementation!r}. Available: auto, transformers, hybrid")
     return src, cluster, spec
+
+
+def _estimator(args, src, cluster):
+    """None for analytic; else a callable running the traced or measured estimate, with progress."""
+    if args.method == "analytic":
+        return None
+    from .memory.measured import check_runnable, measured_estimate
+    from .memory.traced import check_traceable, traced_estimate
+
+    if args.method == "traced":
+        check_traceable(src)
+    else:
+        check_runnable(src, cluster)
+    run = traced_estimate if args.method == "traced" else measured_estimate
+    if args.implementation == "transformers":
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            raise HybridError("--implementation transformers needs transformers: pip install 'hybrid[hf]'") from None
+    prefer_hf = args.implementation != "hybrid"
+    verb = "tracing" if args.method == "traced" else "measuring"
+
+    def estimator(strategy, spec, n):
+        print(f"hybrid: {verb} {strategy.name} (shard {n}) ...", end="", file=sys.stderr, flush=True)
+        result = run(src, strategy, spec, cluster, n if strategy.shard_is_free else None, prefer_hf=prefer_hf)
+        print(f" {result.seconds:.1f}s ({result.implementation})", file=sys.stderr, flush=True)
+        impl = {"transformers": "the transformers model", "hybrid": "hybrid's own implementation",
+                "factory": "the factory's model"}[result.implementation]
+        note = f"{args.method} on {impl} ({result.implementation})"
+        return dataclasses.replace(result.memory, notes=result.memory.notes + (note,))
+    return estimator
 
 
 def cmd_estimate(args) -> int:
@@ -54,9 +93,9 @@ def cmd_estimate(args) -> int:
     src, cluster, spec = _job(args)
     cat = load_catalogue(args.strategies_dir)
     get_strategy(args.strategy, cat)
-    p = plan(src.profile, spec, cluster, cat, args.shard_size, strategies=[args.strategy])
-    print(json.dumps(p.to_dict(), indent=2) if args.json else format_plan(p).replace(
-        "the simplest strategy that fits", "it fits"))
+    p = plan(src.profile, spec, cluster, cat, args.shard_size, strategies=[args.strategy],
+             estimator=_estimator(args, src, cluster), method=args.method)
+    print(json.dumps(p.to_dict(), indent=2) if args.json else format_plan(p, choose=False))
     return 0
 
 
@@ -65,7 +104,8 @@ def cmd_plan(args) -> int:
     from .planner import format_plan, plan
 
     src, cluster, spec = _job(args)
-    p = plan(src.profile, spec, cluster, load_catalogue(args.strategies_dir), args.shard_size)
+    p = plan(src.profile, spec, cluster, load_catalogue(args.strategies_dir), args.shard_size,
+             estimator=_estimator(args, src, cluster), method=args.method)
     print(json.dumps(p.to_dict(), indent=2) if args.json else format_plan(p))
     return 0
 
@@ -81,11 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="every strategy side by side, and the choice")
     _common(p)
     p.set_defaults(func=cmd_plan)
+    m = sub.add_parser("measure", help="run real steps of one strategy on this machine's ranks and "
+                       "report the measured peak (estimate --method measured)")
+    _common(m)
+    m.add_argument("--strategy", required=True, help="catalogue name")
+    m.set_defaults(func=cmd_estimate, method_override="measured")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "method_override", None):
+        args.method = args.method_override
     try:
         return args.func(args)
     except HybridError as e:

@@ -48,32 +48,41 @@ class Attention(nn.Module):
         super().__init__()
         h, kv = cfg.hidden, cfg.kv_dim
         self.cfg, self.attention = cfg, attention
-        bias = cfg.style == "gpt2"
-        self.q_proj = nn.Linear(h, h, bias=bias)
-        self.k_proj = nn.Linear(h, kv, bias=bias)
-        self.v_proj = nn.Linear(h, kv, bias=bias)
-        self.o_proj = nn.Linear(h, h, bias=bias)
+        if cfg.style == "gpt2":      # one fused projection with biases, as GPT-2's c_attn
+            self.qkv_proj = nn.Linear(h, h + 2 * kv)
+        else:
+            self.q_proj = nn.Linear(h, h, bias=False)
+            self.k_proj = nn.Linear(h, kv, bias=False)
+            self.v_proj = nn.Linear(h, kv, bias=False)
+        self.o_proj = nn.Linear(h, h, bias=cfg.style == "gpt2")
 
-    def forward(self, x, rope):
+    def forward(self, x, rope, mask=None):
         b, s, _ = x.shape
         a, kvh, d = self.cfg.heads, self.cfg.n_kv_heads, self.cfg.head_dim
-        q = self.q_proj(x).view(b, s, a, d).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, kvh, d).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, kvh, d).transpose(1, 2)
+        if self.cfg.style == "gpt2":
+            q, k, v = self.qkv_proj(x).split([a * d, kvh * d, kvh * d], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, s, a, d).transpose(1, 2)
+        k = k.view(b, s, kvh, d).transpose(1, 2)
+        v = v.view(b, s, kvh, d).transpose(1, 2)
         if rope is not None:
             cos, sin = rope
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-        if self.attention == "sdpa":
+        if mask is None:          # the mask-free causal flash path, GQA kept
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kvh != a)
         else:
-            if kvh != a:
+            if kvh != a:          # kernels that take a mask want every head's k and v
                 k = k.repeat_interleave(a // kvh, dim=1)
                 v = v.repeat_interleave(a // kvh, dim=1)
-            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
-            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
-            scores = scores.masked_fill(mask, float("-inf"))
-            y = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+            if self.attention == "sdpa":
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            else:
+                scores = torch.where(mask, (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d)), float("-inf"))
+                # Llama takes the softmax in fp32 and casts back; GPT-2 keeps the compute dtype
+                upcast = torch.float32 if self.cfg.style == "llama" else None
+                y = torch.softmax(scores, dim=-1, dtype=upcast).to(q.dtype) @ v
         return self.o_proj(y.transpose(1, 2).reshape(b, s, a * d))
 
 
@@ -81,7 +90,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         h, f = cfg.hidden, cfg.ffn
-        self.style = cfg.style
+        self.style, self.gelu = cfg.style, cfg.gelu
         if cfg.style == "llama":
             self.gate_proj = nn.Linear(h, f, bias=False)
             self.up_proj = nn.Linear(h, f, bias=False)
@@ -93,7 +102,11 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.style == "llama":
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        x = self.fc(x)
+        if self.gelu == "tanh":
+            return self.proj(F.gelu(x, approximate="tanh"))
+        # GPT-2's GELU as published (transformers' gelu_new), op for op
+        return self.proj(0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0)))))
 
 
 def _norm(cfg: DecoderConfig) -> nn.Module:
@@ -110,8 +123,8 @@ class Block(nn.Module):
         self.norm1, self.attn = _norm(cfg), Attention(cfg, attention)
         self.norm2, self.mlp = _norm(cfg), MLP(cfg)
 
-    def forward(self, x, rope=None):
-        x = x + self.attn(self.norm1(x), rope)
+    def forward(self, x, rope=None, mask=None):
+        x = x + self.attn(self.norm1(x), rope, mask)
         return x + self.mlp(self.norm2(x))
 
 
@@ -142,14 +155,28 @@ class Decoder(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def _mask(self, b: int, s: int, device):
+        """The (b, 1, s, s) boolean mask of allowed positions, made once per forward as transformers
+        does, or None for the mask-free causal path. Eager attention always needs one; so does a
+        sliding window (Mistral: i-window < j <= i) once the sequence reaches the window."""
+        w = self.config.sliding_window
+        if self.blocks[0].attn.attention == "sdpa" and (w is None or s < w):
+            return None
+        i = torch.arange(s, device=device)
+        allowed = i[None, :] <= i[:, None]
+        if w is not None:
+            allowed = allowed & (i[None, :] > i[:, None] - w)
+        return allowed.expand(b, 1, s, s)
+
     def forward(self, input_ids, labels=None):
         s = input_ids.shape[1]
         x = self.embed(input_ids)
         if self.pos_embed is not None:
             x = x + self.pos_embed(torch.arange(s, device=input_ids.device))
         rope = self._rope(s, x.dtype, x.device)
+        mask = self._mask(input_ids.shape[0], s, x.device)
         for block in self.blocks:
-            x = block(x, rope)
+            x = block(x, rope, mask)
         logits = self.lm_head(self.norm(x))
         loss = None if labels is None else causal_lm_loss(logits, labels)
         return CausalLMOutput(loss=loss, logits=logits)
@@ -204,3 +231,68 @@ def default_dtype(dtype):
         yield
     finally:
         torch.set_default_dtype(old)
+
+
+class ResBlock(nn.Module):
+    """conv-bn-relu-conv-bn plus a (projected when the shape changes) skip connection."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.skip = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                     if stride != 1 or cin != cout else nn.Identity())
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(y)) + self.skip(x))
+
+
+@dataclass
+class ClassifierOutput:
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+
+
+class ConvNet(nn.Module):
+    """A ResNet-18-shaped image classifier: the non-transformer model of the benchmarks (no
+    sequence, activations set by image size and channels)."""
+
+    def __init__(self, channels=(64, 128, 256, 512), per_stage: int = 2, classes: int = 1000, image: int = 224):
+        super().__init__()
+        self.image, self.classes = image, classes
+        self.stem = nn.Sequential(nn.Conv2d(3, channels[0], 7, 2, 3, bias=False), nn.BatchNorm2d(channels[0]),
+                                  nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+        blocks, cin = [], channels[0]
+        for i, cout in enumerate(channels):
+            for j in range(per_stage):
+                blocks.append(ResBlock(cin, cout, 2 if (j == 0 and i > 0) else 1))
+                cin = cout
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(cin, classes)
+
+    def example_inputs(self, micro_batch: int) -> dict:
+        """A batch of the shape this model trains on (random images and labels)."""
+        device = next(self.parameters()).device
+        return {"x": torch.randn(micro_batch, 3, self.image, self.image, device=device),
+                "labels": torch.randint(0, self.classes, (micro_batch,), device=device)}
+
+    def forward(self, x, labels=None):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+        loss = None if labels is None else F.cross_entropy(logits.float(), labels)
+        return ClassifierOutput(loss=loss, logits=logits)
+
+
+def convnet() -> ConvNet:
+    """Factory for `hybrid ... hybrid.models:convnet` (11.7M params, 224x224 images)."""
+    return ConvNet()
+
+
+def small_convnet() -> ConvNet:
+    """A CPU-sized ConvNet for measured runs and tests (64x64 images, 100 classes)."""
+    return ConvNet(channels=(32, 64, 128, 256), classes=100, image=64)

@@ -70,11 +70,15 @@ class Plan:
 
 
 def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
-          shard_size: int | None = None, memory: MemoryBreakdown | None = None) -> Candidate:
-    """Estimate one strategy (or take a given estimate) and say whether and why it fits."""
+          shard_size: int | None = None, estimator=None) -> Candidate:
+    """Estimate one strategy and say whether and why it fits. `estimator(strategy, spec, n)`
+    replaces the analytic model (traced, measured); the analytic one still rules out strategies
+    that cannot run the job at all, before anything expensive runs."""
     n = strategy.shard_size(cluster, shard_size)
     try:
-        m = memory or estimate(strategy, profile, spec, cluster, n)
+        m = estimate(strategy, profile, spec, cluster, n)
+        if estimator is not None:
+            m = estimator(strategy, spec, n)
     except NotApplicable as e:
         return Candidate(strategy, n, spec, None, False, f"not applicable: {e}")
     cap = cluster.capacity_bytes
@@ -89,7 +93,7 @@ def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: C
 
 def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
          catalogue: dict[str, Strategy] | None = None, shard_size: int | None = None,
-         strategies: list[str] | None = None) -> Plan:
+         strategies: list[str] | None = None, estimator=None, method: str = "analytic") -> Plan:
     """Judge every strategy; choose the simplest one that fits (lowest catalogue rank)."""
     check_job(profile, spec)
     cat = catalogue if catalogue is not None else load_catalogue()
@@ -100,10 +104,10 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
     if shard_size is not None and not any(cat[n].shard_is_free for n in names):
         raise HybridError("--shard-size applies to strategies with a free shard size (hsdp); "
                           f"none of {', '.join(names)} has one")
-    cands = tuple(judge(cat[n], profile, spec, cluster, shard_size) for n in names)
+    cands = tuple(judge(cat[n], profile, spec, cluster, shard_size, estimator) for n in names)
     fitting = [c for c in cands if c.fits]
     chosen = min(fitting, key=lambda c: c.strategy.rank()) if fitting else None
-    return Plan(profile, cluster, spec, cands, chosen)
+    return Plan(profile, cluster, spec, cands, chosen, method)
 
 
 def format_table(p: Plan) -> str:
@@ -121,14 +125,18 @@ def format_table(p: Plan) -> str:
     return "\n".join(lines)
 
 
-def format_plan(p: Plan) -> str:
+def format_plan(p: Plan, choose: bool = True) -> str:
+    """The comparison table and the decision; choose=False for a single strategy's estimate."""
     s = p.spec
     out = [f"model {p.model.name}: {p.model.params:,} params; micro-batch {s.micro_batch} x seq {s.seq_len}, "
            f"{s.precision}, {s.optimizer}, activation checkpointing {s.activation_checkpointing}, "
            f"attention {s.attention}",
            f"cluster {p.cluster.describe()}; method {p.method}", "", format_table(p), ""]
-    if p.chosen:
-        out.append(f"chosen: {p.chosen.label} (shard size {p.chosen.shard_size}) - the simplest strategy that "
+    if not choose:
+        c = p.candidates[0]
+        out.append(f"{c.label} (shard size {c.shard_size}): {c.reason}")
+    elif p.chosen:
+        out.append(f"chosen: {p.chosen.label} (shard size {p.chosen.shard_size}), the simplest strategy that "
                    f"fits; {p.chosen.reason}")
     else:
         out.append(f"nothing fits in {fmt_bytes(p.cluster.capacity_bytes)} per GPU")

@@ -34,11 +34,19 @@ class DecoderConfig:
     rope_theta: float = 10000.0
     hf_model_type: str | None = None
     """The transformers `model_type` of this architecture (llama, mistral, gpt2) when it has one."""
+    gelu: str = "new"
+    """gpt2 style: 'new' is GPT-2's GELU written out (transformers' gelu_new, five f-wide tensors
+    kept), 'tanh' the fused kernel (gelu_pytorch_tanh, two kept); the same function."""
+    sliding_window: int | None = None
+    """Attention window (Mistral-7B-v0.1: 4096); None = full causal attention. From a sequence as
+    long as the window, attention needs an explicit mask (no mask-free flash path)."""
 
     def __post_init__(self):
         for attr in ("vocab", "hidden", "layers", "heads", "ffn", "max_positions"):
             if getattr(self, attr) < 1:
                 raise HybridError(f"decoder {attr} must be positive, got {getattr(self, attr)}")
+        if self.gelu not in ("new", "tanh"):
+            raise HybridError(f"gelu must be 'new' or 'tanh', got {self.gelu!r}")
         if self.hidden % self.heads:
             raise HybridError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
         if self.heads % self.n_kv_heads:
@@ -62,7 +70,8 @@ class DecoderConfig:
         h, f, kv = self.hidden, self.ffn, self.kv_dim
         if self.style == "llama":
             return [(h,), (h, h), (kv, h), (kv, h), (h, h), (h,), (f, h), (f, h), (h, f)]
-        return [(h,), (h,), (h, h), (h,), (h, h), (h,), (h, h), (h,), (h, h), (h,),
+        # norm1, fused qkv (GPT-2's c_attn), output, norm2, fc, proj - weights and biases
+        return [(h,), (h,), (h + 2 * kv, h), (h + 2 * kv,), (h, h), (h,),
                 (h,), (h,), (f, h), (f,), (h, f), (h,)]
 
     def root_matrices(self) -> list[tuple[int, ...]]:
@@ -101,13 +110,15 @@ class DecoderConfig:
             return {"model_type": "gpt2", "vocab_size": self.vocab, "n_embd": self.hidden,
                     "n_layer": self.layers, "n_head": self.heads, "n_positions": self.max_positions,
                     "n_inner": self.ffn, "tie_word_embeddings": True, "layer_norm_epsilon": self.norm_eps,
-                    "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+                    "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                    "activation_function": "gelu_new" if self.gelu == "new" else "gelu_pytorch_tanh"}
         return {"model_type": self.hf_model_type or "llama", "vocab_size": self.vocab,
                 "hidden_size": self.hidden, "intermediate_size": self.ffn,
                 "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
                 "num_key_value_heads": self.n_kv_heads, "max_position_embeddings": self.max_positions,
                 "tie_word_embeddings": self.tied, "rms_norm_eps": self.norm_eps,
-                "rope_theta": self.rope_theta}
+                "rope_theta": self.rope_theta,
+                **({"sliding_window": self.sliding_window} if self.hf_model_type == "mistral" else {})}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -121,9 +132,9 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _llama(vocab, hidden, layers, heads, ffn, max_pos, kv=None, tied=False, theta=10000.0,
-           model_type="llama") -> DecoderConfig:
+           model_type="llama", window=None) -> DecoderConfig:
     return DecoderConfig("llama", vocab, hidden, layers, heads, ffn, max_pos, kv_heads=kv, tied=tied,
-                         rope_theta=theta, hf_model_type=model_type)
+                         rope_theta=theta, hf_model_type=model_type, sliding_window=window)
 
 
 def _gpt2(hidden, layers, heads) -> DecoderConfig:
@@ -146,7 +157,7 @@ PRESETS: dict[str, DecoderConfig] = {
     "llama3.1-405b": _llama(128256, 16384, 126, 128, 53248, 131072, kv=8, theta=500000.0),
     "llama3.2-1b": _llama(128256, 2048, 16, 32, 8192, 131072, kv=8, tied=True, theta=500000.0),
     "llama3.2-3b": _llama(128256, 3072, 28, 24, 8192, 131072, kv=8, tied=True, theta=500000.0),
-    "mistral-7b": _llama(32000, 4096, 32, 32, 14336, 32768, kv=8, model_type="mistral"),
+    "mistral-7b": _llama(32000, 4096, 32, 32, 14336, 32768, kv=8, model_type="mistral", window=4096),
     # Small shapes for tests, the demo and CPU benchmarks (not published models).
     "tiny-gpt": DecoderConfig("gpt2", 512, 64, 2, 4, 256, 128, tied=True, hf_model_type="gpt2"),
     "tiny-llama": _llama(512, 64, 2, 4, 176, 256, kv=2),
@@ -173,11 +184,13 @@ def from_hf_config(cfg: dict) -> DecoderConfig | None:
                              kv_heads=cfg.get("num_key_value_heads") or heads,
                              tied=bool(cfg.get("tie_word_embeddings", False)),
                              norm_eps=cfg.get("rms_norm_eps", 1e-5),
-                             rope_theta=float(cfg.get("rope_theta", 10000.0)), hf_model_type=mt)
+                             rope_theta=float(cfg.get("rope_theta", 10000.0)), hf_model_type=mt,
+                             sliding_window=cfg.get("sliding_window") if mt == "mistral" else None)
     if mt == "gpt2":
         h = cfg.get("n_embd", 768)
         return DecoderConfig("gpt2", cfg.get("vocab_size", 50257), h, cfg.get("n_layer", 12),
                              cfg.get("n_head", 12), cfg.get("n_inner") or 4 * h,
                              cfg.get("n_positions", 1024), tied=True,
-                             norm_eps=cfg.get("layer_norm_epsilon", 1e-5), hf_model_type="gpt2")
+                             norm_eps=cfg.get("layer_norm_epsilon", 1e-5), hf_model_type="gpt2",
+                             gelu="tanh" if cfg.get("activation_function") == "gelu_pytorch_tanh" else "new")
     return None

@@ -49,6 +49,9 @@ class ModelProfile:
     """Names that share one parameter, e.g. (('embed.weight', 'lm_head.weight'),)."""
     decoder: DecoderConfig | None = None
     """Transformer dimensions when known; without them activations are reported as unknown."""
+    activation_bytes_per_sample: int | None = None
+    """For other models with `example_inputs`: bytes autograd saves per sample in fp32, counted
+    by a shape-only forward on the meta device (see probe_activations)."""
     source: str = "module"
     """preset | hf-config | module | params."""
 
@@ -60,7 +63,7 @@ class ModelProfile:
         d = {k: getattr(self, k) for k in ("name", "params", "trainable_params", "param_bytes",
                                            "buffer_bytes", "block_class", "num_blocks", "block_params",
                                            "root_params", "largest_layer_params", "largest_param",
-                                           "factored_state", "source")}
+                                           "factored_state", "activation_bytes_per_sample", "source")}
         d["dtype_bytes"] = dict(self.dtype_bytes)
         d["tied_groups"] = [list(g) for g in self.tied_groups]
         d["decoder"] = self.decoder.to_dict() if self.decoder else None
@@ -165,7 +168,9 @@ class ModelSource:
 
     profile: ModelProfile
     build: Callable[..., Any] | None = None
-    """build(device='meta', attention='sdpa', prefer_hf=False) -> (nn.Module, implementation)."""
+    """build(device='meta', attention='sdpa', prefer_hf=False, dtype=None) -> (module, implementation)."""
+    ref: str | None = None
+    """The MODEL string it was resolved from (to resolve it again in another process)."""
 
 
 def resolve_model(spec: str | None = None, params: str | int | None = None) -> ModelSource:
@@ -178,7 +183,7 @@ def resolve_model(spec: str | None = None, params: str | int | None = None) -> M
                           f"or pass --params. Presets: {', '.join(PRESETS)}")
     if spec.lower() in PRESETS:
         cfg = PRESETS[spec.lower()]
-        return ModelSource(profile_decoder(cfg, spec.lower()), _decoder_builder(cfg))
+        return ModelSource(profile_decoder(cfg, spec.lower()), _decoder_builder(cfg), spec)
     path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
     if path.endswith(".json"):
         return _from_config_json(path)
@@ -189,15 +194,15 @@ def resolve_model(spec: str | None = None, params: str | int | None = None) -> M
 
 
 def _decoder_builder(cfg: DecoderConfig):
-    def build(device="meta", attention="sdpa", prefer_hf=False):
+    def build(device="meta", attention="sdpa", prefer_hf=False, dtype=None):
         if prefer_hf and cfg.hf_model_type:
             try:
                 from .models import build_hf
-                return build_hf(cfg, device=device, attention=attention), "transformers"
+                return build_hf(cfg, device=device, attention=attention, dtype=dtype), "transformers"
             except ImportError:
                 pass
         from .models import build_decoder
-        return build_decoder(cfg, device=device, attention=attention), "hybrid"
+        return build_decoder(cfg, device=device, attention=attention, dtype=dtype), "hybrid"
     return build
 
 
@@ -212,22 +217,47 @@ def _from_config_json(path: str) -> ModelSource:
     name = cfg.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path))) or path
     dec = from_hf_config(cfg)
     if dec is not None:
-        return ModelSource(profile_decoder(dec, name, source="hf-config"), _decoder_builder(dec))
+        return ModelSource(profile_decoder(dec, name, source="hf-config"), _decoder_builder(dec), path)
 
-    def build(device="meta", attention="sdpa", prefer_hf=True):
+    def build(device="meta", attention="sdpa", prefer_hf=True, dtype=None):
         import torch
+
+        from .models import default_dtype
         try:
             from transformers import AutoConfig, AutoModelForCausalLM
         except ImportError:
             raise HybridError(f"model_type {cfg.get('model_type')!r} in {path} needs transformers: "
                               "pip install 'hybrid[hf]'") from None
         c = dict(cfg)
-        with torch.device(device):
+        with torch.device(device), default_dtype(dtype):
             return AutoModelForCausalLM.from_config(
                 AutoConfig.for_model(c.pop("model_type"), **c), attn_implementation=attention), "transformers"
 
     model, _ = build()
-    return ModelSource(profile_module(model, name), build)
+    return ModelSource(profile_module(model, name), build, path)
+
+
+def probe_activations(module) -> int:
+    """Bytes saved for backward per sample, from two shape-only forwards (batch 1 and 2) of a
+    meta-device model: the difference cancels everything that does not scale with the batch."""
+    import torch
+
+    def saved(batch: int) -> int:
+        seen: dict[int, int] = {}
+        params = {id(p.untyped_storage()) for p in module.parameters()}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if id(st) not in params:
+                seen[id(st)] = st.nbytes()
+            keep.append(st)
+            return t
+        keep: list = []
+        with torch.device("meta"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            inputs = module.example_inputs(batch)
+            module(**inputs)
+        return sum(seen.values())
+    return max(saved(2) - saved(1), 0)
 
 
 def _from_factory(spec: str) -> ModelSource:
@@ -237,10 +267,16 @@ def _from_factory(spec: str) -> ModelSource:
     except (ImportError, AttributeError) as e:
         raise HybridError(f"cannot load model factory {spec!r}: {e}") from None
 
-    def build(device="meta", attention="sdpa", prefer_hf=False):
+    def build(device="meta", attention="sdpa", prefer_hf=False, dtype=None):
         import torch
-        with torch.device(device):
+
+        from .models import default_dtype
+        with torch.device(device), default_dtype(dtype):
             return fn(), "factory"
 
     model, _ = build()
-    return ModelSource(profile_module(model, spec), build)
+    profile = profile_module(model, spec)
+    if profile.decoder is None and hasattr(model, "example_inputs"):
+        import dataclasses
+        profile = dataclasses.replace(profile, activation_bytes_per_sample=probe_activations(model))
+    return ModelSource(profile, build, spec)

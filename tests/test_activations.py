@@ -26,7 +26,9 @@ def saved_bytes(model, block, b: int, dtype, autocast: bool) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         if isinstance(model.config, DecoderConfig):
-            block(x, model._rope(S, x.dtype, "cpu"))
+            block(x, model._rope(S, x.dtype, "cpu"), model._mask(b, S, "cpu"))
+        elif model.config.model_type == "gpt2":
+            block(x)
         else:
             pos = torch.arange(S)[None]
             block(x, position_embeddings=model.model.rotary_emb(x, pos), attention_mask=None,
@@ -40,14 +42,18 @@ REGIMES = {"bf16": (torch.bfloat16, False, "bf16"), "fp32": (torch.float32, Fals
 
 @pytest.mark.parametrize("regime", sorted(REGIMES))
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-@pytest.mark.parametrize("impl", ["ours-llama", "ours-gpt2", "hf-llama"])
+@pytest.mark.parametrize("impl", ["ours-llama", "ours-gpt2", "ours-gpt2tanh", "hf-llama", "hf-gpt2", "ours-window"])
 def test_layer_formula_matches_autograd(regime, attention, impl):
     dtype, autocast, precision = REGIMES[regime]
-    style = impl.split("-")[1]
-    cfg = DecoderConfig(style, 300, 64, 1, 4, 176, 128, kv_heads=2 if style == "llama" else None)
+    style = "gpt2" if "gpt2" in impl else "llama"
+    # "window": a sliding window shorter than the sequence forces a masked attention kernel
+    cfg = DecoderConfig(style, 300, 64, 1, 4, 176, 128, kv_heads=2 if style == "llama" else None,
+                        sliding_window=32 if impl == "ours-window" else None,
+                        gelu="tanh" if impl == "ours-gpt2tanh" else "new")
     build = build_hf if impl.startswith("hf") else build_decoder
     model = build(cfg, device="cpu", attention=attention, dtype=dtype)
-    block = model.model.layers[0] if impl.startswith("hf") else model.blocks[0]
+    block = (model.model.layers[0] if impl == "hf-llama" else model.transformer.h[0] if impl == "hf-gpt2"
+             else model.blocks[0])
     # The difference between batch 3 and batch 1 is 2*S tokens of per-token activations; weight
     # casts and rotary tables (independent of the batch) cancel out.
     measured = (saved_bytes(model, block, 3, dtype, autocast) - saved_bytes(model, block, 1, dtype, autocast))

@@ -3,7 +3,7 @@ import torch
 
 from hybrid.models import build_decoder
 from hybrid.presets import DecoderConfig
-from tests.dist_utils import run_ranks
+from hybrid.launch import run_ranks
 
 MB, SEQ, STEPS = 2, 16, 5
 # GPT-style decoder, tied embedding/LM head, 2 blocks, grouped-query attention. No biases: a key

@@ -71,6 +71,17 @@ def test_estimate_params_only_and_gpu_memory(capsys):
     assert "activations unknown" in out
 
 
+def test_estimate_traced_method(capsys):
+    code, out, err = run(capsys, "estimate", "tiny-llama", "--strategy", "hsdp", "--nodes", "2",
+                         "--gpus-per-node", "4", "--seq-len", "64", "--method", "traced",
+                         "--implementation", "hybrid", "--json")
+    doc = json.loads(out)
+    check_contract(doc, n_strategies=1)
+    assert code == 0 and doc["method"] == "traced" and doc["strategies"][0]["shard_size"] == 4
+    assert "traced on hybrid's own implementation" in doc["strategies"][0]["notes"][-1]
+    assert "tracing hsdp (shard 4)" in err
+
+
 @pytest.mark.parametrize("argv,match", [
     (["plan", "llama9-7b"], "unknown model 'llama9-7b'"),
     (["plan", "gpt2", "--gpu", "h100"], "unknown GPU 'h100'. Available: a100-40gb"),
@@ -84,6 +95,9 @@ def test_estimate_params_only_and_gpu_memory(capsys):
     (["plan", "tests.factories:frozen"], "has no trainable parameters"),
     (["plan", "gpt2", "--precision", "fp16"], "unknown precision 'fp16'"),
     (["plan", "--params", "lots"], "cannot parse parameter count 'lots'"),
+    (["plan", "gpt2", "--method", "guess"], "unknown method 'guess'. Available: analytic, traced, measured"),
+    (["estimate", "--params", "1e9", "--strategy", "ddp", "--method", "traced"], "bare parameter count"),
+    (["measure", "gpt2", "--strategy", "ddp", "--nodes", "8"], "world size 64 needs more than"),
     (["plan"], "no model given"),
 ])
 def test_bad_input_exit_2(capsys, argv, match):

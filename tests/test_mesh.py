@@ -9,7 +9,7 @@ import torch
 
 from hybrid.errors import HybridError
 from hybrid.models import build_decoder
-from tests.dist_utils import free_port, run_ranks
+from hybrid.launch import free_port, run_ranks
 
 HERE = os.path.dirname(__file__)
 

@@ -38,6 +38,21 @@ class Engine(ABC):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded model state on every rank, CPU tensors, under the model's own names."""
 
+    def tensor_roles(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this backend holds, by memory category (for the tracker's relabelling)."""
+        params = list(self.model.parameters())
+        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
+                "optimizer": optimizer_tensors(self.optimizer, params)}
+
+
+def optimizer_tensors(optimizer, model_params) -> list[torch.Tensor]:
+    """Optimizer state, plus parameters the optimizer owns that the model does not (fp32 masters)."""
+    own = {id(p) for p in model_params}
+    out = [t for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    for g in optimizer.param_groups:
+        out += [p for p in g["params"] if id(p) not in own]
+    return out
+
 
 def check_optimizer_factory(factory) -> None:
     if not callable(factory):

@@ -35,3 +35,46 @@ def apply(strategy, model, optimizer_factory, mesh, spec, runtime) -> DDPEngine:
               gradient_as_bucket_view=strategy.gradient_as_bucket_view, static_graph=strategy.static_graph)
     autocast = torch.bfloat16 if spec.precision == "bf16-mixed" else None
     return DDPEngine(model, ddp, optimizer_factory(ddp.parameters()), autocast, runtime.device.type)
+
+
+class _EmulatedDDP(torch.nn.Module):
+    """DDP's memory behaviour without its C++ reducer, which reads tensor data and so cannot run
+    on fake tensors: the same gradient buckets, allocated at wrap time, with each gradient a view
+    into them (gradient_as_bucket_view) or a separate copy; the all-reduce itself costs no memory."""
+
+    def __init__(self, module, strategy):
+        super().__init__()
+        self.module, self.view = module, strategy.gradient_as_bucket_view
+        params = [p for p in module.parameters() if p.requires_grad]
+        cap = int(strategy.bucket_cap_mb * 1e6)
+        self.buckets, self.slots, bucket, size = [], [], [], 0
+        for p in reversed(params):              # DDP fills buckets in reverse parameter order
+            bucket.append(p)
+            size += p.numel() * p.element_size()
+            if size >= cap:
+                self._close(bucket)
+                bucket, size = [], 0
+        if bucket:
+            self._close(bucket)
+
+    def _close(self, bucket):
+        flat = torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+        self.buckets.append(flat)
+        offset = 0
+        for p in bucket:
+            self.slots.append((p, flat, offset))
+            offset += p.numel()
+
+    def forward(self, *args, **kwargs):
+        if self.view:                            # the reducer hands autograd bucket views as .grad
+            for p, flat, off in self.slots:
+                if p.grad is None:
+                    p.grad = flat[off:off + p.numel()].view_as(p).zero_()
+        return self.module(*args, **kwargs)
+
+
+def traced_apply(strategy, model, optimizer_factory, mesh, spec, runtime) -> DDPEngine:
+    apply_activation_checkpointing(model, spec.activation_checkpointing)
+    ddp = _EmulatedDDP(model, strategy)
+    autocast = torch.bfloat16 if spec.precision == "bf16-mixed" else None
+    return DDPEngine(model, ddp, optimizer_factory(model.parameters()), autocast, runtime.device.type)

@@ -24,6 +24,7 @@ def ds_config(strategy, spec, hidden: int | None, world_size: int, gpus_per_node
                                                       if strategy.param_persistence_threshold is not None
                                                       else (10 * hidden if hidden else 100_000))
         zero["stage3_max_live_parameters"] = strategy.max_live_parameters
+        zero["stage3_max_reuse_distance"] = strategy.max_reuse_distance
         zero["stage3_gather_16bit_weights_on_model_save"] = False
     if strategy.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import torch
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from ..errors import HybridError
 from .base import Engine, apply_activation_checkpointing, shardable_blocks
@@ -18,26 +18,48 @@ class FSDPEngine(Engine):
             out[k] = full.detach().to("cpu", copy=True)
         return out
 
+    def tensor_roles(self):
+        roles = super().tensor_roles()
+        # the unsharded (all-gathered) parameters: communication buffers, freed and re-made per use
+        roles["buffers"] = [t for m in self.model.modules() if isinstance(m, FSDPModule)
+                            for group in _param_groups(m) for fp in group.fsdp_params
+                            for t in fp.all_gather_outputs]
+        return roles
+
+
+def _param_groups(module):
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)   # torch >= 2.10 keeps a list
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return groups
+
 
 def fsdp_kwargs(strategy, mesh, spec, runtime) -> dict:
     """fully_shard arguments: the mesh (2D = hybrid sharding), mixed precision, offload."""
-    if strategy.offload_params and runtime.device.type != "cuda":
+    if strategy.offload_params and runtime.device.type != "cuda" and runtime.backend != "fake":
         raise HybridError(f"{strategy.name} offloads parameters from GPU to host memory, which needs "
                           "CUDA; this machine has none. Use fsdp or hsdp")
     fsdp_mesh = mesh["shard"] if mesh.shape[0] == 1 else mesh
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if spec.precision == "bf16-mixed" else MixedPrecisionPolicy())
-    offload = CPUOffloadPolicy(pin_memory=True) if strategy.offload_params else OffloadPolicy()
+    # a traced (fake) run simulates the GPU job on the CPU: offload is accounted afterwards
+    offload = (CPUOffloadPolicy(pin_memory=True) if strategy.offload_params and runtime.backend != "fake"
+               else OffloadPolicy())
     return dict(mesh=fsdp_mesh, reshard_after_forward=strategy.reshard_after_forward, mp_policy=mp,
                 offload_policy=offload)
 
 
 def apply(strategy, model, optimizer_factory, mesh, spec, runtime) -> FSDPEngine:
     kwargs = fsdp_kwargs(strategy, mesh, spec, runtime)
-    if spec.precision == "bf16":
+    if spec.precision == "bf16" and any(p.dtype != torch.bfloat16 for p in model.parameters()):
         model.to(torch.bfloat16)
     apply_activation_checkpointing(model, spec.activation_checkpointing)
     for block in shardable_blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return FSDPEngine(model, model, optimizer_factory(model.parameters()))
+
+
+traced_apply = apply   # FSDP2 runs as it is under fake tensors and a fake process group

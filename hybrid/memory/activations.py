@@ -52,19 +52,28 @@ def _layer_full(d: DecoderConfig, spec: TrainSpec, c: int, autocast: bool) -> fl
         c = 2
         # RMSNorm: fp32 input + rsqrt + fp32 normalised; LayerNorm: fp32 input + mean + rstd.
         norm = (2 * F32 * h + F32) if llama else (F32 * h + 2 * F32)
-        # each consumer of a norm output casts it to bf16 once (q, k, v; gate, up / fc)
-        casts = c * h * (3 + (2 if llama else 1))
+        # each consumer of a norm output casts it to bf16 once (q, k, v | fused qkv; gate, up | fc)
+        casts = c * h * ((3 + 2) if llama else (1 + 1))
         norms = 2 * norm + casts
     else:
         # RMSNorm: fp32 upcast + rsqrt + cast back + weighted output; LayerNorm: input, output, stats.
         norm = (F32 * h + F32 + 2 * c * h) if llama else (2 * c * h + 2 * F32)
         norms = 2 * norm
-    if spec.attention == "sdpa":
+    masked = d.sliding_window is not None and s >= d.sliding_window
+    if spec.attention == "sdpa" and not masked:
         attn = 2 * c * h + 2 * c * kv + F32 * a          # q, k, v, output; logsumexp per head
+    elif spec.attention == "sdpa":
+        # a mask rules out the mask-free flash path: k and v expanded to every head, and SDPA
+        # turns the boolean (b, 1, s, s) mask into a float bias it keeps for backward, per layer
+        attn = 4 * c * h + F32 * a + c * s
     else:
-        # q, k and v (expanded to every head), output copy; fp32 softmax and its cast, per head s x s
-        attn = 4 * c * h + (F32 + (c if c < F32 else 0)) * a * s
-    mlp = 4 * c * f if llama else 2 * c * f               # gate, silu, up, product | fc, gelu
+        # q, k and v (expanded to every head), output copy; per head s x s: Llama's softmax in fp32
+        # and its cast back, GPT-2's in the compute dtype
+        softmax = (F32 + (c if c < F32 else 0)) if llama else c
+        attn = 4 * c * h + softmax * a * s
+    # llama: gate, silu, up, product; gpt2: fc and gelu output, plus tanh, 0.5x and 1+tanh when
+    # GELU is written out (gelu_new)
+    mlp = 4 * c * f if llama else (5 if d.gelu == "new" else 2) * c * f
     return norms + attn + mlp
 
 

@@ -1,9 +1,10 @@
 """Closed-form per-GPU memory of one training step, for every strategy family.
 
 The step is modelled as four moments and the peak is the largest:
-  backward  the loss gradient is being formed: all activations, logits and their fp32 gradients
+  loss      the loss gradient is being formed: all activations, logits and their fp32 gradients
             alive, no parameter gradients yet (torch's zero_grad sets them to None);
-  recompute the last block is recomputed (checkpointing) and the first unsharded grads exist;
+  blocks    the last block is in backward (recomputed first, with checkpointing), its params
+            gathered and its unsharded grads made;
   grads     backward has finished: every gradient alive, activations gone;
   step      optimizer step: states + its scratch (torch's foreach AdamW keeps one temporary the
             size of the parameters it updates).
@@ -39,7 +40,7 @@ class _Layout:
     """Where a family keeps things, bytes per GPU, at each moment of the step."""
     params: float = 0
     optimizer: float = 0
-    grads_start: float = 0      # gradients that exist when backward starts (persistent buckets)
+    grads_start: float = 0      # gradients that exist when backward starts (persistent buffers)
     grads_end: float = 0
     grads_step: float = 0       # extra gradient copies made for the step (DeepSpeed fp32 partition)
     buffers_start: float = 0    # communication buffers at the loss backward
@@ -107,9 +108,9 @@ def _fsdp(s: Strategy, p: ModelProfile, spec: TrainSpec, n: int, cl: Cluster) ->
     # gathered for backward); blocks are gathered one at a time plus one prefetched.
     gathered_blocks = 2 * unit if s.reshard_after_forward else p.num_blocks * unit + unit
     lay.buffers_start = c * (root + (unit if s.reshard_after_forward else p.num_blocks * unit))
-    # in a block's backward: root params + the head's unsharded grad, two blocks gathered, the
-    # block's unsharded grads and its reduce-scatter input in the reduce dtype
-    lay.buffers_mid = c * (root + head + gathered_blocks + unit) + rb * unit
+    # in a block's backward: root params + the head's unsharded grad, two blocks gathered, and
+    # the block's reduce-scatter input in the reduce dtype (its grads themselves: _Layout.unit)
+    lay.buffers_mid = c * (root + head + gathered_blocks) + rb * unit
     lay.buffers_end = c * (2 * root) + rb * root
     return lay
 
@@ -132,8 +133,8 @@ def _deepspeed(s: Strategy, p: ModelProfile, spec: TrainSpec, n: int, cl: Cluste
         lay.params = p.params * c           # the module's bf16 params, whole on every rank
         # stage 1 keeps full bf16 grads until the step; stage 2 reduces them into a 1/N partition
         lay.grads_end = P * c if s.stage == 1 else P * c / n
-        lay.buffers_start = lay.buffers_mid = lay.buffers_end = c * reduce_bucket  # IPG bucket
-        lay.buffers_step = c * min(s.allgather_bucket_size, P)
+        # the IPG reduce bucket; updated partitions are all-gathered in place into the flat params
+        lay.buffers_start = lay.buffers_mid = lay.buffers_end = c * reduce_bucket
     else:
         small = _persistent_params(p, persist)
         lay.params = c * (p.params / n + small * (1 - 1 / n))
@@ -143,12 +144,14 @@ def _deepspeed(s: Strategy, p: ModelProfile, spec: TrainSpec, n: int, cl: Cluste
         fp32_grad = FP32 * min(SUB_GROUP_SIZE, P / n)
         scratch = FP32 * min(SUB_GROUP_SIZE, _scratch_elements(p, spec) / n)
         largest = p.largest_layer_params or p.largest_param
-        unit = max(p.block_params, 1) if p.num_blocks else largest
-        live = min(s.max_live_parameters, largest + prefetch)
-        # gathered head + the reduce bucket at the loss; two gathered blocks + the block's grads
-        lay.buffers_start = c * (largest + reduce_bucket)
-        lay.buffers_mid = c * (min(s.max_live_parameters, 2 * unit) + unit + reduce_bucket)
-        lay.buffers_end = c * (live + reduce_bucket)
+        unit = p.block_params if p.num_blocks else largest
+        # Gathered params stay gathered while they are reused within max_reuse_distance fetches:
+        # at the forward/backward turn the last blocks (fetched again after 2 x the params in
+        # between) and the head are kept; everything is capped by max_live_parameters.
+        kept = min(p.params, s.max_live_parameters, largest + s.max_reuse_distance / 2 + prefetch)
+        lay.buffers_start = c * (kept + reduce_bucket)
+        lay.buffers_mid = c * (min(s.max_live_parameters, kept + unit) + reduce_bucket)
+        lay.buffers_end = c * (min(p.params, s.max_live_parameters, largest + prefetch) + reduce_bucket)
         hpz = s.hpz_size(cl)
         if hpz:
             lay.params += c * p.params / hpz   # ZeRO++ hpZ secondary partition (bf16, node-local)
@@ -192,17 +195,31 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
     check_job(profile, spec)
     n = strategy.shard_size(cluster, shard_size)
     lay = _LAYOUTS[strategy.family](strategy, profile, spec, n, cluster)
-    act = activation_terms(profile.decoder, spec, lay.autocast) if profile.decoder else None
     notes = list(lay.notes)
-    if act is None:
+    if profile.decoder:
+        act = activation_terms(profile.decoder, spec, lay.autocast)
+    elif profile.activation_bytes_per_sample is not None:
+        # probed in fp32; convolution and norm outputs follow the compute dtype (bf16 under
+        # autocast too, where no fp32 residual stream exists)
+        scale = spec.bytes.compute / FP32
+        per_batch = int(profile.activation_bytes_per_sample * spec.micro_batch * scale)
+        act = ActivationTerms(per_batch, 0, 0, 0, 0, 1)
+        if spec.activation_checkpointing != "none":
+            notes.append("activation checkpointing is not modelled for non-transformer models "
+                         "(use --method traced)")
+    else:
         notes.append("activations unknown: the model is a bare parameter count (model states only)")
         act = ActivationTerms(0, 0, 0, 0, 0, 0)
     acts = act.layers * act.per_layer
+    unit = profile.block_params if profile.num_blocks else profile.largest_layer_params
+    unit_grads = (2 if lay.autocast else spec.bytes.compute) * unit
     moments = {
-        "backward": dict(grads=lay.grads_start, activations=acts,
-                         temporaries=act.head_backward + act.autocast_cache, buffers=lay.buffers_start),
-        "recompute": dict(grads=lay.grads_start, activations=acts,
-                          temporaries=act.recompute + act.autocast_cache, buffers=lay.buffers_mid),
+        "loss": dict(grads=lay.grads_start, activations=acts,
+                     temporaries=act.head_backward + act.autocast_cache, buffers=lay.buffers_start),
+        # the block being differentiated: recomputed activations and its weight gradients as
+        # autograd makes them (compute dtype), before they are reduced or accumulated
+        "blocks": dict(grads=lay.grads_start, activations=acts,
+                       temporaries=act.recompute + act.autocast_cache + unit_grads, buffers=lay.buffers_mid),
         "grads": dict(grads=lay.grads_end, activations=0, temporaries=0, buffers=lay.buffers_end),
         "step": dict(grads=lay.grads_end + lay.grads_step, activations=0, temporaries=lay.scratch,
                      buffers=lay.buffers_step),
@@ -212,7 +229,8 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
     overhead = cluster.gpu.cuda_context_bytes + ALLOCATOR_HEADROOM * tensors
     return MemoryBreakdown(
         params=int(lay.params), grads=int(parts["grads"]), optimizer=int(lay.optimizer),
-        activations=None if profile.decoder is None else int(parts["activations"]),
+        activations=(None if profile.decoder is None and profile.activation_bytes_per_sample is None
+                     else int(parts["activations"])),
         temporaries=int(parts["temporaries"]), buffers=int(parts["buffers"]), overhead=int(overhead),
         cpu=int(lay.cpu), phase=phase, notes=tuple(notes),
         model_states=int(lay.params + lay.optimizer + lay.grads_end + lay.grads_step))

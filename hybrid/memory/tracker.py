@@ -25,14 +25,15 @@ _COMM_NAMESPACES = {"_c10d_functional", "c10d", "fsdp", "_dtensor"}
 
 
 def storages_of(t) -> list:
-    """Untyped storages behind a tensor, looking through wrapper subclasses such as DTensor."""
+    """Untyped storages behind a tensor, looking through wrapper subclasses such as DTensor.
+    Meta tensors hold no memory and are skipped (fake tensors report their simulated device)."""
     out, todo = [], [t]
     while todo:
         x = todo.pop()
         if is_traceable_wrapper_subclass(x):
             attrs, _ = x.__tensor_flatten__()
             todo.extend(v for v in (getattr(x, a) for a in attrs) if isinstance(v, torch.Tensor))
-        elif isinstance(x, torch.Tensor):
+        elif isinstance(x, torch.Tensor) and x.device.type != "meta":
             out.append(x.untyped_storage())
     return out
 
@@ -51,6 +52,8 @@ class _Record:
     born: int
     died: int | None
     owner: _Owner
+    op: str = ""
+    phase: str = ""
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -66,22 +69,33 @@ class MemoryTracker(TorchDispatchMode):
         self.peak = 0
         self.peak_time = 0
         self.peak_phase = ""
-        self.phase = "setup"
+        self._reset_clock = 0
+        self._phase = "setup"
+        self.phases: list[tuple[int, str]] = [(0, "setup")]   # (clock, phase) at each change
         self._orig_resize = None
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        if value != self._phase:
+            self._phase = value
+            self.phases.append((self.clock, value))
 
     # --- bookkeeping -------------------------------------------------------------------------
     def _default_label(self, op) -> str:
         ns = getattr(op, "namespace", "")
         if ns in _COMM_NAMESPACES:
             return "buffers"
-        return {"setup": "buffers", "forward": "activations", "head": "temporaries",
-                "backward": "temporaries", "step": "temporaries"}.get(self.phase, "temporaries")
+        return {"setup": "buffers", "forward": "activations"}.get(self.phase, "temporaries")
 
-    def _open(self, st, label: str, owner: _Owner | None = None):
+    def _open(self, st, label: str, owner: _Owner | None = None, op: str = ""):
         nbytes = st.nbytes()
         owner = owner or _Owner(label)
         self.clock += 1
-        rec = _Record(nbytes, self.clock, None, owner)
+        rec = _Record(nbytes, self.clock, None, owner, op, self.phase)
         self.records.append(rec)
         self._live[st] = (rec, owner)
         key = id(rec)
@@ -119,9 +133,23 @@ class MemoryTracker(TorchDispatchMode):
                 else:
                     entry[1].label = label
 
+    def reset_peak(self):
+        """Start counting the peak from now (what is alive stays counted)."""
+        self.peak, self.peak_time, self.peak_phase = self.current, self.clock, self.phase
+        self._reset_clock = self.clock
+
     # --- the dispatch hook -------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if getattr(func, "namespace", "") in _COMM_NAMESPACES:
+            # whatever a collective reads or writes is a communication buffer, unless it is
+            # already known as model state (DDP buckets become grads when relabelled later)
+            for t in tree_flatten((args, kwargs))[0]:
+                if isinstance(t, torch.Tensor):
+                    for st in storages_of(t):
+                        entry = self._live.get(st)
+                        if entry is not None and entry[1].label in ("activations", "temporaries"):
+                            entry[1].label = "buffers"
         label = None
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
@@ -129,7 +157,7 @@ class MemoryTracker(TorchDispatchMode):
             for st in storages_of(t):
                 if st not in self._live and st.nbytes() > 0:
                     label = label or self._default_label(func)
-                    self._open(st, label)
+                    self._open(st, label, op=str(func))
         return out
 
     def _on_resize(self, st, size):
@@ -168,3 +196,42 @@ class MemoryTracker(TorchDispatchMode):
 
     def peak_breakdown(self) -> dict[str, int]:
         return self.breakdown_at(self.peak_time)
+
+    def peak_replacing(self, labels: set[str], layout) -> tuple[int, dict[str, int], str]:
+        """The peak over the recorded timeline when the bytes labelled `labels` are replaced by
+        `layout(phase, progress) -> {label: bytes}` (another library's state layout on the same
+        compute; progress runs 0 -> 1 through the phase): one sweep over births and deaths.
+        Returns (peak bytes, breakdown, phase)."""
+        events = []
+        for r in self.records:
+            events.append((r.born, r.nbytes, r.owner.label))
+            if r.died is not None:
+                events.append((r.died, -r.nbytes, r.owner.label))
+        events.sort(key=lambda e: e[0])
+        running: dict[str, int] = defaultdict(int)
+        phases, pi = self.phases, 0
+        best = (-1, {}, "")
+        i = 0
+        while i < len(events):
+            t = events[i][0]
+            while i < len(events) and events[i][0] == t:
+                running[events[i][2]] += events[i][1]
+                i += 1
+            while pi + 1 < len(phases) and phases[pi + 1][0] <= t:
+                pi += 1
+            if t < self._reset_clock:
+                continue
+            start = phases[pi][0]
+            end = phases[pi + 1][0] if pi + 1 < len(phases) else self.clock
+            parts = {c: running.get(c, 0) for c in CATEGORIES if c != "overhead" and c not in labels}
+            parts.update(layout(phases[pi][1], (t - start) / max(end - start, 1)))
+            total = sum(parts.values())
+            if total > best[0]:
+                best = (total, parts, phases[pi][1])
+        return best
+
+    def largest_at(self, time: int, n: int = 10) -> list[tuple[int, str, str, str]]:
+        """The n largest live storages at `time`: (bytes, label, op that made it, phase)."""
+        live = [r for r in self.records if r.born <= time and (r.died is None or r.died > time)]
+        live.sort(key=lambda r: -r.nbytes)
+        return [(r.nbytes, r.owner.label, r.op, r.phase) for r in live[:n]]

@@ -1,0 +1,57 @@
+"""Run a function on N local ranks (torch.multiprocessing, spawn) with torchrun's variables set,
+and collect what each returns. Used by measured estimates, benchmarks and the tests."""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, local_world, fn, args, out_dir, quiet):
+    import torch
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank % local_world),
+                      LOCAL_WORLD_SIZE=str(local_world), GROUP_RANK=str(rank // local_world))
+    if not torch.cuda.is_available():
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if quiet:
+        import warnings
+        warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+    path = os.path.join(out_dir, f"{rank}.pt")
+    try:
+        torch.save({"ok": fn(*args)}, path)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        torch.save({"error": f"{type(e).__name__}: {e}", "type": type(e).__name__,
+                    "tb": traceback.format_exc()}, path)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn, *args, local_world: int | None = None, quiet: bool = True) -> list:
+    """fn(*args) on `world` ranks (`local_world` per simulated node); the per-rank results in rank
+    order. A HybridError raised on the ranks is raised here with its message; anything else with
+    the rank's traceback."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from .errors import HybridError
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_entry, args=(world, free_port(), local_world or world, fn, args, out, quiet),
+                           nprocs=world, join=True, start_method="spawn")
+        results = [torch.load(os.path.join(out, f"{r}.pt"), weights_only=False) for r in range(world)]
+    for r, res in enumerate(results):
+        if "error" in res:
+            if res["type"] == "HybridError":
+                raise HybridError(res["error"].split(": ", 1)[1])
+            raise RuntimeError(f"rank {r} failed: {res['error']}\n{res['tb']}")
+    return [res["ok"] for res in results]

@@ -1,0 +1,97 @@
+"""Measured estimate: real training steps of the wrapped model on this machine's ranks.
+
+CPU: N gloo ranks spawned here, live tensor bytes tracked at the dispatcher (memory/tracker.py).
+CUDA: the same, plus torch.cuda.max_memory_allocated as the independent reference.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..catalogue import Strategy
+from ..cluster import Cluster
+from ..errors import HybridError
+from ..profile import ModelSource
+from ..spec import TrainSpec
+from .analytic import ALLOCATOR_HEADROOM, check_job
+from .breakdown import CATEGORIES, MemoryBreakdown
+
+MAX_LOCAL_RANKS = 8
+
+
+@dataclass(frozen=True)
+class Measured:
+    memory: MemoryBreakdown
+    """The rank with the largest peak."""
+    cuda_max_allocated: int | None
+    """torch.cuda.max_memory_allocated() of that rank (None on CPU)."""
+    implementation: str
+    seconds: float
+
+
+def _rank_main(ref, strategy, spec, cluster, shard_size, steps, prefer_hf):
+    import torch
+
+    from ..profile import resolve_model
+
+    from ..auto import prepare_for_training
+    from ..backends import apply
+    from ..mesh import build_mesh, init_distributed
+    from .driver import tracked_steps
+    from .traced import make_batch, optimizer_factory
+    from .tracker import MemoryTracker
+
+    source = resolve_model(ref)
+    runtime = init_distributed()
+    n = strategy.shard_size(cluster, shard_size)
+    mesh = build_mesh(n, runtime, cluster.gpus_per_node)
+    torch.manual_seed(runtime.rank)
+    dtype = torch.bfloat16 if spec.precision == "bf16" else None
+    tracker = MemoryTracker()
+    with tracker:
+        model, impl = source.build(device=runtime.device, attention=spec.attention, prefer_hf=prefer_hf, dtype=dtype)
+        prepare_for_training(model)
+        engine = apply(strategy, model, optimizer_factory(spec), mesh, spec, runtime)
+        tracker.relabel(list(model.parameters()), "params")
+        tracker.reset_peak()
+        if runtime.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        batch = make_batch(model, spec, source.profile.decoder.vocab if source.profile.decoder else None)
+        batch = {k: v.to(runtime.device) if hasattr(v, "to") else v for k, v in batch.items()}
+        tracked_steps(engine, batch, tracker, steps)
+    cuda_peak = torch.cuda.max_memory_allocated() if runtime.device.type == "cuda" else None
+    return tracker.peak_breakdown(), tracker.peak_phase, cuda_peak, impl
+
+
+def check_runnable(source: ModelSource, cluster: Cluster) -> None:
+    """A measured run needs a model to build and few enough ranks for this machine."""
+    import torch
+
+    if source.build is None or source.ref is None:
+        raise HybridError(f"{source.profile.name} is a bare parameter count: there is no model to run")
+    local = torch.cuda.device_count() if torch.cuda.is_available() else MAX_LOCAL_RANKS
+    if cluster.world_size > local:
+        raise HybridError(f"a measured estimate runs the job here, but world size {cluster.world_size} needs "
+                          f"more than the {local} local ranks this machine can run; use e.g. --nodes 1 "
+                          f"--gpus-per-node 2, or --method traced for the full-size job")
+
+
+def measured_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cluster,
+                      shard_size: int | None = None, steps: int = 2, prefer_hf: bool = True) -> Measured:
+    import torch
+
+    from ..launch import run_ranks
+
+    check_runnable(source, cluster)
+    check_job(source.profile, spec)
+    world = cluster.world_size
+    start = time.perf_counter()
+    results = run_ranks(world, _rank_main, source.ref, strategy, spec, cluster, shard_size, steps, prefer_hf,
+                        local_world=cluster.gpus_per_node)
+    parts, phase, cuda_peak, impl = max(results, key=lambda r: sum(r[0].values()))
+    tensors = sum(parts.values())
+    overhead = cluster.gpu.cuda_context_bytes + ALLOCATOR_HEADROOM * tensors
+    memory = MemoryBreakdown(**{c: int(parts[c]) for c in CATEGORIES if c != "overhead"},
+                             overhead=int(overhead), phase=phase)
+    return Measured(memory, cuda_peak, impl, time.perf_counter() - start)

@@ -1,0 +1,156 @@
+"""Traced estimate: one rank of the real job, simulated on this CPU with no memory allocated.
+
+A fake process group of the job's world size, FakeTensorMode (shapes and dtypes only), the real
+wrapping (FSDP2 on the job's 1D/2D mesh with its mixed precision and checkpointing; DDP's buckets
+emulated because its C++ reducer reads data; DeepSpeed as its FSDP2 equivalent plus its own state
+layout), and two real training steps on a batch of the job's shape. The peak of live tensors and
+what it is made of come from memory/tracker.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import time
+from dataclasses import dataclass
+
+from ..catalogue import Strategy
+from ..cluster import Cluster
+from ..errors import HybridError
+from ..profile import ModelSource
+from ..spec import TrainSpec
+from .analytic import ALLOCATOR_HEADROOM, _LAYOUTS, check_job
+from .breakdown import MemoryBreakdown
+
+
+@dataclass(frozen=True)
+class Traced:
+    memory: MemoryBreakdown
+    implementation: str
+    """Which code was traced: 'transformers' (the HF model of the preset), 'hybrid' (ours), 'factory'."""
+    seconds: float
+
+
+def optimizer_factory(spec: TrainSpec):
+    """The optimizer the estimate assumes, with CUDA's defaults (foreach) even on this CPU."""
+    import torch
+
+    if spec.optimizer == "sgd":
+        return lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, foreach=True)
+    if spec.optimizer == "adafactor":
+        return lambda ps: torch.optim.Adafactor(ps, lr=1e-3, foreach=True)
+    return lambda ps: torch.optim.AdamW(ps, lr=3e-4, foreach=True)
+
+
+def make_batch(model, spec: TrainSpec, vocab: int | None):
+    import torch
+
+    if hasattr(model, "example_inputs"):
+        return model.example_inputs(spec.micro_batch)
+    if vocab is None:
+        raise HybridError("a traced estimate needs the model's input: give a decoder (preset, config.json) "
+                          "or a model with an example_inputs(micro_batch) method")
+    ids = torch.randint(0, vocab, (spec.micro_batch, spec.seq_len))
+    return {"input_ids": ids, "labels": ids}
+
+
+@contextlib.contextmanager
+def _unpacked_batches():
+    """transformers decides from the position ids' *values* whether sequences are packed, and so
+    whether SDPA may run its causal flash path without a mask (and with GQA kept). Fake tensors
+    have no values, so it would materialise a mask a real unpacked batch never gets; answer for it."""
+    try:
+        import transformers.masking_utils as mu
+    except ImportError:
+        yield
+        return
+    original = mu.find_packed_sequence_indices
+    mu.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        mu.find_packed_sequence_indices = original
+
+
+def check_traceable(source: ModelSource) -> None:
+    if source.build is None:
+        raise HybridError(f"{source.profile.name} is a bare parameter count: there is nothing to trace. "
+                          "Use --method analytic, or give a preset / config.json / factory")
+
+
+def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cluster,
+                    shard_size: int | None = None, prefer_hf: bool = True, steps: int = 2) -> Traced:
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ..auto import prepare_for_training
+    from ..mesh import Runtime, build_mesh
+    from .driver import tracked_steps
+    from .tracker import MemoryTracker
+
+    check_traceable(source)
+    if dist.is_initialized():
+        raise HybridError("a traced estimate starts its own fake process group; run it outside a "
+                          "distributed job (e.g. from the CLI)")
+    check_job(source.profile, spec)
+    n = strategy.shard_size(cluster, shard_size)
+    _LAYOUTS[strategy.family](strategy, source.profile, spec, n, cluster)  # NotApplicable, before tracing
+    start = time.perf_counter()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cluster.world_size)
+    try:
+        runtime = Runtime(torch.device("cpu"), "fake", cluster.world_size, 0, cluster.gpus_per_node)
+        mesh = build_mesh(n, runtime, cluster.gpus_per_node)        # outside fake mode: real ints
+        backend = importlib.import_module(f"..backends.{strategy.family}", __package__)
+        dtype = torch.bfloat16 if spec.precision == "bf16" else None
+        with FakeTensorMode(allow_non_fake_inputs=True), _unpacked_batches():
+            tracker = MemoryTracker()
+            with tracker:
+                model, impl = source.build(device="cpu", attention=spec.attention, prefer_hf=prefer_hf,
+                                           dtype=dtype)
+                prepare_for_training(model)
+                engine = backend.traced_apply(strategy, model, optimizer_factory(spec), mesh, spec, runtime)
+                tracker.relabel(list(model.parameters()), "params")
+                tracker.reset_peak()               # building the full model is not part of a step
+                batch = make_batch(model, spec, source.profile.decoder.vocab if source.profile.decoder else None)
+                tracked_steps(engine, batch, tracker, steps)
+    finally:
+        dist.destroy_process_group()
+    memory = _account(tracker, strategy, source, spec, cluster, n)
+    return Traced(memory, impl, time.perf_counter() - start)
+
+
+def _account(tracker, strategy: Strategy, source: ModelSource, spec: TrainSpec, cluster: Cluster,
+             n: int) -> MemoryBreakdown:
+    """The tracer's bytes; where the traced proxy holds its state differently from the real
+    strategy (host offload; DeepSpeed's partitions and buckets), that state is replaced along the
+    whole timeline by the real strategy's layout and the peak is taken again."""
+    notes, cpu = [], 0
+    if strategy.family == "deepspeed" or strategy.offload:
+        lay = _LAYOUTS[strategy.family](strategy, source.profile, spec, n, cluster)
+        replaced = {"params", "grads", "optimizer"} | ({"buffers"} if strategy.family == "deepspeed" else set())
+
+        def layout(phase: str, progress: float) -> dict:
+            if phase == "step":
+                out = dict(grads=lay.grads_end + lay.grads_step, buffers=lay.buffers_step)
+            elif phase == "blocks":          # gradients arrive block by block
+                out = dict(grads=lay.grads_start + progress * (lay.grads_end - lay.grads_start),
+                           buffers=lay.buffers_mid)
+            else:                            # forward, head, loss
+                out = dict(grads=lay.grads_start, buffers=lay.buffers_start)
+            out.update(params=lay.params, optimizer=lay.optimizer)
+            return {k: v for k, v in out.items() if k in replaced}
+
+        _, parts, phase = tracker.peak_replacing(replaced, layout)
+        cpu = lay.cpu
+        what = "DeepSpeed's partitions and buckets" if strategy.family == "deepspeed" else "host offload"
+        notes.append(f"{strategy.name}: traced as {'its FSDP2 equivalent' if strategy.family == 'deepspeed' else 'fsdp'}"
+                     f", with {what} in place of the traced state")
+    else:
+        parts, phase = tracker.peak_breakdown(), tracker.peak_phase
+    tensors = sum(parts.values())
+    overhead = cluster.gpu.cuda_context_bytes + ALLOCATOR_HEADROOM * tensors
+    return MemoryBreakdown(params=int(parts["params"]), grads=int(parts["grads"]),
+                           optimizer=int(parts["optimizer"]), activations=int(parts["activations"]),
+                           temporaries=int(parts["temporaries"]), buffers=int(parts["buffers"]),
+                           overhead=int(overhead), cpu=int(cpu), phase=phase, notes=tuple(notes))
