@@ -1,6 +1,7 @@
 """auto_wrap: profile -> estimate every candidate -> choose -> mesh -> backend -> Wrapped."""
 from __future__ import annotations
 
+import dataclasses
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -11,7 +12,7 @@ from .catalogue import get_strategy, load_catalogue
 from .cluster import Cluster, detect
 from .errors import HybridError
 from .mesh import build_mesh, init_distributed
-from .planner import judge, plan as make_plan, Plan
+from .planner import plan as make_plan
 from .profile import profile_module
 from .spec import TrainSpec
 from .wrapped import Wrapped
@@ -44,15 +45,16 @@ def default_precision(runtime) -> str:
 
 def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len: int | None = None,
               strategy: str = "auto", precision: str | None = None, cluster: Cluster | None = None,
-              activation_checkpointing: str = "none", attention: str = "sdpa",
+              activation_checkpointing: str | None = None, attention: str = "sdpa",
               shard_size: int | None = None, gpu_memory: str | int | None = None,
               strategies_dir: tuple[str, ...] = (), verbose: bool = True) -> Wrapped:
     """Wrap `model` for data-parallel training on the current process group (started here from
     torchrun's variables if needed, nccl+cuda or gloo+cpu).
 
     optimizer   callable(params) -> torch optimizer (default AdamW lr 3e-4)
-    strategy    "auto" (the simplest catalogue strategy that fits), or a catalogue name to force
+    strategy    "auto" (the fastest candidate that fits), or a catalogue name to force
     precision   fp32 | bf16-mixed | bf16 (default bf16-mixed where the GPU supports it, else fp32)
+    activation_checkpointing  none | selective | full; default: the planner chooses
     cluster     the cluster spec to plan against (default: detected; must match the world size)
     gpu_memory  override the per-GPU capacity (e.g. "8GiB") for planning
     """
@@ -73,18 +75,27 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
     mp = profile.max_positions
     spec = TrainSpec(micro_batch=micro_batch, seq_len=seq_len or min(mp or 2048, 4096),
                      precision=precision or default_precision(runtime), optimizer=optimizer_kind(optimizer),
-                     activation_checkpointing=activation_checkpointing, attention=attention)
+                     activation_checkpointing=activation_checkpointing or "none", attention=attention)
     catalogue = load_catalogue(strategies_dir)
+    search = activation_checkpointing is None
     if strategy == "auto":
-        the_plan = make_plan(profile, spec, cluster, catalogue, shard_size)
+        the_plan = make_plan(profile, spec, cluster, catalogue, shard_size, search_checkpointing=search)
         if the_plan.chosen is None:
-            raise HybridError(f"no strategy fits {profile.name} in {cluster.describe()}:\n"
-                              + "\n".join(f"  {c.name}: {c.reason}" for c in the_plan.candidates))
+            fixes = "; ".join(the_plan.suggestions) or "none found"
+            raise HybridError(f"no strategy fits {profile.name} in {cluster.describe()}. Smallest changes that "
+                              f"would: {fixes}. Run `hybrid plan` for every candidate and why it was rejected")
     else:
-        cand = judge(get_strategy(strategy, catalogue), profile, spec, cluster, shard_size)
-        if cand.memory is None:
-            raise HybridError(f"strategy {strategy!r} cannot run this job: {cand.reason}")
-        the_plan = Plan(profile, cluster, spec, (cand,), cand)
+        get_strategy(strategy, catalogue)
+        the_plan = make_plan(profile, spec, cluster, catalogue, shard_size, strategies=[strategy],
+                             search_checkpointing=search, search_shards=False)
+        if the_plan.chosen is None:      # forced: run the least memory-hungry variant anyway
+            usable = [c for c in the_plan.candidates if c.memory is not None]
+            if not usable:
+                raise HybridError(f"strategy {strategy!r} cannot run this job: {the_plan.candidates[0].reason}")
+            chosen = min(usable, key=lambda c: c.memory.total)
+            the_plan = dataclasses.replace(the_plan, chosen=chosen)
+            if runtime.rank == 0:
+                print(f"hybrid: warning: {strategy} is forced but {chosen.reason}", flush=True)
     chosen = _agree(the_plan.chosen, runtime)
     mesh = build_mesh(chosen.shard_size, runtime, cluster.gpus_per_node)
     engine = apply(chosen.strategy, model, optimizer, mesh, chosen.spec, runtime)

@@ -168,10 +168,14 @@ def validate_shard_size(n: int, world: int, per_node: int) -> None:
                           f"({per_node} GPUs each); valid sizes: {_divisors(world, per_node)}")
 
 
+def valid_shard_sizes(world: int, per_node: int) -> list[int]:
+    """Shard sizes that divide the world and keep groups inside a node or on whole nodes."""
+    return [n for n in range(1, world + 1) if world % n == 0
+            and ((n <= per_node and per_node % n == 0) or (n > per_node and n % per_node == 0))]
+
+
 def _divisors(world: int, per_node: int) -> str:
-    ok = [n for n in range(1, world + 1) if world % n == 0
-          and ((n <= per_node and per_node % n == 0) or (n > per_node and n % per_node == 0))]
-    return ", ".join(map(str, ok))
+    return ", ".join(map(str, valid_shard_sizes(world, per_node)))
 
 
 # --- loading ---------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""`hybrid estimate | plan | ...`: parse, call, print. Bad input exits 2 with one clear line."""
+"""`hybrid estimate | plan | compare | measure | demo | export`: parse, call, print.
+Bad input exits 2 with one line that names the value and the fix."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +10,7 @@ import sys
 from .errors import HybridError
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
     p.add_argument("model", nargs="?", help="preset name, HF config.json (or its folder), "
                    "package.module:factory; omit with --params")
     p.add_argument("--params", help="bare parameter count (e.g. 7.5e9): model states only")
@@ -18,21 +19,25 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per machine (default 8)")
     g.add_argument("--gpu", default="h100-80gb", help="GPU model from the catalogue (default h100-80gb)")
     g.add_argument("--gpu-memory", help="override the GPU's memory, e.g. 80GiB or 40GB")
+    g.add_argument("--host-memory", help="override a node's host memory (offload), e.g. 1TiB")
     t = p.add_argument_group("training step")
     t.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per step (default 1)")
     t.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's maximum, at most 4096)")
     t.add_argument("--precision", default="bf16-mixed", help="fp32 | bf16-mixed | bf16 (default bf16-mixed)")
     t.add_argument("--optimizer", default="adamw", help="adamw | sgd | adafactor (default adamw)")
-    t.add_argument("--activation-checkpointing", default="none", help="none | selective | full (default none)")
+    t.add_argument("--activation-checkpointing", default=None,
+                   help="none | selective | full (default: " + ("the planner tries all three" if search else "none") + ")")
     t.add_argument("--attention", default="sdpa", help="sdpa (flash) | eager (default sdpa)")
-    t.add_argument("--shard-size", type=int, help="ranks per shard group for hsdp (default: GPUs per node)")
-    o = p.add_argument_group("output")
+    t.add_argument("--shard-size", type=int, help="ranks per shard group for hsdp (default: every valid size)")
+    o = p.add_argument_group("method and output")
     o.add_argument("--method", default="analytic",
                    help="analytic (closed form, instant; default) | traced (simulate one rank of the real job "
                         "with fake tensors, seconds per strategy) | measured (run it here on local ranks)")
     o.add_argument("--implementation", default="auto",
                    help="what traced/measured runs for a preset: auto (transformers when installed, else "
                         "ours) | transformers | hybrid")
+    o.add_argument("--efficiency", type=float, default=None,
+                   help="fraction of peak FLOP/s the cost model assumes (default 0.45)")
     o.add_argument("--strategies-dir", action="append", default=[], help="extra catalogue directory (repeatable)")
     o.add_argument("--json", action="store_true", help="print the JSON contract instead of a table")
 
@@ -43,15 +48,17 @@ def _job(args):
     from .spec import TrainSpec
 
     src = resolve_model(args.model, args.params)
-    cluster = Cluster.build(args.nodes, args.gpus_per_node, args.gpu, args.gpu_memory)
+    cluster = Cluster.build(args.nodes, args.gpus_per_node, args.gpu, args.gpu_memory, args.host_memory)
     seq = args.seq_len if args.seq_len is not None else min(4096, src.profile.max_positions or 2048)
     spec = TrainSpec(micro_batch=args.micro_batch, seq_len=seq, precision=args.precision,
-                     optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing,
+                     optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing or "none",
                      attention=args.attention)
     if args.method not in ("analytic", "traced", "measured"):
         raise HybridError(f"unknown method {args.method!r}. Available: analytic, traced, measured")
     if args.implementation not in ("auto", "transformers", "hybrid"):
         raise HybridError(f"unknown implementation {args.implementation!r}. Available: auto, transformers, hybrid")
+    if args.efficiency is not None and not 0 < args.efficiency <= 1:
+        raise HybridError(f"--efficiency must be in (0, 1], got {args.efficiency}")
     return src, cluster, spec
 
 
@@ -86,27 +93,58 @@ def _estimator(args, src, cluster):
     return estimator
 
 
-def cmd_estimate(args) -> int:
+def _plan(args, strategies=None, search=False):
+    """search: let the planner try every shard size and checkpointing setting (plan); else one
+    candidate per strategy at its default shard size and the given checkpointing."""
     from .catalogue import get_strategy, load_catalogue
-    from .planner import format_plan, plan
+    from .cost import EFFICIENCY
+    from .planner import plan
 
     src, cluster, spec = _job(args)
     cat = load_catalogue(args.strategies_dir)
-    get_strategy(args.strategy, cat)
-    p = plan(src.profile, spec, cluster, cat, args.shard_size, strategies=[args.strategy],
-             estimator=_estimator(args, src, cluster), method=args.method)
-    print(json.dumps(p.to_dict(), indent=2) if args.json else format_plan(p, choose=False))
+    for name in strategies or ():
+        get_strategy(name, cat)
+    return plan(src.profile, spec, cluster, cat, args.shard_size, strategies=strategies,
+                estimator=_estimator(args, src, cluster), method=args.method,
+                search_checkpointing=search and args.activation_checkpointing is None and args.method == "analytic",
+                efficiency=args.efficiency or EFFICIENCY, search_shards=search), src
+
+
+def cmd_estimate(args) -> int:
+    from .report import format_estimate
+
+    p, _ = _plan(args, [args.strategy])
+    print(json.dumps(p.to_dict(), indent=2) if args.json else format_estimate(p))
     return 0
 
 
 def cmd_plan(args) -> int:
-    from .catalogue import load_catalogue
-    from .planner import format_plan, plan
+    from .report import format_plan
 
-    src, cluster, spec = _job(args)
-    p = plan(src.profile, spec, cluster, load_catalogue(args.strategies_dir), args.shard_size,
-             estimator=_estimator(args, src, cluster), method=args.method)
+    p, src = _plan(args, args.strategy and [args.strategy], search=True)
+    if args.emit:
+        from .emit import emit
+        text = emit(args.emit, p, src.profile, args.strategy)
+        if args.output:
+            with open(args.output, "w") as f:
+                f.write(text)
+            print(f"hybrid: wrote {args.emit} settings to {args.output}", file=sys.stderr)
+        else:
+            print(text)
+        return 0
     print(json.dumps(p.to_dict(), indent=2) if args.json else format_plan(p))
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from .report import format_compare, plot_compare
+
+    names = [s.strip() for s in args.strategies.split(",")] if args.strategies else None
+    p, _ = _plan(args, names)
+    print(json.dumps(p.to_dict(), indent=2) if args.json else format_compare(p))
+    if args.plot:
+        plot_compare(p, args.plot)
+        print(f"hybrid: wrote {args.plot}", file=sys.stderr)
     return 0
 
 
@@ -118,9 +156,18 @@ def build_parser() -> argparse.ArgumentParser:
     _common(e)
     e.add_argument("--strategy", required=True, help="catalogue name (see `hybrid plan`)")
     e.set_defaults(func=cmd_estimate)
-    p = sub.add_parser("plan", help="every strategy side by side, and the choice")
-    _common(p)
+    p = sub.add_parser("plan", help="every candidate ranked by predicted speed, and the choice")
+    _common(p, search=True)
+    p.add_argument("--strategy", help="only this catalogue strategy (its shard sizes and checkpointing)")
+    p.add_argument("--emit", choices=("deepspeed", "fsdp"),
+                   help="write the chosen (or --strategy) DeepSpeed JSON config / FSDP2 YAML settings")
+    p.add_argument("--output", "-o", help="file for --emit (default: stdout)")
     p.set_defaults(func=cmd_plan)
+    c = sub.add_parser("compare", help="memory by category for each strategy side by side, and a plot")
+    _common(c)
+    c.add_argument("--strategies", help="comma-separated catalogue names (default: all)")
+    c.add_argument("--plot", help="write stacked memory bars and throughput to this PNG")
+    c.set_defaults(func=cmd_compare)
     m = sub.add_parser("measure", help="run real steps of one strategy on this machine's ranks and "
                        "report the measured peak (estimate --method measured)")
     _common(m)

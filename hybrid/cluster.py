@@ -28,6 +28,14 @@ class GPUSpec:
     ~0.5-1 GiB on Ampere/Hopper with CUDA 12 (nvidia-smi minus torch.cuda.memory_reserved);
     we take the upper end. 0 for the CPU."""
     is_cuda: bool = True
+    mem_bw: float = 2.0e12
+    """Device memory bandwidth, bytes/s (datasheets: A100-40 1.56 TB/s, A100-80 2.04, H100 SXM
+    3.35, H200 4.8, L40S 0.86): prices the copies in and out of communication buffers."""
+    host_memory_bytes: int = 2048 * GiB
+    """Host (CPU) memory of one node, shared by its ranks; bounds what offload can hold."""
+    comm_overlap: float = 1.0
+    """Fraction of a phase's compute that collectives can hide behind: 1.0 on GPUs (NCCL runs on
+    its own streams), 0 for CPU ranks on gloo (they share the cores that compute)."""
 
     def __post_init__(self):
         if self.memory_bytes <= 0:
@@ -39,14 +47,15 @@ class GPUSpec:
 # one direction); L40S has no NVLink: PCIe Gen4 x16, 32 GB/s per direction.
 # Network: one NIC per GPU as in DGX/HGX reference designs: HDR 200 Gb/s (25 GB/s) for A100,
 # NDR 400 Gb/s (50 GB/s) for H100/H200; L40S servers typically share 2x200 Gb/s per 8 GPUs.
+# Host memory per node: DGX A100 1 TB, DGX H100/H200 2 TB; a typical 8 x L40S server 1 TB.
 GPUS: dict[str, GPUSpec] = {
     g.name: g
     for g in (
-        GPUSpec("a100-40gb", 40960 * MiB, 312e12, 300 * GB, 25 * GB),
-        GPUSpec("a100-80gb", 81920 * MiB, 312e12, 300 * GB, 25 * GB),
-        GPUSpec("h100-80gb", 81559 * MiB, 989e12, 450 * GB, 50 * GB),
-        GPUSpec("h200-141gb", 143771 * MiB, 989e12, 450 * GB, 50 * GB),
-        GPUSpec("l40s-48gb", 46068 * MiB, 362e12, 32 * GB, 6.25 * GB),
+        GPUSpec("a100-40gb", 40960 * MiB, 312e12, 300 * GB, 25 * GB, mem_bw=1.56e12, host_memory_bytes=1024 * GiB),
+        GPUSpec("a100-80gb", 81920 * MiB, 312e12, 300 * GB, 25 * GB, mem_bw=2.04e12, host_memory_bytes=1024 * GiB),
+        GPUSpec("h100-80gb", 81559 * MiB, 989e12, 450 * GB, 50 * GB, mem_bw=3.35e12, host_memory_bytes=2048 * GiB),
+        GPUSpec("h200-141gb", 143771 * MiB, 989e12, 450 * GB, 50 * GB, mem_bw=4.8e12, host_memory_bytes=2048 * GiB),
+        GPUSpec("l40s-48gb", 46068 * MiB, 362e12, 32 * GB, 6.25 * GB, mem_bw=0.86e12, host_memory_bytes=1024 * GiB),
     )
 }
 
@@ -83,13 +92,19 @@ class Cluster:
     def capacity_bytes(self) -> int:
         return self.gpu.memory_bytes
 
+    @property
+    def host_bytes_per_rank(self) -> int:
+        return self.gpu.host_memory_bytes // self.gpus_per_node
+
     @classmethod
     def build(cls, nodes: int = 1, gpus_per_node: int = 8, gpu: str | GPUSpec = "h100-80gb",
-              gpu_memory: str | int | None = None) -> "Cluster":
+              gpu_memory: str | int | None = None, host_memory: str | int | None = None) -> "Cluster":
         """The boundary constructor: names and memory strings in, validated Cluster out."""
         spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
         if gpu_memory is not None:
             spec = replace(spec, memory_bytes=parse_bytes(gpu_memory))
+        if host_memory is not None:
+            spec = replace(spec, host_memory_bytes=parse_bytes(host_memory))
         return cls(nodes=nodes, gpus_per_node=gpus_per_node, gpu=spec)
 
     def describe(self) -> str:
@@ -111,11 +126,13 @@ def detect(gpu_memory: str | int | None = None) -> Cluster:
         raise HybridError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}")
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        spec = _match_cuda(props.name, props.total_memory)
+        spec = replace(_match_cuda(props.name, props.total_memory),
+                       host_memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     else:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         # Host memory shared by the local ranks; no CUDA context. Loopback gloo ~ a few GB/s.
-        spec = GPUSpec("cpu", total // local, 1e11, 5 * GB, 5 * GB, cuda_context_bytes=0, is_cuda=False)
+        spec = GPUSpec("cpu", total // local, 1e11, 5 * GB, 5 * GB, cuda_context_bytes=0, is_cuda=False,
+                       mem_bw=10 * GB, host_memory_bytes=total, comm_overlap=0.0)
     if gpu_memory is not None:
         spec = replace(spec, memory_bytes=parse_bytes(gpu_memory))
     return Cluster(nodes=world // local, gpus_per_node=local, gpu=spec)

@@ -1,10 +1,17 @@
-"""Every catalogue strategy against the cluster: memory per GPU, fits or not, and a choice."""
+"""Candidates from the catalogue, the memory filter, the cost model, and the choice with reasons.
+
+A candidate is a preset at one shard size and one activation-checkpointing setting. It fits when
+its estimated per-GPU total (overhead included) is within the GPU's capacity; among those that fit
+the fastest wins, and near-ties (within TIE) go to the simpler one. When nothing fits, `suggest`
+finds the smallest change that would make something fit.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from .catalogue import Strategy, load_catalogue
-from .cluster import Cluster
+from .catalogue import Strategy, load_catalogue, valid_shard_sizes
+from .cluster import GPUS, Cluster
+from .cost import EFFICIENCY, StepCost, step_cost
 from .errors import HybridError
 from .memory.analytic import NotApplicable, check_job, estimate
 from .memory.breakdown import MemoryBreakdown
@@ -12,10 +19,14 @@ from .profile import ModelProfile
 from .spec import TrainSpec
 from .units import fmt_bytes
 
+TIE = 0.02
+"""Predicted step times within 2% are a tie, broken by simplicity (the cost model is not finer)."""
+CKPT_ORDER = {"none": 0, "selective": 1, "full": 2}
+
 
 @dataclass(frozen=True)
 class Candidate:
-    """One strategy at one shard size and checkpointing choice, with its estimate."""
+    """One strategy at one shard size and checkpointing choice, with its estimates."""
 
     strategy: Strategy
     shard_size: int
@@ -24,6 +35,7 @@ class Candidate:
     """None when the strategy cannot run this job at all (see reason)."""
     fits: bool
     reason: str
+    cost: StepCost | None = None
 
     @property
     def name(self) -> str:
@@ -33,6 +45,9 @@ class Candidate:
     def label(self) -> str:
         ckpt = self.spec.activation_checkpointing
         return self.name + ("" if ckpt == "none" else f"+ac:{ckpt}")
+
+    def simplicity(self) -> tuple:
+        return (self.strategy.rank(), CKPT_ORDER[self.spec.activation_checkpointing], -self.shard_size)
 
     def to_dict(self) -> dict:
         m = self.memory
@@ -44,6 +59,7 @@ class Candidate:
             "model_states": m.model_states if m else None,
             "phase": m.phase if m else None,
             "fits": self.fits, "reason": self.reason,
+            **(self.cost.to_dict() if self.cost else {}),
             "notes": list(m.notes) if m else [],
         }
 
@@ -56,24 +72,30 @@ class Plan:
     candidates: tuple[Candidate, ...]
     chosen: Candidate | None
     method: str = "analytic"
+    suggestions: tuple[str, ...] = ()
+    """When nothing fits: the smallest changes that would make something fit."""
 
     def to_dict(self) -> dict:
         """The JSON contract shared by `hybrid estimate` and `hybrid plan` (see README)."""
+        c = self.chosen
         return {
             "model": self.model.name, "params": self.model.params, "world_size": self.cluster.world_size,
             "capacity_bytes": self.cluster.capacity_bytes,
-            "chosen": self.chosen.name if self.chosen else None,
+            "chosen": c.name if c else None,
+            "chosen_candidate": ({"name": c.name, "shard_size": c.shard_size,
+                                  "activation_checkpointing": c.spec.activation_checkpointing} if c else None),
             "method": self.method, "gpu": self.cluster.gpu.name, "nodes": self.cluster.nodes,
             "gpus_per_node": self.cluster.gpus_per_node, "spec": self.spec.to_dict(),
-            "strategies": [c.to_dict() for c in self.candidates],
+            "strategies": [x.to_dict() for x in self.candidates],
+            "suggestions": list(self.suggestions),
         }
 
 
 def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
-          shard_size: int | None = None, estimator=None) -> Candidate:
-    """Estimate one strategy and say whether and why it fits. `estimator(strategy, spec, n)`
-    replaces the analytic model (traced, measured); the analytic one still rules out strategies
-    that cannot run the job at all, before anything expensive runs."""
+          shard_size: int | None = None, estimator=None, efficiency: float = EFFICIENCY) -> Candidate:
+    """Estimate one candidate and say whether and why it fits. `estimator(strategy, spec, n)`
+    replaces the analytic memory model (traced, measured); the analytic one still rules out
+    strategies that cannot run the job at all, before anything expensive runs."""
     n = strategy.shard_size(cluster, shard_size)
     try:
         m = estimate(strategy, profile, spec, cluster, n)
@@ -81,20 +103,62 @@ def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: C
             m = estimator(strategy, spec, n)
     except NotApplicable as e:
         return Candidate(strategy, n, spec, None, False, f"not applicable: {e}")
-    cap = cluster.capacity_bytes
-    if m.total <= cap:
-        why = f"fits: {fmt_bytes(m.total)} of {fmt_bytes(cap)}, largest {m.describe_largest()}"
-    else:
+    cost = step_cost(strategy, profile, spec, cluster, n, efficiency)
+    cap, host = cluster.capacity_bytes, cluster.host_bytes_per_rank
+    fits = m.total <= cap and m.cpu <= host
+    if m.total > cap:
         why = f"needs {fmt_bytes(m.total)} > {fmt_bytes(cap)}: {m.describe_largest()}"
+    elif m.cpu > host:
+        why = (f"needs {fmt_bytes(m.cpu)} of host memory per rank > {fmt_bytes(host)} "
+               f"({fmt_bytes(cluster.gpu.host_memory_bytes)} per node / {cluster.gpus_per_node} ranks)")
+    else:
+        why = f"fits: {fmt_bytes(m.total)} of {fmt_bytes(cap)}, largest {m.describe_largest()}"
+        if m.cpu:
+            why += f"; host {fmt_bytes(m.cpu)} of {fmt_bytes(host)} per rank"
     if m.activations is None:
         why += " (activations unknown)"
-    return Candidate(strategy, n, spec, m, m.total <= cap, why)
+    return Candidate(strategy, n, spec, m, fits, why, cost)
+
+
+def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, spec: TrainSpec,
+                         cluster: Cluster, names: list[str], shard_size: int | None,
+                         search_checkpointing: bool, search_shards: bool = True) -> list[tuple[Strategy, int, TrainSpec]]:
+    """Every preset x its shard sizes (a free-shard preset: every valid size between 1 and the
+    world; --shard-size pins it) x checkpointing {none, selective, full} when it can apply."""
+    can_ckpt = profile.num_blocks > 0 and (profile.decoder is not None or profile.activation_bytes_per_sample)
+    ckpts = list(CKPT_ORDER) if search_checkpointing and can_ckpt else [spec.activation_checkpointing]
+    out = []
+    for name in names:
+        s = catalogue[name]
+        if s.shard_is_free and shard_size is None and search_shards:
+            default = s.shard_size(cluster)
+            sizes = sorted({default, *(n for n in valid_shard_sizes(cluster.world_size, cluster.gpus_per_node)
+                                       if 1 < n < cluster.world_size)})
+        else:
+            sizes = [s.shard_size(cluster, shard_size)]
+        for n in sizes:
+            for ac in ckpts:
+                out.append((s, n, replace(spec, activation_checkpointing=ac)))
+    return out
+
+
+def choose(cands) -> Candidate | None:
+    """The fastest candidate that fits; near-ties (TIE) go to the simpler one."""
+    fitting = [c for c in cands if c.fits]
+    if not fitting:
+        return None
+    best = min(c.cost.seconds for c in fitting)
+    close = [c for c in fitting if c.cost.seconds <= best * (1 + TIE)]
+    return min(close, key=lambda c: (c.simplicity(), c.cost.seconds))
 
 
 def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
          catalogue: dict[str, Strategy] | None = None, shard_size: int | None = None,
-         strategies: list[str] | None = None, estimator=None, method: str = "analytic") -> Plan:
-    """Judge every strategy; choose the simplest one that fits (lowest catalogue rank)."""
+         strategies: list[str] | None = None, estimator=None, method: str = "analytic",
+         search_checkpointing: bool = False, efficiency: float = EFFICIENCY,
+         suggest_fixes: bool = True, search_shards: bool = True) -> Plan:
+    """Judge every candidate and choose. With search_checkpointing the planner also tries each
+    activation-checkpointing setting (the spec's own is otherwise kept)."""
     check_job(profile, spec)
     cat = catalogue if catalogue is not None else load_catalogue()
     names = strategies or list(cat)
@@ -104,43 +168,62 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
     if shard_size is not None and not any(cat[n].shard_is_free for n in names):
         raise HybridError("--shard-size applies to strategies with a free shard size (hsdp); "
                           f"none of {', '.join(names)} has one")
-    cands = tuple(judge(cat[n], profile, spec, cluster, shard_size, estimator) for n in names)
-    fitting = [c for c in cands if c.fits]
-    chosen = min(fitting, key=lambda c: c.strategy.rank()) if fitting else None
-    return Plan(profile, cluster, spec, cands, chosen, method)
+    # an expensive estimator (traced, measured) runs once per preset, not per shard size
+    todo = enumerate_candidates(cat, profile, spec, cluster, names, shard_size, search_checkpointing,
+                                search_shards=search_shards and estimator is None)
+    cands = [judge(s, profile, sp, cluster, n, estimator, efficiency) for s, n, sp in todo]
+    chosen = choose(cands)
+    order = sorted(cands, key=lambda c: (not c.fits, c.memory is None,
+                                         c.cost.seconds if c.fits else (c.memory.total if c.memory else 0)))
+    fixes = ()
+    if chosen is None and suggest_fixes and estimator is None:
+        fixes = tuple(suggest(profile, spec, cluster, cat, names, search_checkpointing, efficiency))
+    return Plan(profile, cluster, spec, tuple(order), chosen, method, fixes)
 
 
-def format_table(p: Plan) -> str:
-    cols = ("params", "grads", "optimizer", "activations", "temporaries", "buffers", "overhead", "total")
-    head = f"{'strategy':<22}{'shard':>6}" + "".join(f"{c[:11]:>12}" for c in cols) + "  fits  note"
-    lines = [head, "-" * len(head)]
-    for c in p.candidates:
-        mark = "*" if p.chosen is c else " "
-        if c.memory is None:
-            lines.append(f"{mark}{c.label:<21}{c.shard_size:>6}" + f"{'-':>12}" * len(cols) + f"  {'n/a':>4}  {c.reason}")
-            continue
-        vals = "".join(f"{fmt_bytes(getattr(c.memory, k) if k != 'total' else c.memory.total):>12}" for k in cols)
-        note = c.memory.describe_largest() if c.fits else c.reason.split(": ", 1)[1] if ": " in c.reason else c.reason
-        lines.append(f"{mark}{c.label:<21}{c.shard_size:>6}{vals}  {'yes' if c.fits else 'no':>4}  {note}")
-    return "\n".join(lines)
+def _fits_with(profile, spec, cluster, cat, names, search_checkpointing, efficiency) -> Candidate | None:
+    try:
+        check_job(profile, spec)
+    except HybridError:
+        return None
+    todo = enumerate_candidates(cat, profile, spec, cluster, names, None, search_checkpointing)
+    return choose([judge(s, profile, sp, cluster, n, None, efficiency) for s, n, sp in todo])
 
 
-def format_plan(p: Plan, choose: bool = True) -> str:
-    """The comparison table and the decision; choose=False for a single strategy's estimate."""
-    s = p.spec
-    out = [f"model {p.model.name}: {p.model.params:,} params; micro-batch {s.micro_batch} x seq {s.seq_len}, "
-           f"{s.precision}, {s.optimizer}, activation checkpointing {s.activation_checkpointing}, "
-           f"attention {s.attention}",
-           f"cluster {p.cluster.describe()}; method {p.method}", "", format_table(p), ""]
-    if not choose:
-        c = p.candidates[0]
-        out.append(f"{c.label} (shard size {c.shard_size}): {c.reason}")
-    elif p.chosen:
-        out.append(f"chosen: {p.chosen.label} (shard size {p.chosen.shard_size}), the simplest strategy that "
-                   f"fits; {p.chosen.reason}")
-    else:
-        out.append(f"nothing fits in {fmt_bytes(p.cluster.capacity_bytes)} per GPU")
-    notes = sorted({n for c in p.candidates if c.memory for n in c.memory.notes})
-    out += [f"note: {n}" for n in notes]
-    return "\n".join(out)
-
+def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[str, Strategy],
+            names: list[str], search_checkpointing: bool, efficiency: float = EFFICIENCY) -> list[str]:
+    """The smallest change along each axis that makes some candidate fit."""
+    out = []
+    args = (cat, names, True, efficiency)
+    if not search_checkpointing and spec.activation_checkpointing != "full":
+        for ac in ("selective", "full"):
+            c = _fits_with(profile, replace(spec, activation_checkpointing=ac), cluster, *args)
+            if c:
+                out.append(f"--activation-checkpointing {ac} ({c.label}: {fmt_bytes(c.memory.total)})")
+                break
+    nodes = cluster.nodes
+    while nodes < 4096:
+        nodes *= 2
+        c = _fits_with(profile, spec, replace(cluster, nodes=nodes), *args)
+        if c:
+            out.append(f"--nodes {nodes} ({c.label} x{c.shard_size}: {fmt_bytes(c.memory.total)} per GPU)")
+            break
+    if profile.decoder is not None:
+        seq = spec.seq_len
+        while seq > 128:
+            seq //= 2
+            c = _fits_with(profile, replace(spec, seq_len=seq), cluster, *args)
+            if c:
+                out.append(f"--seq-len {seq} ({c.label}: {fmt_bytes(c.memory.total)})")
+                break
+    if spec.micro_batch > 1:
+        c = _fits_with(profile, replace(spec, micro_batch=1), cluster, *args)
+        if c:
+            out.append(f"--micro-batch 1 ({c.label}: {fmt_bytes(c.memory.total)})")
+    for gpu in sorted(GPUS.values(), key=lambda g: g.memory_bytes):
+        if gpu.memory_bytes > cluster.gpu.memory_bytes:
+            c = _fits_with(profile, spec, replace(cluster, gpu=gpu), *args)
+            if c:
+                out.append(f"--gpu {gpu.name} ({c.label}: {fmt_bytes(c.memory.total)})")
+                break
+    return out

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from .backends.base import Engine, call_with_batch
-from .planner import Candidate, Plan, format_plan
+from .planner import Candidate, Plan
+from .report import format_plan
 
 
 class Wrapped:

@@ -158,6 +158,9 @@ def _deepspeed(s: Strategy, p: ModelProfile, spec: TrainSpec, n: int, cl: Cluste
             lay.notes.append(f"hpZ keeps a secondary bf16 partition over {hpz} ranks")
     if s.offload_optimizer:
         lay.cpu += opt + fp32_grad + scratch
+        if s.stage == 3:                    # grad_partitions_flat_buffer is pinned host memory then
+            lay.cpu += lay.grads_end
+            lay.grads_start = lay.grads_end = 0
         lay.notes.append("optimizer states, fp32 master and fp32 grads in host memory")
     else:
         lay.optimizer, lay.grads_step, lay.scratch = opt, fp32_grad, scratch

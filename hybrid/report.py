@@ -1,0 +1,126 @@
+"""Printing a Plan: breakdown tables, the ranked comparison, and the memory plot (thin)."""
+from __future__ import annotations
+
+from .memory.breakdown import CATEGORIES
+from .planner import Candidate, Plan
+from .units import fmt_bytes
+
+_COLS = CATEGORIES + ("total",)
+
+
+def _header(p: Plan) -> list[str]:
+    s = p.spec
+    return [f"model {p.model.name}: {p.model.params:,} params; micro-batch {s.micro_batch} x seq {s.seq_len}, "
+            f"{s.precision}, {s.optimizer}, activation checkpointing {s.activation_checkpointing}, "
+            f"attention {s.attention}",
+            f"cluster {p.cluster.describe()}; memory method {p.method}", ""]
+
+
+def _mem(c: Candidate, col: str) -> str:
+    if c.memory is None:
+        return "-"
+    return fmt_bytes(c.memory.total if col == "total" else getattr(c.memory, col))
+
+
+def breakdown_table(cands: list[Candidate], chosen: Candidate | None = None) -> str:
+    """Every memory category per candidate (estimate, compare)."""
+    head = f" {'strategy':<28}{'shard':>6}" + "".join(f"{c[:11]:>12}" for c in _COLS) + "  fits"
+    lines = [head, "-" * len(head)]
+    for c in cands:
+        mark = "*" if c is chosen else " "
+        fits = "n/a" if c.memory is None else ("yes" if c.fits else "no")
+        lines.append(f"{mark}{c.label:<28}{c.shard_size:>6}" + "".join(f"{_mem(c, k):>12}" for k in _COLS)
+                     + f"  {fits:>4}")
+    return "\n".join(lines)
+
+
+def ranking_table(cands: list[Candidate], chosen: Candidate | None = None) -> str:
+    """Fitting candidates fastest first, then the rest with the reason they were rejected."""
+    head = (f" {'strategy':<28}{'shard':>6}{'per GPU':>11}{'fits':>6}{'step s':>9}{'tok/s/GPU':>11}"
+            f"{'MFU':>7}  note")
+    lines = [head, "-" * (len(head) + 30)]
+    for c in cands:
+        mark = "*" if c is chosen else " "
+        if c.memory is None:
+            lines.append(f"{mark}{c.label:<28}{c.shard_size:>6}{'-':>11}{'n/a':>6}{'':>9}{'':>11}{'':>7}  {c.reason}")
+            continue
+        cost = c.cost
+        note = c.memory.describe_largest() if c.fits else c.reason
+        lines.append(f"{mark}{c.label:<28}{c.shard_size:>6}{fmt_bytes(c.memory.total):>11}"
+                     f"{'yes' if c.fits else 'no':>6}{cost.seconds:>9.3f}{cost.tokens_per_s_per_gpu:>11,.0f}"
+                     f"{cost.mfu:>7.1%}  {note}")
+    return "\n".join(lines)
+
+
+def _notes(p: Plan) -> list[str]:
+    notes = sorted({n for c in p.candidates if c.memory for n in c.memory.notes})
+    return [f"note: {n}" for n in notes]
+
+
+def format_plan(p: Plan) -> str:
+    out = _header(p) + [ranking_table(list(p.candidates), p.chosen), ""]
+    c = p.chosen
+    if c:
+        out.append(f"chosen: {c.label} (shard size {c.shard_size}): fastest that fits, "
+                   f"{c.cost.seconds:.3f} s/step, {c.cost.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
+                   f"MFU {c.cost.mfu:.1%}; {c.reason}")
+    else:
+        out.append(f"nothing fits in {fmt_bytes(p.cluster.capacity_bytes)} per GPU")
+        if p.suggestions:
+            out.append("smallest changes that would fit: " + "; ".join(p.suggestions))
+    return "\n".join(out + _notes(p))
+
+
+def format_estimate(p: Plan) -> str:
+    out = _header(p) + [breakdown_table(list(p.candidates)), ""]
+    for c in p.candidates:
+        line = f"{c.label} (shard size {c.shard_size}): {c.reason}"
+        if c.cost:
+            line += (f"; predicted {c.cost.seconds:.3f} s/step, {c.cost.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
+                     f"MFU {c.cost.mfu:.1%}")
+        out.append(line)
+        if c.memory and c.memory.cpu:
+            out.append(f"host memory per rank: {fmt_bytes(c.memory.cpu)}")
+    return "\n".join(out + _notes(p))
+
+
+def format_compare(p: Plan) -> str:
+    return "\n".join(_header(p) + [breakdown_table(list(p.candidates), p.chosen), "",
+                                   ranking_table(list(p.candidates), p.chosen)] + _notes(p))
+
+
+def plot_compare(p: Plan, path: str) -> None:
+    """Stacked bars of per-GPU memory by category, the capacity as a line, and predicted
+    throughput beside each bar."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cands = [c for c in p.candidates if c.memory is not None]
+    gib = 1024**3
+    colors = {"params": "#4C72B0", "grads": "#55A868", "optimizer": "#C44E52", "activations": "#8172B2",
+              "temporaries": "#CCB974", "buffers": "#64B5CD", "overhead": "#8C8C8C"}
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(max(8, 0.9 * len(cands) + 6), 5.5),
+                                  gridspec_kw={"width_ratios": [3, 1.4]})
+    xs = range(len(cands))
+    bottom = [0.0] * len(cands)
+    for cat in CATEGORIES:
+        vals = [(getattr(c.memory, cat) or 0) / gib for c in cands]
+        ax.bar(xs, vals, bottom=bottom, color=colors[cat], label=cat)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    cap = p.cluster.capacity_bytes / gib
+    ax.axhline(cap, color="black", linestyle="--", linewidth=1)
+    ax.text(-0.4, cap, f"capacity {cap:.0f} GiB", va="bottom", ha="left", fontsize=8)
+    ax.set_xticks(list(xs), [f"{c.label}\nx{c.shard_size}" for c in cands], rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("GiB per GPU")
+    ax.set_title(f"{p.model.name} on {p.cluster.nodes}x{p.cluster.gpus_per_node} {p.cluster.gpu.name} "
+                 f"(seq {p.spec.seq_len}, mb {p.spec.micro_batch}, {p.method})", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    tput = [c.cost.tokens_per_s_per_gpu if c.cost and c.fits else 0 for c in cands]
+    ax2.barh([c.label for c in cands], tput, color=["#55A868" if c.fits else "#DDDDDD" for c in cands])
+    ax2.invert_yaxis()
+    ax2.set_xlabel("predicted tokens/s per GPU (fitting only)")
+    ax2.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

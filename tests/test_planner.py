@@ -1,0 +1,117 @@
+"""The cost-aware planner: sanity cases, ties, nothing-fits suggestions, hand-off configs, plot."""
+import json
+
+import pytest
+import yaml
+
+from hybrid.catalogue import load_catalogue
+from hybrid.cli import main
+from hybrid.cluster import Cluster
+from hybrid.cost import step_cost
+from hybrid.planner import choose, plan
+from hybrid.profile import resolve_model
+from hybrid.spec import TrainSpec
+
+CAT = load_catalogue()
+H100_64 = Cluster.build(8, 8, "h100-80gb")
+
+
+def test_gpt2_on_one_a100_node_is_plain_ddp():
+    p = plan(resolve_model("gpt2").profile, TrainSpec(8, 1024), Cluster.build(1, 8, "a100-80gb"),
+             search_checkpointing=True)
+    assert p.chosen.name == "ddp" and p.chosen.spec.activation_checkpointing == "none"
+
+
+def test_llama2_7b_on_8x8_h100_shards_inside_a_node():
+    p = plan(resolve_model("llama2-7b").profile, TrainSpec(1, 4096), H100_64, search_checkpointing=True)
+    ddp = [c for c in p.candidates if c.name == "ddp"]
+    assert ddp and not any(c.fits for c in ddp)                 # DDP cannot fit
+    assert p.chosen.strategy.family != "ddp" and 1 < p.chosen.shard_size <= 8
+
+
+def test_llama2_70b_shards_across_nodes_or_fully():
+    p = plan(resolve_model("llama2-70b").profile, TrainSpec(1, 4096), H100_64, search_checkpointing=True)
+    c = p.chosen
+    assert c.shard_size > 8 or c.shard_size == 64
+    assert not any(x.fits for x in p.candidates if x.spec.activation_checkpointing == "none")
+    assert c.spec.activation_checkpointing != "none"           # checkpointing was needed
+
+
+def test_nothing_fits_says_the_smallest_change():
+    p = plan(resolve_model("llama3.1-405b").profile, TrainSpec(1, 4096), Cluster.build(1, 8, "a100-40gb"),
+             search_checkpointing=True)
+    assert p.chosen is None
+    assert any(s.startswith("--nodes ") for s in p.suggestions)
+    for c in p.candidates:
+        assert not c.fits and c.reason
+
+
+def test_cost_model_orders_what_it_should():
+    prof = resolve_model("llama2-7b").profile
+    spec = TrainSpec(1, 4096)
+    t = {n: step_cost(CAT[n], prof, spec, H100_64, CAT[n].shard_size(H100_64)) for n in ("ddp", "hsdp", "fsdp", "zero3", "zero3-hpz")}
+    assert t["hsdp"].seconds < t["fsdp"].seconds          # node-local all-gathers beat cross-node ones
+    assert t["zero3-hpz"].seconds < t["zero3"].seconds    # hpZ's backward gather stays in the node
+    full = step_cost(CAT["fsdp"], prof, TrainSpec(1, 4096, activation_checkpointing="full"), H100_64, 64)
+    assert full.compute_s == pytest.approx(t["fsdp"].compute_s * 8 / 6)
+    assert 0 < t["hsdp"].mfu <= 0.45 + 1e-9 and t["hsdp"].tokens_per_s_per_gpu == pytest.approx(4096 / t["hsdp"].seconds)
+
+
+def test_ties_go_to_the_simpler_strategy():
+    p = plan(resolve_model("llama2-7b").profile, TrainSpec(1, 4096), H100_64, strategies=["zero1", "zero2"])
+    assert p.chosen.name == "zero1"                          # same predicted time, zero1 is simpler
+    assert choose([]) is None
+
+
+def _emit(capsys, *argv):
+    code = main(["plan", *argv])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out
+
+
+def test_emit_fsdp_yaml(capsys):
+    doc = yaml.safe_load(_emit(capsys, "llama2-7b", "--nodes", "8", "--seq-len", "4096", "--emit", "fsdp"))
+    assert doc["mesh"]["dim_names"] == ["replicate", "shard"] and doc["mesh"]["shape"][0] * doc["mesh"]["shape"][1] == 64
+    assert doc["fully_shard"]["units"] == ["Block", "root"]
+    assert doc["fully_shard"]["mp_policy"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+
+
+def _initialize(cfg):
+    import torch
+    import deepspeed
+
+    from hybrid.mesh import init_distributed
+    from hybrid.models import build_decoder
+    init_distributed()
+    model = build_decoder("tiny-llama")
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                                      config=cfg)
+    ids = torch.randint(0, 512, (cfg["train_micro_batch_size_per_gpu"], 16))
+    loss = engine(ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    return engine.zero_optimization_stage(), loss.item()
+
+
+def test_emitted_deepspeed_config_loads_in_deepspeed(capsys):
+    from hybrid.launch import run_ranks
+    cfg = json.loads(_emit(capsys, "tiny-llama", "--gpus-per-node", "1", "--seq-len", "16", "--precision",
+                           "fp32", "--emit", "deepspeed", "--strategy", "zero2"))
+    assert cfg["zero_optimization"]["stage"] == 2 and cfg["train_batch_size"] == 1
+    stage, loss = run_ranks(1, _initialize, cfg)[0]
+    assert stage == 2 and loss > 0
+
+
+def test_emit_errors(capsys):
+    assert main(["plan", "gpt2", "--emit", "deepspeed", "--strategy", "fsdp"]) == 2
+    assert "is not a deepspeed strategy" in capsys.readouterr().err
+
+
+def test_compare_plot(tmp_path, capsys):
+    png = tmp_path / "cmp.png"
+    code = main(["compare", "llama2-7b", "--nodes", "2", "--strategies", "ddp,fsdp,hsdp,zero3",
+                 "--plot", str(png)])
+    out, _ = capsys.readouterr()
+    assert code == 0 and "params" in out and "tok/s/GPU" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
