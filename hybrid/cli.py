@@ -148,6 +148,14 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from .export import export
+
+    files = export(args.checkpoint, args.out, args.dtype, args.max_shard_size)
+    print(f"hybrid: wrote {len(files)} files to {args.out}: {', '.join(files)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybrid", description="Choose and apply a data-parallel "
                                      "strategy from an honest per-GPU memory estimate.")
@@ -173,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     _common(m)
     m.add_argument("--strategy", required=True, help="catalogue name")
     m.set_defaults(func=cmd_estimate, method_override="measured")
+    x = sub.add_parser("export", help="consolidate a checkpoint into safetensors (offline, CPU)")
+    x.add_argument("checkpoint", help="a directory written by Wrapped.save")
+    x.add_argument("out", help="output directory (HF layout: *.safetensors, index, config.json)")
+    x.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="cast on export (default: as saved)")
+    x.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    x.set_defaults(func=cmd_export)
     return parser
 
 

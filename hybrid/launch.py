@@ -25,16 +25,14 @@ def _entry(rank, world, port, local_world, fn, args, out_dir, quiet):
     if quiet:
         import warnings
         warnings.filterwarnings("ignore")
-    import torch.distributed as dist
+    from .mesh import shutdown
     path = os.path.join(out_dir, f"{rank}.pt")
     try:
         torch.save({"ok": fn(*args)}, path)
+        shutdown()
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         torch.save({"error": f"{type(e).__name__}: {e}", "type": type(e).__name__,
                     "tb": traceback.format_exc()}, path)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def run_ranks(world: int, fn, *args, local_world: int | None = None, quiet: bool = True) -> list:

@@ -75,3 +75,29 @@ def build_mesh(shard_size: int, runtime: Runtime, gpus_per_node: int | None = No
 def shard_group_ranks(mesh: DeviceMesh) -> list[int]:
     """Global ranks in this rank's shard group (for checks and printing)."""
     return dist.get_process_group_ranks(mesh["shard"].get_group())
+
+
+def shutdown(timeout_s: float = 60.0) -> None:
+    """Leave the job cleanly: a barrier, destroy every process group, then rank 0 waits until the
+    others have done so before it returns (rank 0 often hosts the rendezvous store; exiting first
+    can abort peers still tearing down - 'terminate called without an active exception')."""
+    import time
+
+    if not dist.is_initialized():
+        return
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    try:
+        store = _get_default_store()
+    except (RuntimeError, ValueError):
+        store = None
+    dist.barrier()
+    dist.destroy_process_group()
+    if store is None or world == 1:
+        return
+    store.add("hybrid/shutdown", 1)
+    if rank == 0:
+        deadline = time.monotonic() + timeout_s
+        while store.add("hybrid/shutdown", 0) < world and time.monotonic() < deadline:
+            time.sleep(0.01)

@@ -48,6 +48,17 @@ class Wrapped:
         a collective for FSDP and ZeRO: call it on every rank."""
         return self.engine.full_state_dict()
 
+    def save(self, path: str, extra: dict | None = None) -> str:
+        """Sharded, resumable checkpoint, loadable under another strategy or world size; the
+        previous version at `path` stays valid until this one is complete. Collective."""
+        from .checkpoint import save
+        return save(self, path, extra)
+
+    def load(self, path: str) -> dict:
+        """Restore model, optimizer, step count and RNG; returns the `extra` given to save."""
+        from .checkpoint import load
+        return load(self, path)
+
     def describe(self) -> str:
         return format_plan(self.plan)
 

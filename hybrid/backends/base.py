@@ -38,11 +38,41 @@ class Engine(ABC):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded model state on every rank, CPU tensors, under the model's own names."""
 
+    # --- checkpoints: one portable layout for every backend (see hybrid/checkpoint.py) ---------
+    def checkpoint_state(self) -> dict:
+        """{"model": model state, "optim": optimizer state flattened by parameter name}, as
+        torch.distributed.checkpoint saves it (DTensors stay sharded, replicated data once)."""
+        from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                             get_optimizer_state_dict)
+        return {"model": get_model_state_dict(self.model, options=_OPTIONS()),
+                "optim": get_optimizer_state_dict(self.model, self.optimizer, options=_OPTIONS())}
+
+    def checkpoint_template(self) -> dict:
+        """Tensors of the right shapes and placements to load into (fresh optimizers get their
+        state allocated first)."""
+        return self.checkpoint_state()
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        set_model_state_dict(self.model, state["model"], options=_OPTIONS())
+        set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=_OPTIONS())
+
+    def save_native(self, path: str) -> None:
+        """A library's own checkpoint next to the portable one (DeepSpeed); none by default."""
+
+    def load_native(self, path: str) -> bool:
+        return False
+
     def tensor_roles(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this backend holds, by memory category (for the tracker's relabelling)."""
         params = list(self.model.parameters())
         return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
                 "optimizer": optimizer_tensors(self.optimizer, params)}
+
+
+def _OPTIONS():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def optimizer_tensors(optimizer, model_params) -> list[torch.Tensor]:

@@ -37,6 +37,143 @@ class DeepSpeedEngine(Engine):
         keys = self.model.state_dict().keys()
         return {k: out[k] for k in keys if k in out}
 
+    # --- checkpoints -------------------------------------------------------------------------
+    def _params(self):
+        """(canonical name, param): the first name of a tied parameter, as torch's state-dict
+        helpers name optimizer state."""
+        return list(self.model.named_parameters())
+
+    def _mesh(self):
+        if getattr(self, "_world_mesh", None) is None:
+            import torch.distributed as dist
+            from torch.distributed.device_mesh import init_device_mesh
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            self._world_mesh = init_device_mesh(device, (dist.get_world_size(),))
+        return self._world_mesh
+
+    def _sharded(self, full: torch.Tensor):
+        """A full tensor (the same on every rank) as a DTensor sharded on dim 0 over the world:
+        what the portable checkpoint stores, 1/world of it per rank."""
+        from torch.distributed.tensor import DTensor, Shard
+        mesh = self._mesh()
+        if full.dim() == 0:
+            return full.detach().clone()
+        chunks = full.detach().chunk(mesh.size(), dim=0)
+        rank = mesh.get_local_rank()
+        local = (chunks[rank] if rank < len(chunks) else full.new_empty((0, *full.shape[1:]))).clone()
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape,
+                                  stride=full.stride())
+
+    def _inner(self):
+        zo = self.runner.optimizer
+        return getattr(zo, "optimizer", zo)
+
+    def _ensure_states(self) -> None:
+        """DeepSpeed creates optimizer state lazily at the first step; a checkpoint needs it now.
+        One step of the inner optimizer with zero gradients and lr 0 allocates it unchanged.
+        ZeRO-3 steps its fp32 sub-groups one at a time through an empty param group."""
+        zo, inner = self.runner.optimizer, self._inner()
+        subgroups = getattr(zo, "fp32_partitioned_groups_flat", None)
+        if subgroups is not None:
+            todo = [(zo.sub_group_to_group_id[i], t) for i, t in enumerate(subgroups)]
+        else:
+            todo = [(gi, p) for gi, g in enumerate(inner.param_groups) for p in g["params"]]
+        todo = [(gi, t) for gi, t in todo if not inner.state.get(t)]
+        for gi, t in todo:
+            group = inner.param_groups[gi]
+            saved = group["params"], group["lr"]
+            t.grad = torch.zeros_like(t)
+            group["params"], group["lr"] = [t], 0.0
+            inner.step()
+            group["params"], group["lr"] = saved
+            t.grad = None
+        link = getattr(zo, "_lazy_init_hp_params_optimizer_state", None)
+        if todo and link is not None:     # ZeRO-1/2 map each parameter to its state fragments
+            link()
+
+    def _state_keys(self) -> list[str]:
+        self._ensure_states()
+        keys = set()
+        for st in self._inner().state.values():
+            keys |= {k for k, v in st.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+        return sorted(keys)
+
+    def _step(self) -> float:
+        for st in self._inner().state.values():
+            if "step" in st:
+                return float(st["step"])
+        return 0.0
+
+    def checkpoint_state(self, template: bool = False):
+        """The portable layout built from DeepSpeed's partitions: every full fp32 master and
+        optimizer state gathered one parameter at a time, kept as 1/world shards."""
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+        model, optim = {}, {}
+        group = self._inner().param_groups[0]
+        keys = self._state_keys()
+        aliases: dict[int, list[str]] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        for name, p in self._params():
+            shape = p.ds_shape if hasattr(p, "ds_shape") else p.shape
+            get = (lambda key=None: torch.zeros(shape, dtype=torch.float32, device=p.device)) if template else (
+                lambda key=None, p=p: safe_get_full_fp32_param(p) if key is None else safe_get_full_optimizer_state(p, key))
+            value = self._sharded(get())
+            for alias in aliases[id(p)]:          # a tied weight under each of its names
+                model[alias] = value
+            for key in keys:
+                optim[f"state.{name}.{key}"] = self._sharded(get(key))
+            optim[f"state.{name}.step"] = torch.tensor(self._step())
+            for k, v in group.items():
+                if k != "params":
+                    optim[f"param_groups.{name}.{k}"] = v
+        for name, b in self.model.named_buffers():
+            if name in self.model.state_dict():
+                model[name] = b.detach().clone()
+        return {"model": model, "optim": optim}
+
+    def checkpoint_template(self):
+        return self.checkpoint_state(template=True)
+
+    def load_checkpoint_state(self, state):
+        import deepspeed
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+        model, optim = state["model"], state["optim"]
+        keys = self._state_keys()
+        rank = torch.distributed.get_rank()
+        for name, p in self._params():
+            full = model[name].full_tensor()
+            safe_set_full_fp32_param(p, full)
+            for key in keys:
+                safe_set_full_optimizer_state(p, optim[f"state.{name}.{key}"].full_tensor(), key)
+            # the module's own (16-bit or fp32) copy the forward reads
+            if hasattr(p, "ds_id"):
+                with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                    if rank == 0:
+                        p.data.copy_(full.to(p.dtype).view_as(p))
+            else:
+                p.data.copy_(full.to(p.dtype).view_as(p))
+        first = self._params()[0][0]
+        for st in self._inner().state.values():
+            if "step" in st:
+                st["step"] = optim[f"state.{first}.step"].clone().to(st["step"].device) if isinstance(
+                    st["step"], torch.Tensor) else float(optim[f"state.{first}.step"])
+        for group in self._inner().param_groups:
+            for k in group:
+                if k != "params" and f"param_groups.{first}.{k}" in optim:
+                    group[k] = optim[f"param_groups.{first}.{k}"]
+        for name, b in self.model.named_buffers():
+            if name in model:
+                b.data.copy_(model[name])
+
+    def save_native(self, path):
+        self.runner.save_checkpoint(path, tag="native", save_latest=False)
+
+    def load_native(self, path):
+        loaded, _ = self.runner.load_checkpoint(path, tag="native", load_optimizer_states=True,
+                                                load_lr_scheduler_states=False)
+        return loaded is not None
+
     def tensor_roles(self):
         """DeepSpeed's own flat buffers: 16-bit params (or their partitions and hpZ copies),
         gradient partitions, fp32 masters and states; attribute names differ by stage."""

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid import auto_wrap
-from hybrid.mesh import shard_group_ranks
+from hybrid.mesh import shard_group_ranks, shutdown
 from hybrid.models import build_decoder
 
 out_dir = sys.argv[1]
@@ -25,4 +25,4 @@ w.step()
 with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
     json.dump({"node": node, "shard_ranks": shard_group_ranks(w.mesh), "nodes_in_group": nodes_in_group,
                "mesh": list(w.mesh.shape), "loss": loss.item()}, f)
-dist.destroy_process_group()
+shutdown()

@@ -1,0 +1,120 @@
+"""Train a small GPT with any strategy, with checkpoints and resume. Launch with torchrun:
+
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --strategy auto --steps 40
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --strategy zero3 --ckpt-dir ckpt --save-every 10
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \
+    torchrun --standalone --nproc-per-node 2 --max-restarts 1 examples/train_gpt.py --ckpt-dir ckpt --resume ...
+
+(With --max-restarts, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives each restart a fresh rendezvous
+store; the shared one can hand restarted workers their dead peers' addresses, pytorch#135712.)
+
+The data is synthetic (a fixed random bigram language, so the loss has somewhere to go) and the
+same on every run. The basics every DDP user expects are here: DistributedSampler with
+set_epoch(epoch), only rank 0 logs and writes files, a barrier before exit; a restarted job
+(torchrun --max-restarts) resumes from the last checkpoint, mid-epoch, on the same batches.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from hybrid import auto_wrap  # noqa: E402
+from hybrid.mesh import shutdown  # noqa: E402
+from hybrid.models import build_decoder  # noqa: E402
+from hybrid.presets import DecoderConfig  # noqa: E402
+
+
+def synthetic_corpus(n: int, seq: int, vocab: int, seed: int = 0) -> TensorDataset:
+    """Sequences from a random sparse bigram model: learnable structure, no downloads."""
+    g = torch.Generator().manual_seed(seed)
+    nxt = torch.randint(0, vocab, (vocab, 4), generator=g)            # 4 likely successors per token
+    tokens = torch.empty(n, seq, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, vocab, (n,), generator=g)
+    for t in range(1, seq):
+        choice = torch.randint(0, 4, (n,), generator=g)
+        tokens[:, t] = nxt[tokens[:, t - 1], choice]
+    return TensorDataset(tokens)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--strategy", default="auto", help="auto or a catalogue name (ddp, fsdp, hsdp, zero3, ...)")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=40, help="optimizer steps in total")
+    ap.add_argument("--samples", type=int, default=512, help="sequences in the synthetic corpus")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--precision", default=None, help="fp32 | bf16-mixed | bf16 (default: by device)")
+    ap.add_argument("--gpu-memory", default=None, help="plan against this per-GPU capacity, e.g. 8GiB")
+    ap.add_argument("--ckpt-dir", default=None, help="checkpoint directory (written atomically)")
+    ap.add_argument("--save-every", type=int, default=0, help="save every N steps (0: only at the end)")
+    ap.add_argument("--resume", action="store_true", help="continue from --ckpt-dir if it holds a checkpoint")
+    ap.add_argument("--out", default=None, help="rank 0 writes the final full state dict here (torch.save)")
+    ap.add_argument("--crash-at-step", type=int, default=0,
+                    help="testing: SIGKILL --crash-rank at this step on the first attempt only")
+    ap.add_argument("--crash-rank", type=int, default=1)
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cfg = DecoderConfig("llama", args.vocab, args.hidden, args.layers, 4, int(2.75 * args.hidden),
+                        args.seq_len, kv_heads=2, tied=True)
+    model = build_decoder(cfg, seed=0)
+    w = auto_wrap(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr), strategy=args.strategy,
+                  micro_batch=args.micro_batch, seq_len=args.seq_len, precision=args.precision,
+                  gpu_memory=args.gpu_memory, verbose=True)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = w.runtime.device
+    data = synthetic_corpus(args.samples, args.seq_len, args.vocab)
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
+    loader = DataLoader(data, batch_size=args.micro_batch, sampler=sampler, drop_last=True)
+
+    epoch, skip = 0, 0
+    if args.resume and args.ckpt_dir and os.path.exists(os.path.join(args.ckpt_dir, "meta.json")):
+        extra = w.load(args.ckpt_dir)
+        epoch, skip = extra["epoch"], extra["batch"]
+        if rank == 0:
+            print(f"resumed from {args.ckpt_dir} at step {w.step_count} (epoch {epoch}, batch {skip})", flush=True)
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    while w.step_count < args.steps:
+        sampler.set_epoch(epoch)
+        for i, (ids,) in enumerate(loader):
+            if i < skip:
+                continue                                   # batches this epoch already trained on
+            ids = ids.to(device)
+            loss = w(ids, labels=ids).loss
+            w.backward(loss)
+            w.step()
+            w.zero_grad()
+            step = w.step_count
+            if rank == 0 and (step % 10 == 0 or step == args.steps):
+                print(f"step {step:4d}  epoch {epoch}  loss {loss.item():.4f}", flush=True)
+            if args.ckpt_dir and args.save_every and step % args.save_every == 0:
+                w.save(args.ckpt_dir, extra={"epoch": epoch, "batch": i + 1})
+            if step == args.crash_at_step and restarts == 0 and rank == args.crash_rank:
+                os.kill(os.getpid(), signal.SIGKILL)       # a hard failure, mid-epoch
+            if step >= args.steps:
+                break
+        epoch, skip = epoch + 1, 0
+    if args.ckpt_dir and not args.save_every:
+        w.save(args.ckpt_dir, extra={"epoch": epoch, "batch": 0})
+    state = w.state_dict()                                 # collective: every rank
+    if rank == 0 and args.out:
+        torch.save(state, args.out)
+    shutdown()                                             # barrier, then every rank leaves cleanly
+
+
+if __name__ == "__main__":
+    main()
