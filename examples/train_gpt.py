@@ -22,26 +22,15 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from hybrid import auto_wrap  # noqa: E402
+from hybrid.data import synthetic_corpus  # noqa: E402
 from hybrid.mesh import shutdown  # noqa: E402
 from hybrid.models import build_decoder  # noqa: E402
 from hybrid.presets import DecoderConfig  # noqa: E402
-
-
-def synthetic_corpus(n: int, seq: int, vocab: int, seed: int = 0) -> TensorDataset:
-    """Sequences from a random sparse bigram model: learnable structure, no downloads."""
-    g = torch.Generator().manual_seed(seed)
-    nxt = torch.randint(0, vocab, (vocab, 4), generator=g)            # 4 likely successors per token
-    tokens = torch.empty(n, seq, dtype=torch.long)
-    tokens[:, 0] = torch.randint(0, vocab, (n,), generator=g)
-    for t in range(1, seq):
-        choice = torch.randint(0, 4, (n,), generator=g)
-        tokens[:, t] = nxt[tokens[:, t - 1], choice]
-    return TensorDataset(tokens)
 
 
 def parse_args(argv=None):

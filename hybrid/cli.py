@@ -148,6 +148,13 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    from .demo import run
+    if args.steps < 4:
+        raise HybridError(f"--steps must be at least 4 (2 are measured, the rest train), got {args.steps}")
+    return run(args.steps, train=not args.no_train, nproc=args.nproc)
+
+
 def cmd_export(args) -> int:
     from .export import export
 
@@ -181,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     _common(m)
     m.add_argument("--strategy", required=True, help="catalogue name")
     m.set_defaults(func=cmd_estimate, method_override="measured")
+    d = sub.add_parser("demo", help="plan Llama-2-7B, then train a small GPT on 4 CPU ranks via auto_wrap")
+    d.add_argument("--steps", type=int, default=60, help="training steps in part 2 (default 60)")
+    d.add_argument("--nproc", type=int, default=4, help="CPU ranks (even; default 4 = 2 nodes x 2)")
+    d.add_argument("--no-train", action="store_true", help="only the planning part")
+    d.set_defaults(func=cmd_demo)
     x = sub.add_parser("export", help="consolidate a checkpoint into safetensors (offline, CPU)")
     x.add_argument("checkpoint", help="a directory written by Wrapped.save")
     x.add_argument("out", help="output directory (HF layout: *.safetensors, index, config.json)")

@@ -142,10 +142,25 @@ class Decoder(nn.Module):
         if cfg.tied:
             self.lm_head.weight = self.embed.weight
         if cfg.style == "llama":
-            inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
-            self.register_buffer("inv_freq", inv, persistent=False)
+            self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
         if self.embed.weight.device.type != "meta":
             self.apply(_init_weights)
+
+    def _inv_freq(self):
+        cfg = self.config
+        return 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+
+    @torch.no_grad()
+    def init_weights(self):
+        """Initialise in place (after `to_empty` of a model built on the meta device)."""
+        self.apply(_init_weights)
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, nn.LayerNorm)):
+                m.weight.fill_(1.0)
+                if getattr(m, "bias", None) is not None:
+                    m.bias.zero_()
+        if self.config.style == "llama":
+            self.inv_freq.copy_(self._inv_freq())
 
     def _rope(self, s: int, dtype: torch.dtype, device):
         if self.pos_embed is not None:

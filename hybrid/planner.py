@@ -97,6 +97,10 @@ def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: C
     replaces the analytic memory model (traced, measured); the analytic one still rules out
     strategies that cannot run the job at all, before anything expensive runs."""
     n = strategy.shard_size(cluster, shard_size)
+    if strategy.offload and not cluster.gpu.is_cuda:
+        return Candidate(strategy, n, spec, None, False, f"not applicable: {strategy.name} offloads GPU memory "
+                         f"to the host, which needs CUDA; {cluster.gpu.name} ranks have none (they run in host "
+                         "memory already)")
     try:
         m = estimate(strategy, profile, spec, cluster, n)
         if estimator is not None:

@@ -52,13 +52,26 @@ def ranking_table(cands: list[Candidate], chosen: Candidate | None = None) -> st
     return "\n".join(lines)
 
 
-def _notes(p: Plan) -> list[str]:
-    notes = sorted({n for c in p.candidates if c.memory for n in c.memory.notes})
+def _notes(p: Plan, rows: list[Candidate] | None = None) -> list[str]:
+    shown = rows if rows is not None else list(p.candidates)
+    notes = sorted({n for c in shown if c.memory for n in c.memory.notes})
     return [f"note: {n}" for n in notes]
 
 
-def format_plan(p: Plan) -> str:
-    out = _header(p) + [ranking_table(list(p.candidates), p.chosen), ""]
+def best_per_strategy(p: Plan) -> list[Candidate]:
+    """Each strategy's best candidate: the chosen one, else its fastest fitting variant, else its
+    smallest; in the plan's order."""
+    best: dict[str, Candidate] = {}
+    for c in p.candidates:                      # fitting first (fastest first), then by memory
+        if c.name not in best or c is p.chosen:
+            best[c.name] = c
+    return [c for c in p.candidates if best.get(c.name) is c]
+
+
+def format_plan(p: Plan, summary: bool = False) -> str:
+    """summary: one row per strategy (its best shard size and checkpointing) instead of all."""
+    rows = best_per_strategy(p) if summary else list(p.candidates)
+    out = _header(p) + [ranking_table(rows, p.chosen), ""]
     c = p.chosen
     if c:
         out.append(f"chosen: {c.label} (shard size {c.shard_size}): fastest that fits, "
@@ -68,7 +81,7 @@ def format_plan(p: Plan) -> str:
         out.append(f"nothing fits in {fmt_bytes(p.cluster.capacity_bytes)} per GPU")
         if p.suggestions:
             out.append("smallest changes that would fit: " + "; ".join(p.suggestions))
-    return "\n".join(out + _notes(p))
+    return "\n".join(out + _notes(p, rows))
 
 
 def format_estimate(p: Plan) -> str:

@@ -6,7 +6,7 @@ import contextlib
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .base import Engine, apply_activation_checkpointing, to_cpu_state
+from .base import Engine, apply_activation_checkpointing, materialize, to_cpu_state
 
 
 class DDPEngine(Engine):
@@ -28,6 +28,7 @@ class DDPEngine(Engine):
 
 def apply(strategy, model, optimizer_factory, mesh, spec, runtime) -> DDPEngine:
     dtype = torch.bfloat16 if spec.precision == "bf16" else None
+    materialize(model, runtime.device)                  # a meta-built model: every rank holds it all
     model.to(device=runtime.device, dtype=dtype)
     apply_activation_checkpointing(model, spec.activation_checkpointing)
     ddp = DDP(model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,

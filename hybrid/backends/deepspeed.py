@@ -7,7 +7,7 @@ import torch
 
 from ..errors import HybridError
 from ..profile import profile_module
-from .base import Engine, apply_activation_checkpointing, optimizer_tensors
+from .base import Engine, apply_activation_checkpointing, materialize, optimizer_tensors
 from .ds_config import ds_config
 
 
@@ -210,6 +210,7 @@ def apply(strategy, model, optimizer_factory, mesh, spec, runtime) -> DeepSpeedE
     profile = profile_module(model)
     hidden = profile.decoder.hidden if profile.decoder else None
     config = ds_config(strategy, spec, hidden, runtime.world_size, runtime.local_world_size, cuda)
+    materialize(model, runtime.device)   # ZeRO partitions it at initialize (deepspeed.zero.Init not used)
     apply_activation_checkpointing(model, spec.activation_checkpointing)
     optimizer = optimizer_factory(model.parameters())
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,

@@ -5,7 +5,7 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from ..errors import HybridError
-from .base import Engine, apply_activation_checkpointing, shardable_blocks
+from .base import Engine, apply_activation_checkpointing, materialize, shardable_blocks
 
 
 class FSDPEngine(Engine):
@@ -59,6 +59,7 @@ def apply(strategy, model, optimizer_factory, mesh, spec, runtime) -> FSDPEngine
     for block in shardable_blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+    materialize(model, "cpu" if strategy.offload_params else runtime.device)   # meta-built: shards only
     return FSDPEngine(model, model, optimizer_factory(model.parameters()))
 
 

@@ -108,8 +108,9 @@ def _fsdp(s: Strategy, p: ModelProfile, spec: TrainSpec, n: int, cl: Cluster) ->
     # gathered for backward); blocks are gathered one at a time plus one prefetched.
     gathered_blocks = 2 * unit if s.reshard_after_forward else p.num_blocks * unit + unit
     lay.buffers_start = c * (root + (unit if s.reshard_after_forward else p.num_blocks * unit))
-    # in a block's backward: root params + the head's unsharded grad, two blocks gathered, and
-    # the block's reduce-scatter input in the reduce dtype (its grads themselves: _Layout.unit)
+    # in a block's backward: root params + the head's unsharded grad, two blocks gathered (the
+    # block and the prefetched one, whose all-gather output and copy-out overlap it), and the
+    # block's reduce-scatter input in the reduce dtype (its grads themselves: unit_grads)
     lay.buffers_mid = c * (root + head + gathered_blocks) + rb * unit
     lay.buffers_end = c * (2 * root) + rb * root
     return lay
