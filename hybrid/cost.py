@@ -22,6 +22,8 @@ overlap   collectives issued during forward/backward hide behind that phase's co
           post-step all-gather (zero1/2) never hides.
 offload   PCIe transfers of what moves between host and GPU, and the host optimizer step at
           `host_step_rate` parameters per second.
+step      the optimizer step on the GPU is memory-bound: it reads and writes each local parameter,
+          its gradient and its states once, at the device memory bandwidth.
 """
 from __future__ import annotations
 
@@ -58,6 +60,8 @@ class StepCost:
     """All communication time, hidden or not."""
     exposed_comm_s: float
     offload_s: float
+    optimizer_s: float
+    """The optimizer step on the GPU (memory-bound)."""
     tokens_per_s_per_gpu: float
     mfu: float
     """Model FLOPs utilisation: model FLOPs per step / (step time x peak)."""
@@ -65,6 +69,7 @@ class StepCost:
     def to_dict(self) -> dict:
         return {"step_time_s": self.seconds, "compute_s": self.compute_s, "comm_s": self.comm_s,
                 "exposed_comm_s": self.exposed_comm_s, "offload_s": self.offload_s,
+                "optimizer_s": self.optimizer_s,
                 "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu}
 
 
@@ -168,11 +173,20 @@ def step_cost(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluste
             offload = (4 * P / N + c * P / N) / PCIE_BW + (P / N) / HOST_STEP_RATE
         if strategy.offload_params:
             offload += 2 * (c * P / N) / PCIE_BW
+    optimizer = 0.0
+    if not strategy.offload_optimizer:
+        states = {"adamw": 2, "sgd": 1, "adafactor": 0}[spec.optimizer]
+        local = P / (N if strategy.family != "ddp" else 1)
+        b = spec.bytes
+        step_bytes = 2 * local * (b.param + b.grad + states * b.state)
+        if strategy.family == "deepspeed":                # fp32 master -> 16-bit params as well
+            step_bytes += local * (4 + c)
+        optimizer = step_bytes / g.mem_bw
     hidden = g.comm_overlap
     exposed = (max(fwd - hidden * fwd_c, fwd * (1 - hidden)) + max(bwd - hidden * bwd_c, bwd * (1 - hidden))
                + tail * hidden + after_step)
     exposed = max(exposed, 0.0) + (copied / g.mem_bw if W > 1 else 0.0)
-    seconds = compute + exposed + offload
+    seconds = compute + exposed + offload + optimizer
     return StepCost(seconds=seconds, compute_s=compute, comm_s=fwd + bwd + after_step, exposed_comm_s=exposed,
-                    offload_s=offload, tokens_per_s_per_gpu=T / seconds,
+                    offload_s=offload, optimizer_s=optimizer, tokens_per_s_per_gpu=T / seconds,
                     mfu=model_flops_per_token(profile, spec.seq_len) * T / (seconds * g.bf16_flops))
