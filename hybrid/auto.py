@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn

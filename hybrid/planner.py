@@ -75,6 +75,11 @@ class Plan:
     suggestions: tuple[str, ...] = ()
     """When nothing fits: the smallest changes that would make something fit."""
 
+    def __str__(self) -> str:
+        """The decision: one row per strategy (its best variant) with the reason, and the choice."""
+        from .report import format_plan
+        return format_plan(self, summary=True)
+
     def to_dict(self) -> dict:
         """The JSON contract shared by `hybrid estimate` and `hybrid plan` (see README)."""
         c = self.chosen

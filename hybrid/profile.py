@@ -72,9 +72,6 @@ class ModelProfile:
 
 def profile_decoder(cfg: DecoderConfig, name: str, source: str = "preset") -> ModelProfile:
     """Closed-form profile of a decoder shape as built in fp32 (no torch)."""
-    block_sizes = [1]
-    for s in cfg.block_matrices():
-        block_sizes.append(s[0] * (s[1] if len(s) == 2 else 1))
     largest_layer = max(cfg.vocab * cfg.hidden, cfg.ffn * cfg.hidden + (cfg.ffn if cfg.style == "gpt2" else 0))
     tied = (("embed.weight", "lm_head.weight"),) if cfg.tied else ()
     return ModelProfile(
@@ -150,10 +147,10 @@ def profile_module(module, name: str | None = None) -> ModelProfile:
         largest_layer_params=max(own, default=0), largest_param=max(p.numel() for p in params),
         factored_state=factored,
         tied_groups=tuple(tuple(g) for g in groups.values() if len(g) > 1),
-        decoder=_decoder_of(module, len(blocks)), source="module")
+        decoder=_decoder_of(module), source="module")
 
 
-def _decoder_of(module, num_blocks: int) -> DecoderConfig | None:
+def _decoder_of(module) -> DecoderConfig | None:
     cfg = getattr(module, "config", None)
     if isinstance(cfg, DecoderConfig):
         return cfg

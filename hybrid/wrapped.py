@@ -59,8 +59,9 @@ class Wrapped:
         from .checkpoint import load
         return load(self, path)
 
-    def describe(self) -> str:
-        return format_plan(self.plan)
+    def describe(self, every_candidate: bool = False) -> str:
+        """The plan: one row per strategy, or every candidate (shard sizes x checkpointing)."""
+        return format_plan(self.plan, summary=not every_candidate)
 
     def __repr__(self) -> str:
         return (f"Wrapped({self.strategy.name}, shard_size={self.chosen.shard_size}, "

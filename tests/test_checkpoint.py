@@ -18,8 +18,6 @@ def batches():
 
 
 def _wrap(strategy, seed=0):
-    import torch.distributed as dist
-
     from hybrid import auto_wrap
     world = int(os.environ["WORLD_SIZE"])
     return auto_wrap(build_decoder(TINY, seed=seed), optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3),

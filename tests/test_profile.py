@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from hybrid.errors import HybridError
 from hybrid.models import build_decoder, build_hf
-from hybrid.presets import PRESETS, get_preset
+from hybrid.presets import get_preset
 from hybrid.profile import profile_decoder, profile_module, resolve_model
 
 # Published totals (model cards / HF `num_parameters()`), independent of our formulas.

@@ -79,8 +79,6 @@ def check_runnable(source: ModelSource, cluster: Cluster) -> None:
 
 def measured_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cluster,
                       shard_size: int | None = None, steps: int = 2, prefer_hf: bool = True) -> Measured:
-    import torch
-
     from ..launch import run_ranks
 
     check_runnable(source, cluster)
