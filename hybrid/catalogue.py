@@ -144,11 +144,11 @@ class Strategy:
         return base + 10 * self.offload_optimizer + 2 * self.offload_params
 
     def knobs(self) -> dict:
-        """The knobs this preset sets, for printing and emitting."""
+        """The knobs this preset's family has, with their values (unset ones omitted)."""
         skip = {"name", "family", "description", "source", "complexity"}
         allowed = _COMMON | _KNOBS[self.family]
         return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in skip and f.name in allowed}
+                if f.name not in skip and f.name in allowed and getattr(self, f.name) is not None}
 
 
 def validate_shard_size(n: int, world: int, per_node: int) -> None:

@@ -87,6 +87,8 @@ def format_plan(p: Plan, summary: bool = False) -> str:
 def format_estimate(p: Plan) -> str:
     out = _header(p) + [breakdown_table(list(p.candidates)), ""]
     for c in p.candidates:
+        knobs = ", ".join(f"{k}={v}" for k, v in c.strategy.knobs().items())
+        out.append(f"{c.name}: {c.strategy.description} [{c.strategy.family}: {knobs}]")
         line = f"{c.label} (shard size {c.shard_size}): {c.reason}"
         if c.cost:
             line += (f"; predicted {c.cost.seconds:.3f} s/step, {c.cost.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
