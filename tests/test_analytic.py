@@ -101,3 +101,12 @@ def test_bad_job_inputs():
         TrainSpec(precision="fp8")
     with pytest.raises(HybridError, match="pure bf16 training is not one of its modes"):
         estimate(CAT["zero2"], prof, TrainSpec(1, 1024, precision="bf16"), PAPER)
+
+
+def test_public_estimate_takes_a_name_a_profile_or_a_module():
+    import hybrid
+    from hybrid.models import build_decoder
+    cl = Cluster.build(1, 8, "h100-80gb")
+    by_name = hybrid.estimate("tiny-llama", "fsdp", cl, TrainSpec(2, 64))
+    by_module = hybrid.estimate(build_decoder("tiny-llama", device="meta"), "fsdp", cl, TrainSpec(2, 64))
+    assert by_name.total == by_module.total > 0
