@@ -152,6 +152,8 @@ def cmd_demo(args) -> int:
     from .demo import run
     if args.steps < 4:
         raise HybridError(f"--steps must be at least 4 (2 are measured, the rest train), got {args.steps}")
+    if args.nproc < 2 or args.nproc % 2:
+        raise HybridError(f"--nproc must be even and at least 2 (two simulated nodes), got {args.nproc}")
     return run(args.steps, train=not args.no_train, nproc=args.nproc)
 
 

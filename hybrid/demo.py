@@ -26,6 +26,11 @@ between the two 'nodes' (the gap NVLink vs. the network opens on real clusters).
 MICRO_BATCH, SEQ, NPROC = 4, 64, 4
 
 
+def demo_cluster(nproc: int = NPROC) -> Cluster:
+    """The CPU ranks as the planner sees them: 2 nodes of nproc/2 demo GPUs."""
+    return Cluster(nodes=2, gpus_per_node=nproc // 2, gpu=DEMO_GPU)
+
+
 def plan_7b() -> str:
     from .planner import plan
     from .profile import resolve_model
@@ -42,7 +47,7 @@ def _bar(done: int, total: int, width: int = 30) -> str:
     return "[" + "#" * filled + "." * (width - filled) + "]"
 
 
-def chosen_and_traced() -> tuple[str, int]:
+def chosen_and_traced(nproc: int = NPROC) -> tuple[str, int]:
     """Part 2's choice, planned here as the ranks will plan it, and its traced peak (the traced
     estimate needs its own fake process group, so it runs before the ranks start)."""
     from .memory.traced import traced_estimate
@@ -51,7 +56,7 @@ def chosen_and_traced() -> tuple[str, int]:
     from .spec import TrainSpec
 
     profile = profile_decoder(DEMO_MODEL, "demo-gpt")
-    cluster = Cluster(nodes=2, gpus_per_node=NPROC // 2, gpu=DEMO_GPU)
+    cluster = demo_cluster(nproc)
     p = plan(profile, TrainSpec(MICRO_BATCH, SEQ, precision="fp32"), cluster, search_checkpointing=True)
     c = p.chosen
     t = traced_estimate(ModelSource(profile, _decoder_builder(DEMO_MODEL)), c.strategy, c.spec, cluster,
@@ -73,7 +78,7 @@ def worker(steps: int, traced: int = 0) -> None:
     from .models import build_decoder
     from .report import format_plan
 
-    cluster = Cluster(nodes=2, gpus_per_node=NPROC // 2, gpu=DEMO_GPU)
+    cluster = demo_cluster(int(os.environ.get("WORLD_SIZE", NPROC)))
     w = auto_wrap(build_decoder(DEMO_MODEL, seed=0), optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3),
                   micro_batch=MICRO_BATCH, seq_len=SEQ, cluster=cluster, precision="fp32", verbose=False)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -133,7 +138,7 @@ def run(steps: int = 60, train: bool = True, nproc: int = NPROC) -> int:
     print(f"2/2  Training a {DEMO_MODEL.params / 1e6:.1f}M-parameter GPT for real: {nproc} CPU ranks (gloo) via "
           f"torchrun, planned as 2 nodes x {nproc // 2} GPUs of {fmt_bytes(DEMO_GPU.memory_bytes)}")
     print("=" * 100, flush=True)
-    label, traced = chosen_and_traced()
+    label, traced = chosen_and_traced(nproc)
     print(f"(traced estimate of {label} on fake tensors: {fmt_bytes(traced)} per rank)", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),

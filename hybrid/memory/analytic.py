@@ -27,6 +27,11 @@ ALLOCATOR_HEADROOM = 0.05
 """Caching-allocator slack over live tensors (block rounding, fragmentation): reserved exceeds
 allocated by a few percent in steady-state training; assumed 5% until measured on a GPU."""
 FP32 = 4
+
+
+def overhead_bytes(cluster: Cluster, tensors: float) -> float:
+    """The runtime's share on top of live tensors: CUDA context and workspaces, allocator slack."""
+    return cluster.gpu.cuda_context_bytes + ALLOCATOR_HEADROOM * tensors
 SUB_GROUP_SIZE = 1_000_000_000
 """DeepSpeed ZeRO-3 `sub_group_size` default: elements stepped (and fp32 grads made) at a time."""
 
@@ -230,7 +235,7 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
     }
     phase, parts = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     tensors = lay.params + lay.optimizer + sum(parts.values())
-    overhead = cluster.gpu.cuda_context_bytes + ALLOCATOR_HEADROOM * tensors
+    overhead = overhead_bytes(cluster, tensors)
     return MemoryBreakdown(
         params=int(lay.params), grads=int(parts["grads"]), optimizer=int(lay.optimizer),
         activations=(None if profile.decoder is None and profile.activation_bytes_per_sample is None

@@ -53,6 +53,15 @@ class MemoryBreakdown:
         d["total"] = self.total
         return d
 
+    @classmethod
+    def from_tensors(cls, parts: dict, cluster, **kw) -> "MemoryBreakdown":
+        """From bytes per tensor category (a tracer's count), adding the runtime overhead the
+        same way the analytic model does."""
+        from .analytic import overhead_bytes
+        tensors = sum(v for v in parts.values() if v)
+        return cls(**{c: int(parts[c]) for c in CATEGORIES if c != "overhead"},
+                   overhead=int(overhead_bytes(cluster, tensors)), **kw)
+
     def describe_largest(self) -> str:
         c = self.largest
         return f"{c} {fmt_bytes(getattr(self, c))}"

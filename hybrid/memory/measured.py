@@ -13,8 +13,8 @@ from ..cluster import Cluster
 from ..errors import HybridError
 from ..profile import ModelSource
 from ..spec import TrainSpec
-from .analytic import ALLOCATOR_HEADROOM, check_job
-from .breakdown import CATEGORIES, MemoryBreakdown
+from .analytic import check_job
+from .breakdown import MemoryBreakdown
 
 MAX_LOCAL_RANKS = 8
 
@@ -88,8 +88,5 @@ def measured_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, 
     results = run_ranks(world, _rank_main, source.ref, strategy, spec, cluster, shard_size, steps, prefer_hf,
                         local_world=cluster.gpus_per_node)
     parts, phase, cuda_peak, impl = max(results, key=lambda r: sum(r[0].values()))
-    tensors = sum(parts.values())
-    overhead = cluster.gpu.cuda_context_bytes + ALLOCATOR_HEADROOM * tensors
-    memory = MemoryBreakdown(**{c: int(parts[c]) for c in CATEGORIES if c != "overhead"},
-                             overhead=int(overhead), phase=phase)
+    memory = MemoryBreakdown.from_tensors(parts, cluster, phase=phase)
     return Measured(memory, cuda_peak, impl, time.perf_counter() - start)

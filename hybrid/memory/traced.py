@@ -18,7 +18,7 @@ from ..cluster import Cluster
 from ..errors import HybridError
 from ..profile import ModelSource
 from ..spec import TrainSpec
-from .analytic import ALLOCATOR_HEADROOM, _LAYOUTS, check_job
+from .analytic import _LAYOUTS, check_job
 from .breakdown import MemoryBreakdown
 
 
@@ -148,9 +148,4 @@ def _account(tracker, strategy: Strategy, source: ModelSource, spec: TrainSpec, 
                      f", with {what} in place of the traced state")
     else:
         parts, phase = tracker.peak_breakdown(), tracker.peak_phase
-    tensors = sum(parts.values())
-    overhead = cluster.gpu.cuda_context_bytes + ALLOCATOR_HEADROOM * tensors
-    return MemoryBreakdown(params=int(parts["params"]), grads=int(parts["grads"]),
-                           optimizer=int(parts["optimizer"]), activations=int(parts["activations"]),
-                           temporaries=int(parts["temporaries"]), buffers=int(parts["buffers"]),
-                           overhead=int(overhead), cpu=int(cpu), phase=phase, notes=tuple(notes))
+    return MemoryBreakdown.from_tensors(parts, cluster, cpu=int(cpu), phase=phase, notes=tuple(notes))
