@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .backends import apply
-from .backends.base import check_optimizer_factory
+from .backends.base import LoopOptions, check_optimizer_factory
 from .catalogue import get_strategy, load_catalogue
 from .cluster import Cluster, detect
 from .errors import HybridError
@@ -16,7 +16,10 @@ from .mesh import build_mesh, init_distributed
 from .planner import plan as make_plan
 from .profile import profile_module
 from .spec import TrainSpec
+from .log import get_logger
 from .wrapped import Wrapped
+
+log = get_logger(__name__)
 
 
 def optimizer_kind(factory) -> str:
@@ -39,30 +42,69 @@ def prepare_for_training(model: nn.Module) -> None:
 
 
 def default_precision(runtime) -> str:
-    if runtime.device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return "bf16-mixed"
+    """bf16-mixed where the GPU has bf16, fp16-mixed (with loss scaling) on older GPUs (V100, T4),
+    fp32 on CPU ranks."""
+    if runtime.device.type == "cuda":
+        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "fp16-mixed"
     return "fp32"
+
+
+def unwrap(model):
+    """auto_wrap takes the plain model: nn.DataParallel is unwrapped (one process per GPU replaces
+    it), and a model wrapped before is refused (its hooks and shards would be applied twice)."""
+    if isinstance(model, nn.DataParallel):
+        log.warning("hybrid: unwrapping nn.DataParallel: auto_wrap runs one process per GPU (launch with "
+                    "torchrun --nproc-per-node N), which replaces DataParallel's single-process threads")
+        model = model.module
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+    if isinstance(model, (DistributedDataParallel, FSDPModule)) or getattr(model, "_hybrid_wrapped", False) \
+            or any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise HybridError(f"this {type(model).__name__} was already wrapped (by auto_wrap, DDP, FSDP or DeepSpeed): "
+                          "build a fresh model for each auto_wrap call, or keep using the first Wrapped")
+    return model
+
+
+def _check_loop_args(gradient_accumulation, max_grad_norm, scheduler):
+    if not isinstance(gradient_accumulation, int) or isinstance(gradient_accumulation, bool) or gradient_accumulation < 1:
+        raise HybridError(f"gradient_accumulation must be a positive integer (micro-batches per optimizer step), "
+                          f"got {gradient_accumulation!r}")
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+                                      or not max_grad_norm > 0):
+        raise HybridError(f"max_grad_norm must be a positive number (or None for no clipping), got {max_grad_norm!r}")
+    if scheduler is not None and not callable(scheduler):
+        raise HybridError("scheduler must be a callable that takes the optimizer and returns an LR scheduler, e.g. "
+                          f"lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup); got {scheduler!r}")
 
 
 def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len: int | None = None,
               strategy: str = "auto", precision: str | None = None, cluster: Cluster | None = None,
               activation_checkpointing: str | None = None, attention: str = "sdpa",
               shard_size: int | None = None, gpu_memory: str | int | None = None,
-              strategies_dir: tuple[str, ...] = (), verbose: bool = True) -> Wrapped:
+              strategies_dir: tuple[str, ...] = (), verbose: bool = True, scheduler=None,
+              gradient_accumulation: int = 1, max_grad_norm: float | None = None,
+              find_unused_parameters: bool | None = None) -> Wrapped:
     """Wrap `model` for data-parallel training on the current process group (started here from
     torchrun's variables if needed, nccl+cuda or gloo+cpu).
 
     optimizer   callable(params) -> torch optimizer (default AdamW lr 3e-4)
     strategy    "auto" (the fastest candidate that fits), or a catalogue name to force
-    precision   fp32 | bf16-mixed | bf16 (default bf16-mixed where the GPU supports it, else fp32)
+    precision   fp32 | bf16-mixed | fp16-mixed | bf16 (default bf16-mixed where the GPU supports
+                it, fp16-mixed on GPUs without bf16, fp32 on CPU ranks)
     activation_checkpointing  none | selective | full; default: the planner chooses
     cluster     the cluster spec to plan against (default: detected; must match the world size)
     gpu_memory  override the per-GPU capacity (e.g. "8GiB") for planning
+    scheduler   callable(optimizer) -> LR scheduler, stepped after every optimizer step
+    gradient_accumulation  micro-batches per optimizer step (gradients reduced once per window)
+    max_grad_norm  clip the global gradient norm before each optimizer step (None: no clipping)
+    find_unused_parameters  DDP: tolerate parameters that get no gradient in a step
     """
     if not isinstance(model, nn.Module):
         raise HybridError(f"auto_wrap needs an nn.Module, got {type(model).__name__}")
+    model = unwrap(model)
     optimizer = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=3e-4))
     check_optimizer_factory(optimizer)
+    _check_loop_args(gradient_accumulation, max_grad_norm, scheduler)
     runtime = init_distributed()
     if cluster is None:
         cluster = detect(gpu_memory)
@@ -76,7 +118,8 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
     mp = profile.max_positions
     spec = TrainSpec(micro_batch=micro_batch, seq_len=seq_len or min(mp or 2048, 4096),
                      precision=precision or default_precision(runtime), optimizer=optimizer_kind(optimizer),
-                     activation_checkpointing=activation_checkpointing or "none", attention=attention)
+                     activation_checkpointing=activation_checkpointing or "none", attention=attention,
+                     gradient_accumulation=gradient_accumulation)
     catalogue = load_catalogue(strategies_dir)
     search = activation_checkpointing is None
     if strategy == "auto":
@@ -96,23 +139,63 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
             chosen = min(usable, key=lambda c: c.memory.total)
             the_plan = dataclasses.replace(the_plan, chosen=chosen)
             if runtime.rank == 0:
-                print(f"hybrid: warning: {strategy} is forced but {chosen.reason}", flush=True)
-    chosen = _agree(the_plan.chosen, runtime)
+                log.warning("hybrid: warning: %s is forced but %s", strategy, chosen.reason)
+    chosen = _agree(the_plan.chosen, runtime, strategy, cluster)
     mesh = build_mesh(chosen.shard_size, runtime, cluster.gpus_per_node)
-    engine = apply(chosen.strategy, model, optimizer, mesh, chosen.spec, runtime)
-    wrapped = Wrapped(engine, the_plan, chosen, mesh, runtime)
+    if chosen.strategy.family == "fsdp":
+        expose_output_tensors(model)
+    options = LoopOptions(gradient_accumulation, max_grad_norm, bool(find_unused_parameters))
+    engine = apply(chosen.strategy, model, optimizer, mesh, chosen.spec, runtime, options)
+    model._hybrid_wrapped = True
+    sched = scheduler(engine.user_optimizer) if scheduler is not None else None
+    wrapped = Wrapped(engine, the_plan, chosen, mesh, runtime, gradient_accumulation, max_grad_norm, sched)
     if verbose and runtime.rank == 0:
-        print(wrapped.describe(), flush=True)
+        log.info("%s", wrapped.describe())
     return wrapped
 
 
-def _agree(chosen, runtime):
-    """Every rank must apply the same strategy; if their capacities differ, all of them say so."""
+def expose_output_tensors(model: nn.Module) -> None:
+    """FSDP2 finds the output tensors it must hook for backward with torch's pytree, which sees
+    into tensors, tuples, lists, dicts and registered classes (HF ModelOutput) but not into a
+    plain object with a `.loss` attribute. Register such a class (a dataclass by its fields, any
+    other by its __dict__) the first time it is returned; the hook runs before FSDP's own."""
+    from torch.utils import _pytree as pytree
+
+    def register(cls) -> None:
+        if (cls in pytree.SUPPORTED_NODES or issubclass(cls, (torch.Tensor, tuple, list, dict, str, bytes,
+                                                                int, float, bool, type(None)))):
+            return
+        if dataclasses.is_dataclass(cls):
+            names = [f.name for f in dataclasses.fields(cls)]
+            flatten = lambda o: ([getattr(o, n) for n in names], None)              # noqa: E731
+        elif hasattr(cls, "__dict__"):
+            flatten = lambda o: (list(vars(o).values()), list(vars(o)))             # noqa: E731
+            names = None
+        else:
+            return
+
+        def unflatten(values, context, cls=cls, names=names):
+            out = object.__new__(cls)
+            for k, v in zip(names if names is not None else context, values):
+                object.__setattr__(out, k, v)
+            return out
+        pytree.register_pytree_node(cls, flatten, unflatten)
+
+    def hook(module, args, output):
+        register(type(output))
+    model.register_forward_hook(hook)
+
+
+def _agree(chosen, runtime, strategy, cluster):
+    """Every rank must apply the same strategy; if they did not choose the same, all of them say
+    what each rank was given."""
     if runtime.world_size == 1:
         return chosen
     choices = [None] * runtime.world_size
-    dist.all_gather_object(choices, (chosen.name, chosen.shard_size))
-    if len(set(choices)) > 1:
-        raise HybridError(f"ranks chose different strategies {sorted(set(choices))}: they see different "
-                          "GPU capacities; pass the same cluster= (or gpu_memory=) on every rank")
+    dist.all_gather_object(choices, (chosen.name, chosen.shard_size, strategy, cluster.capacity_bytes))
+    if len({c[:2] for c in choices}) > 1:
+        detail = "; ".join(f"rank {r}: strategy={c[2]!r}, capacity {c[3]} B -> {c[0]} x{c[1]}"
+                           for r, c in enumerate(choices))
+        raise HybridError(f"ranks chose different layouts ({detail}): pass the same strategy=, cluster= and "
+                          "gpu_memory= on every rank")
     return chosen

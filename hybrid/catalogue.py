@@ -71,7 +71,18 @@ class Strategy:
     source: str = "<builtin>"
 
     def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name.strip() or not all(
+                c.isalnum() or c in "-_." for c in self.name):
+            raise HybridError(f"{self.source}: strategy name {self.name!r} must be a non-empty string of letters, "
+                              "digits, '-', '_' or '.'")
         where = f"{self.source}: strategy {self.name!r}"
+        if not isinstance(self.description, str):
+            raise HybridError(f"{where}: description must be a string, got {self.description!r}")
+        if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)) \
+                or not 0 < self.bucket_cap_mb <= 1e6:
+            raise HybridError(f"{where}: bucket_cap_mb must be a positive number of MB, got {self.bucket_cap_mb!r}")
+        if self.complexity is not None and (isinstance(self.complexity, bool) or not isinstance(self.complexity, int)):
+            raise HybridError(f"{where}: complexity must be an integer, got {self.complexity!r}")
         if self.family not in _KNOBS:
             raise HybridError(f"{where}: family {self.family!r} is not one of ddp, fsdp, deepspeed")
         shard = str(self.shard).lower()
@@ -168,10 +179,18 @@ def validate_shard_size(n: int, world: int, per_node: int) -> None:
                           f"({per_node} GPUs each); valid sizes: {_divisors(world, per_node)}")
 
 
+def divisors(n: int) -> list[int]:
+    """Every divisor of n, ascending, in O(sqrt(n))."""
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
 def valid_shard_sizes(world: int, per_node: int) -> list[int]:
-    """Shard sizes that divide the world and keep groups inside a node or on whole nodes."""
-    return [n for n in range(1, world + 1) if world % n == 0
-            and ((n <= per_node and per_node % n == 0) or (n > per_node and n % per_node == 0))]
+    """Shard sizes that divide the world and keep groups inside a node (divisors of the GPUs per
+    node) or on whole nodes (the GPUs per node times a divisor of the node count)."""
+    nodes = world // per_node
+    inside = [d for d in divisors(per_node) if d <= world]
+    return inside + [per_node * k for k in divisors(nodes) if k > 1]
 
 
 def _divisors(world: int, per_node: int) -> str:
@@ -187,13 +206,32 @@ def _lines(text: str) -> dict[str, int]:
     return {k.value: k.start_mark.line + 1 for k, _ in node.value}
 
 
+def _type_ok(t: str, key: str, value) -> bool:
+    """YAML values against the Strategy field's annotation (shard/hpz also take a number)."""
+    if value is None:
+        return "None" in t
+    if isinstance(value, bool) or t == "bool":
+        return isinstance(value, bool) and "bool" in t
+    if key in ("shard", "hpz"):
+        return isinstance(value, (str, int))
+    if t.startswith("str"):
+        return isinstance(value, str)
+    if t.startswith("int") or t.startswith("float"):
+        return isinstance(value, (int, float))
+    return True
+
+
 def load_file(path: str) -> Strategy:
-    with open(path) as f:
-        text = f.read()
     try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
         data = yaml.safe_load(text)
+    except UnicodeDecodeError:
+        raise HybridError(f"{path}: not a text file (a strategy is a YAML mapping of knob: value)") from None
+    except OSError as e:
+        raise HybridError(f"{path}: cannot read it: {e.strerror or e}") from None
     except yaml.YAMLError as e:
-        raise HybridError(f"{path}: not valid YAML: {e}") from None
+        raise HybridError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise HybridError(f"{path}: a strategy file must be a mapping of knob: value")
     lines = _lines(text)
@@ -207,13 +245,10 @@ def load_file(path: str) -> Strategy:
                               f"Allowed: {', '.join(sorted(allowed))}")
     if "name" not in data:
         raise HybridError(f"{path}: missing 'name'")
-    types = {f.name: f.type for f in fields(Strategy)}
+    types = {f.name: str(f.type) for f in fields(Strategy)}
     for key, value in data.items():
-        t = str(types[key])
-        bad = (("bool" in t and not isinstance(value, bool))
-               or (t.startswith("int") and (isinstance(value, bool) or not isinstance(value, (int, float))))
-               or (t == "float" and (isinstance(value, bool) or not isinstance(value, (int, float)))))
-        if bad:
+        if not _type_ok(types[key], key, value):
+            t = types[key]
             raise HybridError(f"{path}:{lines.get(key, 1)}: {key} must be {t}, got {value!r}")
     for key in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size",
                 "max_live_parameters", "max_reuse_distance", "param_persistence_threshold"):

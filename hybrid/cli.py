@@ -16,14 +16,19 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
     p.add_argument("--params", help="bare parameter count (e.g. 7.5e9): model states only")
     g = p.add_argument_group("cluster")
     g.add_argument("--nodes", type=int, default=1, help="machines (default 1)")
-    g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per machine (default 8)")
-    g.add_argument("--gpu", default="h100-80gb", help="GPU model from the catalogue (default h100-80gb)")
+    g.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs per machine (default 8; `measure` on a machine without CUDA: 2 CPU ranks)")
+    g.add_argument("--gpu", default=None, help="GPU model from the catalogue (default h100-80gb; `measure` "
+                   "without CUDA: this machine's CPU)")
     g.add_argument("--gpu-memory", help="override the GPU's memory, e.g. 80GiB or 40GB")
     g.add_argument("--host-memory", help="override a node's host memory (offload), e.g. 1TiB")
     t = p.add_argument_group("training step")
     t.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per step (default 1)")
     t.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's maximum, at most 4096)")
-    t.add_argument("--precision", default="bf16-mixed", help="fp32 | bf16-mixed | bf16 (default bf16-mixed)")
+    t.add_argument("--precision", default=None, help="fp32 | bf16-mixed | fp16-mixed | bf16 (default bf16-mixed; "
+                   "fp16-mixed on GPUs without bf16, e.g. v100, t4)")
+    t.add_argument("--gradient-accumulation", type=int, default=1,
+                   help="micro-batches per optimizer step (default 1); global batch = micro-batch x this x data-parallel ranks")
     t.add_argument("--optimizer", default="adamw", help="adamw | sgd | adafactor (default adamw)")
     t.add_argument("--activation-checkpointing", default=None,
                    help="none | selective | full (default: " + ("the planner tries all three" if search else "none") + ")")
@@ -48,9 +53,27 @@ def _job(args):
     from .spec import TrainSpec
 
     src = resolve_model(args.model, args.params)
-    cluster = Cluster.build(args.nodes, args.gpus_per_node, args.gpu, args.gpu_memory, args.host_memory)
+    for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node),
+                        ("--micro-batch", args.micro_batch), ("--seq-len", args.seq_len)):
+        if value is not None and not 1 <= value <= 10**9:
+            raise HybridError(f"{flag} must be between 1 and 1e9, got {value}")
+    if args.method == "measured" and not _cuda():
+        # measured on CPU ranks: this machine's CPU, 2 ranks unless told, no CUDA context
+        from .cluster import cpu_spec
+        per_node = args.gpus_per_node or 2
+        cluster = Cluster.build(args.nodes, per_node, cpu_spec(args.nodes * per_node), args.gpu_memory, args.host_memory)
+    else:
+        cluster = Cluster.build(args.nodes, args.gpus_per_node or 8, args.gpu or "h100-80gb", args.gpu_memory,
+                                args.host_memory)
     seq = args.seq_len if args.seq_len is not None else min(4096, src.profile.max_positions or 2048)
-    spec = TrainSpec(micro_batch=args.micro_batch, seq_len=seq, precision=args.precision,
+    precision = args.precision or ("bf16-mixed" if cluster.gpu.bf16 or not cluster.gpu.is_cuda else "fp16-mixed")
+    if "bf16" in str(precision).lower() and cluster.gpu.is_cuda and not cluster.gpu.bf16:
+        raise HybridError(f"{cluster.gpu.name} has no bf16 (it needs Ampere or newer): use --precision fp16-mixed "
+                          "or fp32")
+    if not 1 <= args.gradient_accumulation <= 10**6:
+        raise HybridError(f"--gradient-accumulation must be between 1 and 1e6, got {args.gradient_accumulation}")
+    spec = TrainSpec(micro_batch=args.micro_batch, seq_len=seq, precision=precision,
+                     gradient_accumulation=args.gradient_accumulation,
                      optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing or "none",
                      attention=args.attention)
     if args.method not in ("analytic", "traced", "measured"):
@@ -60,6 +83,14 @@ def _job(args):
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise HybridError(f"--efficiency must be in (0, 1], got {args.efficiency}")
     return src, cluster, spec
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
 
 
 def _estimator(args, src, cluster):
@@ -121,13 +152,17 @@ def cmd_estimate(args) -> int:
 def cmd_plan(args) -> int:
     from .report import format_plan
 
+    _writable_file(args.output, "--output")
     p, src = _plan(args, args.strategy and [args.strategy], search=True)
     if args.emit:
         from .emit import emit
         text = emit(args.emit, p, src.profile, args.strategy)
         if args.output:
-            with open(args.output, "w") as f:
-                f.write(text)
+            try:
+                with open(args.output, "w") as f:
+                    f.write(text)
+            except OSError as e:
+                raise HybridError(f"cannot write --output {args.output!r}: {e.strerror or e}") from None
             print(f"hybrid: wrote {args.emit} settings to {args.output}", file=sys.stderr)
         else:
             print(text)
@@ -140,6 +175,7 @@ def cmd_compare(args) -> int:
     from .report import format_compare, plot_compare
 
     names = [s.strip() for s in args.strategies.split(",")] if args.strategies else None
+    _writable_file(args.plot, "--plot")
     p, _ = _plan(args, names)
     print(json.dumps(p.to_dict(), indent=2) if args.json else format_compare(p))
     if args.plot:
@@ -160,15 +196,49 @@ def cmd_demo(args) -> int:
 def cmd_export(args) -> int:
     from .export import export
 
-    files = export(args.checkpoint, args.out, args.dtype, args.max_shard_size)
+    files = export(args.checkpoint, args.out, args.dtype, args.max_shard_size, overwrite=args.overwrite)
     print(f"hybrid: wrote {len(files)} files to {args.out}: {', '.join(files)}")
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports bad input as one line (no usage block) and exit code 2."""
+
+    def error(self, message: str):
+        raise HybridError(f"{message} (see `{self.prog} --help`)")
+
+
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """`--gpu-memory -5GB` reaches the value check (which names the rule) instead of argparse
+    taking '-5GB' for an unknown option."""
+    out: list[str] = []
+    for tok in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and len(tok) > 1 and tok[0] == "-" \
+                and (tok[1].isdigit() or tok[1] == "."):
+            out[-1] = f"{out[-1]}={tok}"
+        else:
+            out.append(tok)
+    return out
+
+
+def _writable_file(path: str | None, flag: str) -> None:
+    """Check an output file's directory before any work is done (and before anything is printed)."""
+    import os
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise HybridError(f"{flag} {path!r} is a directory; give a file name")
+    if not os.path.isdir(parent):
+        raise HybridError(f"{flag} {path!r}: directory {parent!r} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise HybridError(f"{flag} {path!r}: directory {parent!r} is not writable")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hybrid", description="Choose and apply a data-parallel "
-                                     "strategy from an honest per-GPU memory estimate.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="hybrid", description="Choose and apply a data-parallel "
+                     "strategy from an honest per-GPU memory estimate.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     e = sub.add_parser("estimate", help="memory breakdown of one strategy")
     _common(e)
     e.add_argument("--strategy", required=True, help="catalogue name (see `hybrid plan`)")
@@ -200,15 +270,16 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("out", help="output directory (HF layout: *.safetensors, index, config.json)")
     x.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="cast on export (default: as saved)")
     x.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    x.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     x.set_defaults(func=cmd_export)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "method_override", None):
-        args.method = args.method_override
     try:
+        args = build_parser().parse_args(_join_negative_values(sys.argv[1:] if argv is None else list(argv)))
+        if getattr(args, "method_override", None):
+            args.method = args.method_override
         return args.func(args)
     except HybridError as e:
         print(f"hybrid: error: {e}", file=sys.stderr)

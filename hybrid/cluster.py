@@ -18,7 +18,8 @@ class GPUSpec:
     memory_bytes: int
     """Device memory as the driver reports it (nvidia-smi 'Total'), in bytes."""
     bf16_flops: float
-    """Dense bf16 tensor-core peak, FLOP/s (vendor datasheet, without sparsity)."""
+    """Dense 16-bit tensor-core peak, FLOP/s (vendor datasheet, without sparsity): bf16, or fp16
+    on GPUs without bf16 (V100, T4)."""
     intra_node_bw: float
     """NVLink/PCIe bandwidth between GPUs of one node, per GPU per direction, bytes/s."""
     inter_node_bw: float
@@ -33,6 +34,8 @@ class GPUSpec:
     3.35, H200 4.8, L40S 0.86): prices the copies in and out of communication buffers."""
     host_memory_bytes: int = 2048 * GiB
     """Host (CPU) memory of one node, shared by its ranks; bounds what offload can hold."""
+    bf16: bool = True
+    """Whether the GPU computes in bf16 (Ampere and newer); without it training runs fp16-mixed."""
     comm_overlap: float = 1.0
     """Fraction of a phase's compute that collectives can hide behind: 1.0 on GPUs (NCCL runs on
     its own streams), 0 for CPU ranks on gloo (they share the cores that compute)."""
@@ -56,6 +59,20 @@ GPUS: dict[str, GPUSpec] = {
         GPUSpec("h100-80gb", 81559 * MiB, 989e12, 450 * GB, 50 * GB, mem_bw=3.35e12, host_memory_bytes=2048 * GiB),
         GPUSpec("h200-141gb", 143771 * MiB, 989e12, 450 * GB, 50 * GB, mem_bw=4.8e12, host_memory_bytes=2048 * GiB),
         GPUSpec("l40s-48gb", 46068 * MiB, 362e12, 32 * GB, 6.25 * GB, mem_bw=0.86e12, host_memory_bytes=1024 * GiB),
+        # GPUs without bf16 or with less memory (datasheets: V100 SXM2 125 TFLOP/s fp16 tensor,
+        # 900 GB/s HBM2, NVLink2 300 GB/s bidirectional; DGX-1: 4 x 100 Gb/s EDR for 8 GPUs, 512 GB;
+        # T4 65 TFLOP/s fp16, 320 GB/s, PCIe Gen3 x16 ~16 GB/s; AWS g4dn.12xlarge: 4 T4, 50 Gb/s,
+        # 192 GiB). A10G: NVIDIA's A10 datasheet (125 TFLOP/s bf16, 600 GB/s) - AWS's A10G is
+        # clocked lower, so its speed is an upper bound; L4 121 TFLOP/s bf16, 300 GB/s; both PCIe
+        # Gen4 x16 (32 GB/s); AWS g5/g6.48xlarge: 8 GPUs, 100 Gb/s, 768 GiB.
+        GPUSpec("v100-16gb", 16160 * MiB, 125e12, 150 * GB, 6.25 * GB, mem_bw=0.9e12, host_memory_bytes=512 * GiB,
+                bf16=False),
+        GPUSpec("v100-32gb", 32510 * MiB, 125e12, 150 * GB, 6.25 * GB, mem_bw=0.9e12, host_memory_bytes=512 * GiB,
+                bf16=False),
+        GPUSpec("t4-16gb", 15360 * MiB, 65e12, 16 * GB, 1.5625 * GB, mem_bw=0.32e12, host_memory_bytes=192 * GiB,
+                bf16=False),
+        GPUSpec("a10g-24gb", 23028 * MiB, 125e12, 32 * GB, 1.5625 * GB, mem_bw=0.6e12, host_memory_bytes=768 * GiB),
+        GPUSpec("l4-24gb", 23034 * MiB, 121e12, 32 * GB, 1.5625 * GB, mem_bw=0.3e12, host_memory_bytes=768 * GiB),
     )
 }
 
@@ -129,19 +146,40 @@ def detect(gpu_memory: str | int | None = None) -> Cluster:
         spec = replace(_match_cuda(props.name, props.total_memory),
                        host_memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     else:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        # Host memory shared by the local ranks; no CUDA context. Loopback gloo ~ a few GB/s.
-        spec = GPUSpec("cpu", total // local, 1e11, 5 * GB, 5 * GB, cuda_context_bytes=0, is_cuda=False,
-                       mem_bw=10 * GB, host_memory_bytes=total, comm_overlap=0.0)
+        spec = cpu_spec(local)
     if gpu_memory is not None:
         spec = replace(spec, memory_bytes=parse_bytes(gpu_memory))
     return Cluster(nodes=world // local, gpus_per_node=local, gpu=spec)
 
 
+def cpu_spec(local_ranks: int) -> GPUSpec:
+    """This machine's CPU as the 'accelerator' of `local_ranks` gloo ranks: host memory shared
+    between them, no CUDA context. Speeds are assumptions for the cost model only (loopback gloo
+    moves a few GB/s; ~1e11 FLOP/s is a few AVX cores), never used for a GPU decision."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return GPUSpec("cpu", total // local_ranks, 1e11, 5 * GB, 5 * GB, cuda_context_bytes=0, is_cuda=False,
+                   mem_bw=10 * GB, host_memory_bytes=total, comm_overlap=0.0)
+
+
+def available_host_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), else total."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def _match_cuda(device_name: str, total_memory: int) -> GPUSpec:
     """Pick the catalogue entry whose family matches the device name and whose memory is closest."""
     low = device_name.lower()
-    family = next((f for f in ("h200", "h100", "a100", "l40s") if f in low), None)
+    # (substring of the device name, catalogue prefix); longer names first (A100 before A10)
+    families = (("h200", "h200"), ("h100", "h100"), ("a100", "a100"), ("l40s", "l40s"), ("a10", "a10g"),
+                ("l4", "l4-"), ("v100", "v100"), ("t4", "t4-"))
+    family = next((prefix for sub, prefix in families if sub in low), None)
     candidates = [g for g in GPUS.values() if family and g.name.startswith(family)]
     if not candidates:
         # Unknown GPU: keep its real memory; speed from the H100 entry is only a placeholder for

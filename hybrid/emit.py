@@ -18,8 +18,10 @@ def _pick(p: Plan, family: str, name: str | None) -> Candidate:
     if name:
         pool = [c for c in pool if c.name == name]
         if not pool:
+            from .catalogue import load_catalogue
+            valid = sorted(n for n, s in load_catalogue().items() if s.family == family)
             raise HybridError(f"strategy {name!r} is not a {family} strategy; --emit {_EMIT[family]} "
-                              f"needs one of: {', '.join(sorted({c.name for c in p.candidates if c.strategy.family == family}))}")
+                              f"needs one of: {', '.join(valid)}")
     elif p.chosen is not None and p.chosen.strategy.family == family:
         return p.chosen
     fitting = [c for c in pool if c.fits]
@@ -51,8 +53,8 @@ def emit(kind: str, p: Plan, profile: ModelProfile, name: str | None = None) -> 
         "fully_shard": {
             "units": [profile.block_class, "root"] if profile.block_class else ["root"],
             "reshard_after_forward": s.reshard_after_forward,
-            "mp_policy": ({"param_dtype": "bfloat16", "reduce_dtype": "float32"}
-                          if c.spec.precision == "bf16-mixed" else {"param_dtype": None, "reduce_dtype": None}),
+            "mp_policy": ({"param_dtype": {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}[c.spec.precision],
+                           "reduce_dtype": "float32"} if c.spec.mixed else {"param_dtype": None, "reduce_dtype": None}),
             "offload_policy": "CPUOffloadPolicy(pin_memory=True)" if s.offload_params else None,
         },
         "activation_checkpointing": c.spec.activation_checkpointing,

@@ -58,12 +58,34 @@ def plan_keys(meta: dict) -> tuple[list[tuple[str, str, bool]], dict | None]:
     return [(n, n, False) for n in names], info.get("hf_config")
 
 
-def export(ckpt: str, out: str, dtype: str | None = None, max_shard: str = "5GB") -> list[str]:
-    """Write the export; returns the files written. No process group, no GPU."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
+def _target(out: str, overwrite: bool) -> str:
+    """Check the output directory before any work: a file, a non-empty directory (without
+    overwrite) or an unwritable parent is a HybridError."""
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise HybridError(f"export target {out!r} is a file; give a directory")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise HybridError(f"export target {out!r} is not empty; choose a new directory, or pass --overwrite to "
+                          "replace its contents")
+    parent = os.path.dirname(out)
+    if not os.path.isdir(parent):
+        raise HybridError(f"cannot export to {out!r}: its parent directory does not exist")
+    if not os.access(parent, os.W_OK):
+        raise HybridError(f"cannot export to {out!r}: {parent!r} is not writable")
+    return out
 
+
+def export(ckpt: str, out: str, dtype: str | None = None, max_shard: str = "5GB",
+           overwrite: bool = False) -> list[str]:
+    """Write the export; returns the files written. No process group, no GPU. The files are
+    written into a fresh temporary directory beside `out` and renamed into place at the end, so
+    a failed export leaves `out` as it was; a non-empty `out` needs overwrite=True."""
+    import shutil
+    import tempfile
+
+    import torch
+
+    out = _target(out, overwrite)
     meta = read_meta(ckpt)
     check_files(ckpt, meta)
     limit = parse_bytes(max_shard)
@@ -71,9 +93,33 @@ def export(ckpt: str, out: str, dtype: str | None = None, max_shard: str = "5GB"
     if dtype not in cast:
         raise HybridError(f"unknown dtype {dtype!r}. Available: fp32, bf16, fp16")
     keys, config = plan_keys(meta)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=os.path.dirname(out))
+    try:
+        written = _write(ckpt, meta, tmp, dtype, cast, keys, config, limit)
+        if os.path.isdir(out):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old.", dir=os.path.dirname(out))
+            os.rename(out, os.path.join(old, "x"))
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)      # the replaced export (overwrite=True was given)
+        else:
+            os.rename(tmp, out)
+    except OSError as e:
+        raise HybridError(f"cannot export to {out!r}: {e.strerror or e}") from None
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return written
+
+
+def _write(ckpt, meta, out, dtype, cast, keys, config, limit) -> list[str]:
+    import warnings
+
+    import torch
+    from safetensors.torch import save_file
+
+    from .safeio import dcp_load, read_dcp_metadata
     dcp_dir = os.path.join(ckpt, meta["data"], "dcp")
-    reader = dcp.FileSystemReader(dcp_dir)
-    md = reader.read_metadata().state_dict_metadata
+    md = read_dcp_metadata(dcp_dir).state_dict_metadata
     shards, current, size = [], [], 0
     for src, dst, transpose in keys:
         entry = md.get(f"model.{src}")
@@ -87,11 +133,14 @@ def export(ckpt: str, out: str, dtype: str | None = None, max_shard: str = "5GB"
         size += nbytes
     if current:
         shards.append(current)
-    os.makedirs(out, exist_ok=True)
     written, weight_map, total = [], {}, 0
     for i, shard in enumerate(shards):
         state = {f"model.{src}": torch.empty(e.size, dtype=e.properties.dtype) for src, _, _, e in shard}
-        dcp.load(state, storage_reader=dcp.FileSystemReader(dcp_dir), no_dist=True)
+        with warnings.catch_warnings():
+            # "torch.distributed is ... uninitialized, assuming the intent is to load in a single
+            # process": exactly the intent (no_dist=True); DCP warns regardless
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp_load(state, dcp_dir, no_dist=True)
         tensors = {}
         for src, dst, transpose, _ in shard:
             t = state.pop(f"model.{src}")

@@ -35,18 +35,31 @@ def _entry(rank, world, port, local_world, fn, args, out_dir, quiet):
                     "tb": traceback.format_exc()}, path)
 
 
-def run_ranks(world: int, fn, *args, local_world: int | None = None, quiet: bool = True) -> list:
+def run_ranks(world: int, fn, *args, local_world: int | None = None, quiet: bool = True,
+              timeout_s: float = 600.0) -> list:
     """fn(*args) on `world` ranks (`local_world` per simulated node); the per-rank results in rank
     order. A HybridError raised on the ranks is raised here with its message; anything else with
-    the rank's traceback."""
+    the rank's traceback. Ranks still running after `timeout_s` are killed and reported."""
+    import time
+
     import torch
     import torch.multiprocessing as mp
 
     from .errors import HybridError
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_entry, args=(world, free_port(), local_world or world, fn, args, out, quiet),
-                           nprocs=world, join=True, start_method="spawn")
-        results = [torch.load(os.path.join(out, f"{r}.pt"), weights_only=False) for r in range(world)]
+        ctx = mp.start_processes(_entry, args=(world, free_port(), local_world or world, fn, args, out, quiet),
+                                 nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        while not ctx.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+                for p in ctx.processes:
+                    p.kill()
+                raise RuntimeError(f"rank(s) {alive} still running after {timeout_s:g} s: killed")
+        missing = [r for r in range(world) if not os.path.exists(os.path.join(out, f"{r}.pt"))]
+        if missing:
+            raise RuntimeError(f"rank(s) {missing} exited without a result (killed, e.g. out of memory)")
+        results = [torch.load(os.path.join(out, f"{r}.pt"), weights_only=True) for r in range(world)]
     for r, res in enumerate(results):
         if "error" in res:
             if res["type"] == "HybridError":

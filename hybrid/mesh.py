@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -34,31 +33,103 @@ class Runtime:
         return self.device.type
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def default_timeout(cuda: bool) -> float:
+    """Seconds any collective (and shutdown) may wait for a peer before failing: HYBRID_TIMEOUT,
+    else 60 on CPU ranks (gloo) and 600 on GPUs (the first NCCL collectives and large checkpoint
+    writes can take minutes)."""
+    value = os.environ.get("HYBRID_TIMEOUT")
+    if value is None:
+        return 600.0 if cuda else 60.0
+    try:
+        t = float(value)
+    except ValueError:
+        t = -1.0
+    if not 0 < t < 1e7:
+        raise HybridError(f"HYBRID_TIMEOUT={value!r} must be a positive number of seconds, e.g. 60")
+    return t
 
 
-def init_distributed(timeout_s: float = 600) -> Runtime:
+def init_distributed(timeout_s: float | None = None) -> Runtime:
     """Join (or start) the default process group: nccl + the local CUDA device when CUDA is there,
-    else gloo on the CPU. Without torchrun's variables this is a world of one."""
+    else gloo on the CPU. Without torchrun's variables this is a world of one, with the variables
+    set as torchrun would (DeepSpeed reads LOCAL_RANK). Every collective waits at most
+    `timeout_s` (default_timeout) for its peers."""
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if not dist.is_initialized():
         backend = "nccl" if cuda else "gloo"
-        timeout = datetime.timedelta(seconds=timeout_s)
-        if "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
-        else:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
-                                    rank=0, world_size=1, timeout=timeout)
+        timeout = timeout_s if timeout_s is not None else default_timeout(cuda)
+        _STATE["timeout"] = timeout
+        if "WORLD_SIZE" not in os.environ:
+            from .launch import free_port
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     backend = dist.get_backend()
     world = dist.get_world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     return Runtime(device, backend, world, dist.get_rank(), local)
+
+
+# Where this process is, for error messages about peers: set by Wrapped as it trains.
+_STATE: dict = {"timeout": None, "step": 0}
+
+
+def _store():
+    from torch.distributed.distributed_c10d import _get_default_store
+    try:
+        return _get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def note_step(step: int) -> None:
+    _STATE["step"] = step
+
+
+def departed() -> dict[int, str]:
+    """Ranks that called shutdown() (left the job), with the step they left at; {} if unknown."""
+    store = _store()
+    if store is None:
+        return {}
+    out = {}
+    try:
+        for r in range(dist.get_world_size()):
+            key = f"hybrid/left/{r}"
+            if store.check([key]):
+                out[r] = store.get(key).decode()
+    except Exception:   # noqa: BLE001 - the store's host may be gone too
+        return {}
+    return out
+
+
+_COMM_WORDS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe",
+               "peer", "gloo", "nccl")
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    dist_error = getattr(dist, "DistError", ())
+    text = str(e).lower()
+    return isinstance(e, dist_error) or (isinstance(e, RuntimeError) and any(w in text for w in _COMM_WORDS))
+
+
+def peer_failure(e: BaseException, what: str) -> HybridError:
+    """The one-line error for a collective that failed because another rank left or died."""
+    rank, step = dist.get_rank(), _STATE["step"]
+    left = {r: s for r, s in departed().items() if r != rank}
+    timeout = _STATE["timeout"]
+    within = f" within {timeout:g} s" if timeout else ""
+    if left:
+        who = ", ".join(f"rank {r} (after optimizer step {s})" for r, s in sorted(left.items()))
+        return HybridError(f"{who} left the job while rank {rank} was in {what} at optimizer step {step}: "
+                           "every rank must run the same number of steps (give each rank the same number of "
+                           "batches, e.g. DistributedSampler(drop_last=True))")
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    return HybridError(f"rank {rank}: a peer did not answer{within} during {what} at optimizer step {step} "
+                       f"(it died, hung, or called something else): {first}. Check the other ranks' output; "
+                       "HYBRID_TIMEOUT sets the wait")
 
 
 def build_mesh(shard_size: int, runtime: Runtime, gpus_per_node: int | None = None) -> DeviceMesh:
@@ -77,27 +148,43 @@ def shard_group_ranks(mesh: DeviceMesh) -> list[int]:
     return dist.get_process_group_ranks(mesh["shard"].get_group())
 
 
-def shutdown(timeout_s: float = 60.0) -> None:
-    """Leave the job cleanly: a barrier, destroy every process group, then rank 0 waits until the
-    others have done so before it returns (rank 0 often hosts the rendezvous store; exiting first
-    can abort peers still tearing down - 'terminate called without an active exception')."""
+def shutdown(timeout_s: float | None = None) -> None:
+    """Leave the job cleanly: wait (through the rendezvous store, never a collective that could
+    pair with a peer's training step) until every rank has called shutdown, then destroy the
+    process groups; rank 0, which often hosts the store, returns last. Ranks still training see
+    that this rank left; if the others do not arrive within `timeout_s` (default: the job's
+    collective timeout), this raises a HybridError naming them instead of hanging."""
     import time
 
     if not dist.is_initialized():
         return
-    from torch.distributed.distributed_c10d import _get_default_store
-
     world, rank = dist.get_world_size(), dist.get_rank()
-    try:
-        store = _get_default_store()
-    except (RuntimeError, ValueError):
-        store = None
-    dist.barrier()
-    dist.destroy_process_group()
+    store = _store()
+    timeout = timeout_s if timeout_s is not None else (_STATE["timeout"] or default_timeout(torch.cuda.is_available()))
     if store is None or world == 1:
+        dist.destroy_process_group()
         return
-    store.add("hybrid/shutdown", 1)
-    if rank == 0:
-        deadline = time.monotonic() + timeout_s
-        while store.add("hybrid/shutdown", 0) < world and time.monotonic() < deadline:
+    try:
+        store.set(f"hybrid/left/{rank}", str(_STATE["step"]))
+        store.add("hybrid/arrived", 1)
+        deadline = time.monotonic() + timeout
+        while store.add("hybrid/arrived", 0) < world:
+            if time.monotonic() > deadline:
+                missing = [r for r in range(world) if not store.check([f"hybrid/left/{r}"])]
+                dist.destroy_process_group()
+                raise HybridError(f"rank {rank} called shutdown() after optimizer step {_STATE['step']}, but "
+                                  f"rank(s) {missing} did not within {timeout:g} s: they are still training or "
+                                  "failed; every rank must run the same number of steps")
+            time.sleep(0.01)
+    except HybridError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the store's host (rank 0) is gone
+        dist.destroy_process_group()
+        raise HybridError(f"rank {rank}: shutdown() could not reach the job's rendezvous store ({e}); "
+                          "rank 0 has probably exited or died") from None
+    dist.destroy_process_group()
+    store.add("hybrid/done", 1)
+    if rank == 0:       # peers may still be tearing down through rank 0's store
+        deadline = time.monotonic() + timeout
+        while store.add("hybrid/done", 0) < world and time.monotonic() < deadline:
             time.sleep(0.01)

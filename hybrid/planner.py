@@ -75,6 +75,11 @@ class Plan:
     suggestions: tuple[str, ...] = ()
     """When nothing fits: the smallest changes that would make something fit."""
 
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step: micro-batch x accumulation x data-parallel ranks."""
+        return self.spec.micro_batch * self.spec.gradient_accumulation * self.cluster.world_size
+
     def __str__(self) -> str:
         """The decision: one row per strategy (its best variant) with the reason, and the choice."""
         from .report import format_plan
@@ -91,6 +96,7 @@ class Plan:
                                   "activation_checkpointing": c.spec.activation_checkpointing} if c else None),
             "method": self.method, "gpu": self.cluster.gpu.name, "nodes": self.cluster.nodes,
             "gpus_per_node": self.cluster.gpus_per_node, "spec": self.spec.to_dict(),
+            "global_batch": self.global_batch,
             "strategies": [x.to_dict() for x in self.candidates],
             "suggestions": list(self.suggestions),
         }

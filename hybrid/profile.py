@@ -92,8 +92,9 @@ def profile_params(count: int | str, name: str | None = None) -> ModelProfile:
 
 
 def find_blocks(module) -> tuple[str | None, list]:
-    """The wrap/shard unit: HF `_no_split_modules` when present, else the class repeated in the
-    largest ModuleList. Returns (class name, instances), or (None, []) when there is none."""
+    """The wrap/shard unit: HF `_no_split_modules` when present, else the class (with a forward
+    of its own) repeated in the largest ModuleList; nested ModuleLists are looked into. Returns
+    (class name, instances), or (None, []) when there is none."""
     import torch.nn as nn
 
     no_split = getattr(module, "_no_split_modules", None) or ()
@@ -101,16 +102,22 @@ def find_blocks(module) -> tuple[str | None, list]:
         blocks = [m for m in module.modules() if type(m).__name__ in set(no_split)]
         if blocks:
             return type(blocks[0]).__name__, blocks
-    best: tuple[int, str | None, list] = (0, None, [])
+    def runs(c) -> bool:     # a container (ModuleList of ModuleLists) has no forward of its own
+        return type(c).forward is not nn.Module.forward
+
+    members: dict[str, list] = {}     # class -> its instances held in ModuleLists, model order
     for m in module.modules():
-        if isinstance(m, nn.ModuleList) and len(m) >= 2:
-            cls, count = Counter(type(c).__name__ for c in m).most_common(1)[0]
-            if count < 2:
-                continue
-            members = [c for c in m if type(c).__name__ == cls]
-            size = sum(p.numel() for c in members for p in c.parameters())
-            if size > best[0]:
-                best = (size, cls, members)
+        if isinstance(m, nn.ModuleList):
+            for c in m:
+                if runs(c):
+                    members.setdefault(type(c).__name__, []).append(c)
+    best: tuple[int, str | None, list] = (0, None, [])
+    for cls, found in members.items():
+        if len(found) < 2:
+            continue
+        size = sum(p.numel() for c in found for p in c.parameters())
+        if size > best[0]:
+            best = (size, cls, found)
     return best[1], best[2]
 
 
@@ -203,14 +210,48 @@ def _decoder_builder(cfg: DecoderConfig):
     return build
 
 
+_HF_POSITIVE = {"llama": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size"),
+                 "mistral": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                             "intermediate_size"),
+                 "gpt2": ()}
+
+
+def _check_hf_config(cfg, path: str) -> None:
+    """The keys our closed forms read, present and positive integers (one line per problem)."""
+    if not isinstance(cfg, dict):
+        raise HybridError(f"model config {path!r} must be a JSON object (a transformers config.json), "
+                          f"got a JSON {type(cfg).__name__}")
+    mt = cfg.get("model_type")
+    if not isinstance(mt, str) or not mt:
+        raise HybridError(f"model config {path!r} has no \"model_type\"; a transformers config.json names its "
+                          "architecture there (e.g. \"llama\")")
+    keys = list(_HF_POSITIVE.get(mt, ())) + [k for k in ("n_embd", "n_layer", "n_head", "n_positions",
+                                                         "num_key_value_heads", "max_position_embeddings")
+                                             if k in cfg and cfg[k] is not None]
+    for key in keys:
+        v = cfg.get(key)
+        if v is None:
+            raise HybridError(f"model config {path!r} ({mt}) is missing {key!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise HybridError(f"model config {path!r}: {key} must be a positive integer, got {v!r}")
+    heads = cfg.get("num_attention_heads") or cfg.get("n_head")
+    hidden = cfg.get("hidden_size") or cfg.get("n_embd")
+    if heads and hidden and hidden % heads:
+        raise HybridError(f"model config {path!r}: hidden size {hidden} is not divisible by {heads} attention heads")
+
+
 def _from_config_json(path: str) -> ModelSource:
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             cfg = json.load(f)
     except FileNotFoundError:
         raise HybridError(f"model config {path!r} does not exist") from None
-    except json.JSONDecodeError as e:
-        raise HybridError(f"model config {path!r} is not valid JSON: {e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HybridError(f"model config {path!r} is not valid JSON: {str(e)[:200]}") from None
+    except OSError as e:
+        raise HybridError(f"cannot read model config {path!r}: {e.strerror or e}") from None
+    _check_hf_config(cfg, path)
     name = cfg.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path))) or path
     dec = from_hf_config(cfg)
     if dec is not None:
@@ -230,7 +271,15 @@ def _from_config_json(path: str) -> ModelSource:
             return AutoModelForCausalLM.from_config(
                 AutoConfig.for_model(c.pop("model_type"), **c), attn_implementation=attention), "transformers"
 
-    model, _ = build()
+    try:
+        model, _ = build()
+    except HybridError:
+        raise
+    except Exception as e:  # noqa: BLE001 - transformers rejects the config: say so in one line
+        raise HybridError(f"cannot build a causal language model from {path!r} (model_type "
+                          f"{cfg.get('model_type')!r}): {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}. "
+                          "config.json must describe a transformers causal LM; for other models give "
+                          "package.module:factory") from None
     return ModelSource(profile_module(model, name), build, path)
 
 
@@ -258,18 +307,37 @@ def probe_activations(module) -> int:
 
 
 def _from_factory(spec: str) -> ModelSource:
+    import inspect
+
     mod_name, _, fn_name = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(mod_name), fn_name)
-    except (ImportError, AttributeError) as e:
-        raise HybridError(f"cannot load model factory {spec!r}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - ImportError, AttributeError, or the module's own error
+        raise HybridError(f"cannot load model factory {spec!r}: {type(e).__name__}: {e}") from None
+    if not (inspect.isfunction(fn) or inspect.isclass(fn)):
+        raise HybridError(f"model factory {spec!r} is a {type(fn).__name__}, not a Python function or class "
+                          "that returns an nn.Module")
+    try:
+        inspect.signature(fn).bind()
+    except TypeError:
+        raise HybridError(f"model factory {spec!r} needs arguments; it must be callable with none "
+                          "(write a small wrapper function that fixes them)") from None
+    except ValueError:
+        pass
 
     def build(device="meta", attention="sdpa", prefer_hf=False, dtype=None):
         import torch
 
         from .models import default_dtype
         with torch.device(device), default_dtype(dtype):
-            return fn(), "factory"
+            try:
+                model = fn()
+            except Exception as e:  # noqa: BLE001 - the user's code failed: one line, the cause
+                raise HybridError(f"model factory {spec!r} raised {type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
+        if not isinstance(model, torch.nn.Module):
+            raise HybridError(f"model factory {spec!r} returned a {type(model).__name__}, not an nn.Module")
+        return model, "factory"
 
     model, _ = build()
     profile = profile_module(model, spec)

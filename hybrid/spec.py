@@ -6,12 +6,13 @@ from typing import Literal, get_args
 
 from .errors import HybridError
 
-Precision = Literal["fp32", "bf16-mixed", "bf16"]
+Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16"]
 Optimizer = Literal["adamw", "sgd", "adafactor"]
 Checkpointing = Literal["none", "selective", "full"]
 Attention = Literal["sdpa", "eager"]
 
 _ALIASES = {"flash": "sdpa", "bf16_mixed": "bf16-mixed", "mixed": "bf16-mixed", "adam": "adamw",
+            "fp16_mixed": "fp16-mixed", "16-mixed": "fp16-mixed",
             "off": "none", "false": "none", "true": "full"}
 
 
@@ -42,6 +43,7 @@ class DtypeBytes:
 _DTYPE_BYTES = {
     "fp32": DtypeBytes(param=4, compute=4, grad=4, state=4),
     "bf16-mixed": DtypeBytes(param=4, compute=2, grad=4, state=4),
+    "fp16-mixed": DtypeBytes(param=4, compute=2, grad=4, state=4),
     "bf16": DtypeBytes(param=2, compute=2, grad=2, state=2),
 }
 
@@ -55,7 +57,8 @@ class TrainSpec:
     seq_len: int = 2048
     """Tokens per sequence. Must be >= 1 and at most the model's maximum positions."""
     precision: Precision = "bf16-mixed"
-    """fp32; bf16-mixed (bf16 compute, fp32 master weights, grads and optimizer state); or bf16
+    """fp32; bf16-mixed (bf16 compute, fp32 master weights, grads and optimizer state);
+    fp16-mixed (the same in fp16, with dynamic loss scaling: GPUs without bf16); or bf16
     (everything in bf16, optimizer state included)."""
     optimizer: Optimizer = "adamw"
     """adamw (2 states per parameter), sgd with momentum (1 state), adafactor (factored second
@@ -65,9 +68,12 @@ class TrainSpec:
     block's input and recompute the block in backward)."""
     attention: Attention = "sdpa"
     """sdpa (fused/flash kernels: no s x s score matrix kept) or eager (softmax scores kept)."""
+    gradient_accumulation: int = 1
+    """Micro-batches per optimizer step; the global batch is micro_batch x this x data-parallel
+    ranks. 1 = no accumulation."""
 
     def __post_init__(self):
-        for attr in ("micro_batch", "seq_len"):
+        for attr in ("micro_batch", "seq_len", "gradient_accumulation"):
             v = getattr(self, attr)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise HybridError(f"{attr.replace('_', '-')} must be a positive integer, got {v!r}")
@@ -76,6 +82,11 @@ class TrainSpec:
         object.__setattr__(self, "activation_checkpointing",
                            choice("activation checkpointing", self.activation_checkpointing, Checkpointing))
         object.__setattr__(self, "attention", choice("attention", self.attention, Attention))
+
+    @property
+    def mixed(self) -> bool:
+        """Low-precision compute over fp32 master weights (bf16-mixed or fp16-mixed)."""
+        return self.precision in ("bf16-mixed", "fp16-mixed")
 
     @property
     def tokens(self) -> int:
@@ -88,4 +99,4 @@ class TrainSpec:
     def to_dict(self) -> dict:
         return {"micro_batch": self.micro_batch, "seq_len": self.seq_len, "precision": self.precision,
                 "optimizer": self.optimizer, "activation_checkpointing": self.activation_checkpointing,
-                "attention": self.attention}
+                "attention": self.attention, "gradient_accumulation": self.gradient_accumulation}

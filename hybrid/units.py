@@ -19,11 +19,15 @@ _COUNT_UNITS = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 _NUMBER = r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*"
 
 
+MAX_BYTES = 1024**5
+"""Sizes above 1 PiB are a typo, not a GPU (and would overflow the arithmetic)."""
+
+
 def parse_bytes(text: str | int | float) -> int:
     """'80GiB' -> 85899345920, '80GB' -> 80e9, '8e10' -> 80e9. Raises HybridError otherwise."""
     if isinstance(text, (int, float)):
-        if text <= 0:
-            raise HybridError(f"memory size must be positive, got {text}")
+        if not 0 < text <= MAX_BYTES:
+            raise HybridError(f"memory size must be positive and at most 1 PiB, got {text}")
         return int(text)
     m = re.fullmatch(_NUMBER + r"([A-Za-z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _BYTE_UNITS:
@@ -32,8 +36,8 @@ def parse_bytes(text: str | int | float) -> int:
             "e.g. 80GiB, 80GB, 40960MiB or 8.5e10"
         )
     value = float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
-    if value <= 0:
-        raise HybridError(f"memory size must be positive, got {text!r}")
+    if not 0 < value <= MAX_BYTES:
+        raise HybridError(f"memory size must be positive and at most 1 PiB, got {text!r}")
     return int(value)
 
 
@@ -48,8 +52,8 @@ def parse_count(text: str | int | float) -> int:
                 f"cannot parse parameter count {text!r}: use e.g. 7.5e9, 7B or 125M"
             )
         value = float(m.group(1)) * _COUNT_UNITS[m.group(2).lower()]
-    if value < 1:
-        raise HybridError(f"parameter count must be at least 1, got {text!r}")
+    if not 1 <= value <= 1e15:
+        raise HybridError(f"parameter count must be between 1 and 1e15, got {text!r}")
     return int(value)
 
 

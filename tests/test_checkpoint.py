@@ -103,13 +103,16 @@ def crash_mid_save(path):
     first = w.state_dict()
     _steps(w, 1, 2)
 
+    import hybrid.checkpoint as ckpt
+
     def die(*a, **k):
         raise RuntimeError("node lost power")
-    w.engine.save_native = die
+    rng_state, ckpt._rng_state = ckpt._rng_state, die      # dies after the data, before the commit
     try:
         w.save(path)
     except RuntimeError:
         pass
+    ckpt._rng_state = rng_state
     w2 = _wrap("fsdp", seed=5)
     w2.load(path)
     restored = w2.state_dict()

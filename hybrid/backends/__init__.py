@@ -9,6 +9,6 @@ from __future__ import annotations
 import importlib
 
 
-def apply(strategy, model, optimizer_factory, mesh, spec, runtime):
+def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options=None):
     module = importlib.import_module(f".{strategy.family}", __name__)
-    return module.apply(strategy, model, optimizer_factory, mesh, spec, runtime)
+    return module.apply(strategy, model, optimizer_factory, mesh, spec, runtime, options)

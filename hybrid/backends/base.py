@@ -1,9 +1,11 @@
 """The engine every backend returns, and the helpers they share (checkpointing, unit discovery)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -12,27 +14,98 @@ from ..errors import HybridError
 from ..profile import find_blocks
 
 
+@dataclass(frozen=True)
+class StepResult:
+    norm: object = None
+    """The pre-clip global gradient norm (a tensor or float), None if the backend has none."""
+    skipped: int = 0
+    """1 when fp16 loss scaling skipped the optimizer step (inf/nan gradients)."""
+
+
 class Engine(ABC):
-    """What Wrapped drives: the same five verbs whatever the library underneath."""
+    """What Wrapped drives: the same verbs whatever the library underneath. The default
+    implementation is the torch one (DDP, FSDP2): autograd accumulates into .grad, a sync
+    context decides whether backward reduces, clipping and loss scaling act on .grad."""
 
     family: str = ""
+    owns_accumulation: bool = False
+    """True when the library counts micro-batches itself (DeepSpeed): step() runs every micro-batch."""
 
-    def __init__(self, model: nn.Module, runner, optimizer):
+    def __init__(self, model: nn.Module, runner, optimizer, scaler=None):
         self.model = model          # the user's module (FSDP2 shards it in place)
         self.runner = runner        # what forward calls: DDP / the FSDP module / the DeepSpeed engine
         self.optimizer = optimizer
+        self.scaler = scaler        # torch.amp.GradScaler (fp16-mixed) or None
+        self._unscaled = False
 
     def forward(self, *args, **kwargs):
         return self.runner(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+    def set_sync(self, sync: bool) -> None:
+        """Before a micro-batch's forward: whether its backward reduces gradients across ranks
+        (False inside an accumulation window)."""
 
-    def step(self) -> None:
-        self.optimizer.step()
+    def sync_context(self, sync: bool):
+        """Around backward, for libraries that decide there."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, accumulation: int = 1, sync: bool = True) -> None:
+        if accumulation > 1:
+            loss = loss / accumulation
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        with self.sync_context(sync):
+            loss.backward()
+
+    def _unscale(self) -> None:
+        if self.scaler is not None and not self._unscaled:
+            self.scaler.unscale_(self.optimizer)
+            self._unscaled = True
+
+    def _grad_params(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.grad is not None]
+
+    def total_norm(self) -> torch.Tensor:
+        """Global L2 norm of every gradient over every rank (DTensor shards reduced)."""
+        grads = [p.grad for p in self._grad_params()]
+        if not grads:
+            return torch.zeros(())
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        self._unscale()
+        norm = self.total_norm()
+        torch.nn.utils.clip_grads_with_norm_(self._grad_params(), max_norm, norm)
+        return norm
+
+    def step(self, sync: bool = True, max_norm: float | None = None) -> StepResult:
+        self._unscale()
+        norm = self.clip_grad_norm(max_norm) if max_norm is not None else self.total_norm()
+        skipped = 0
+        if self.scaler is not None:
+            before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            skipped = int(self.scaler.get_scale() < before)
+        else:
+            self.optimizer.step()
+        self._unscaled = False
+        return StepResult(norm, skipped)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+    def translate_error(self, e: BaseException) -> HybridError | None:
+        """A library error a user can cause, as one line naming the fix (None: not ours)."""
+        return None
+
+    def scaler_state(self) -> dict | None:
+        return self.scaler.state_dict() if self.scaler is not None else None
+
+    def load_scaler_state(self, state: dict) -> None:
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state)
 
     @abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -57,17 +130,64 @@ class Engine(ABC):
         set_model_state_dict(self.model, state["model"], options=_OPTIONS())
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=_OPTIONS())
 
-    def save_native(self, path: str) -> None:
-        """A library's own checkpoint next to the portable one (DeepSpeed); none by default."""
-
-    def load_native(self, path: str) -> bool:
-        return False
+    @property
+    def user_optimizer(self):
+        """The torch optimizer the user's factory built (DeepSpeed wraps it in its own)."""
+        return self.optimizer
 
     def tensor_roles(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this backend holds, by memory category (for the tracker's relabelling)."""
         params = list(self.model.parameters())
         return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
                 "optimizer": optimizer_tensors(self.optimizer, params)}
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """How the training loop runs, for the backends that configure it at wrap time (DeepSpeed)."""
+
+    gradient_accumulation: int = 1
+    """Micro-batches per optimizer step (1: no accumulation)."""
+    max_grad_norm: float | None = None
+    """Clip the global gradient L2 norm to this before each optimizer step; None: no clipping."""
+    find_unused_parameters: bool = False
+    """Let DDP handle parameters that get no gradient in some steps (costs a graph walk per step)."""
+
+
+class ShardedScaler(torch.amp.GradScaler):
+    """torch's GradScaler for DTensor (FSDP2) gradients: each rank checks and unscales its own
+    shards, then every rank takes the same decision (an overflow in any shard skips the step
+    everywhere), as torch's ShardedGradScaler does for FSDP1."""
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        import torch.distributed as dist
+        groups: dict = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    g = getattr(p.grad, "_local_tensor", p.grad)     # the shard itself (in place)
+                    groups.setdefault((g.device, g.dtype), []).append(g)
+        found = torch.zeros_like(found_inf)
+        for (device, _), grads in groups.items():
+            f = torch.zeros_like(found_inf, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, f, inv_scale.to(device))
+            found += f.to(found.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        return {found.device: found}
+
+
+def make_scaler(spec, device_type: str, sharded: bool):
+    """Dynamic loss scaling for fp16-mixed (torch defaults: 2^16, x2 every 2000 clean steps, /2
+    on overflow); None for the other precisions."""
+    if spec.precision != "fp16-mixed":
+        return None
+    return (ShardedScaler if sharded else torch.amp.GradScaler)(device_type)
+
+
+def compute_dtype(spec):
+    """The dtype forward and backward run in for a mixed precision, else None."""
+    return {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(spec.precision)
 
 
 def _OPTIONS():

@@ -6,15 +6,28 @@ import contextlib
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .base import Engine, apply_activation_checkpointing, materialize, to_cpu_state
+from ..errors import HybridError
+from .base import (Engine, LoopOptions, apply_activation_checkpointing, compute_dtype, make_scaler, materialize,
+                   to_cpu_state)
 
 
 class DDPEngine(Engine):
     family = "ddp"
 
-    def __init__(self, model, ddp, optimizer, autocast_dtype, device_type):
-        super().__init__(model, ddp, optimizer)
+    def __init__(self, model, ddp, optimizer, autocast_dtype, device_type, scaler=None):
+        super().__init__(model, ddp, optimizer, scaler)
         self.autocast_dtype, self.device_type = autocast_dtype, device_type
+
+    def set_sync(self, sync):
+        # what DDP.no_sync() does; the flag is read in forward, so it is set before it
+        self.runner.require_backward_grad_sync = sync
+
+    def translate_error(self, e):
+        text = str(e)
+        if "Expected to have finished reduction" in text or "find_unused_parameters" in text:
+            return HybridError("some parameters got no gradient in a step (not used by forward), and DDP waits for "
+                               "every gradient: pass find_unused_parameters=True to auto_wrap")
+        return None
 
     def forward(self, *args, **kwargs):
         ctx = (torch.autocast(self.device_type, dtype=self.autocast_dtype) if self.autocast_dtype
@@ -26,16 +39,19 @@ class DDPEngine(Engine):
         return to_cpu_state(self.model.state_dict().items())
 
 
-def apply(strategy, model, optimizer_factory, mesh, spec, runtime) -> DDPEngine:
+def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: LoopOptions | None = None) -> DDPEngine:
+    options = options or LoopOptions()
     dtype = torch.bfloat16 if spec.precision == "bf16" else None
     materialize(model, runtime.device)                  # a meta-built model: every rank holds it all
     model.to(device=runtime.device, dtype=dtype)
     apply_activation_checkpointing(model, spec.activation_checkpointing)
     ddp = DDP(model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
               process_group=mesh["replicate"].get_group(), bucket_cap_mb=strategy.bucket_cap_mb,
-              gradient_as_bucket_view=strategy.gradient_as_bucket_view, static_graph=strategy.static_graph)
-    autocast = torch.bfloat16 if spec.precision == "bf16-mixed" else None
-    return DDPEngine(model, ddp, optimizer_factory(ddp.parameters()), autocast, runtime.device.type)
+              gradient_as_bucket_view=strategy.gradient_as_bucket_view, static_graph=strategy.static_graph,
+              find_unused_parameters=options.find_unused_parameters)
+    optimizer = optimizer_factory([p for p in ddp.parameters() if p.requires_grad])
+    return DDPEngine(model, ddp, optimizer, compute_dtype(spec), runtime.device.type,
+                     make_scaler(spec, runtime.device.type, sharded=False))
 
 
 class _EmulatedDDP(torch.nn.Module):
@@ -74,8 +90,8 @@ class _EmulatedDDP(torch.nn.Module):
         return self.module(*args, **kwargs)
 
 
-def traced_apply(strategy, model, optimizer_factory, mesh, spec, runtime) -> DDPEngine:
+def traced_apply(strategy, model, optimizer_factory, mesh, spec, runtime, options=None) -> DDPEngine:
     apply_activation_checkpointing(model, spec.activation_checkpointing)
     ddp = _EmulatedDDP(model, strategy)
-    autocast = torch.bfloat16 if spec.precision == "bf16-mixed" else None
-    return DDPEngine(model, ddp, optimizer_factory(model.parameters()), autocast, runtime.device.type)
+    return DDPEngine(model, ddp, optimizer_factory([p for p in model.parameters() if p.requires_grad]),
+                     compute_dtype(spec), runtime.device.type)

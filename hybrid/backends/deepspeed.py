@@ -7,22 +7,63 @@ import torch
 
 from ..errors import HybridError
 from ..profile import profile_module
-from .base import Engine, apply_activation_checkpointing, materialize, optimizer_tensors
+from .base import Engine, LoopOptions, apply_activation_checkpointing, materialize, optimizer_tensors
 from .ds_config import ds_config
 
 
+_SCALER_KEYS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
 class DeepSpeedEngine(Engine):
+    """DeepSpeed counts micro-batches itself (gradient_accumulation_steps in its config): backward
+    and step run on every micro-batch, the engine reduces, clips (gradient_clipping), scales
+    (fp16) and steps at the window's end."""
+
     family = "deepspeed"
+    owns_accumulation = True
 
-    def backward(self, loss):
-        self.runner.backward(loss)
+    def backward(self, loss, accumulation=1, sync=True):
+        self.runner.backward(loss)          # divides by gradient_accumulation_steps itself
 
-    def step(self):
+    def step(self, sync=True, max_norm=None):
+        from .base import StepResult
+        skipped_before = getattr(self.runner, "skipped_steps", 0)
         self.runner.step()
+        if not sync:
+            return StepResult()
+        norm = self.runner.get_global_grad_norm()
+        return StepResult(norm, int(getattr(self.runner, "skipped_steps", 0) > skipped_before))
+
+    def clip_grad_norm(self, max_norm):
+        raise HybridError("DeepSpeed ZeRO clips inside its optimizer step, over gradients partitioned across "
+                          "ranks: pass max_grad_norm= to auto_wrap instead of calling clip_grad_norm_")
 
     def zero_grad(self):
         # DeepSpeed clears gradients inside engine.step(); nothing is left to clear here.
         pass
+
+    def scaler_state(self):
+        scaler = getattr(self.runner.optimizer, "loss_scaler", None)
+        if scaler is None or not self.runner.fp16_enabled():
+            return None
+        return {k: float(getattr(scaler, k)) for k in _SCALER_KEYS if hasattr(scaler, k)}
+
+    def load_scaler_state(self, state):
+        scaler = getattr(self.runner.optimizer, "loss_scaler", None)
+        for k, v in state.items():
+            if scaler is not None and k in _SCALER_KEYS and hasattr(scaler, k):
+                setattr(scaler, k, type(getattr(scaler, k))(v))
+
+    def _frozen(self):
+        return [(n, p) for n, p in self.model.named_parameters() if not p.requires_grad]
+
+    def _module_value(self, p) -> torch.Tensor:
+        """The full value of a parameter DeepSpeed keeps no fp32 master of (frozen ones)."""
+        import deepspeed
+        if hasattr(p, "ds_id"):
+            with deepspeed.zero.GatheredParameters([p]):
+                return p.data.detach().float().clone()
+        return p.data.detach().float().clone()
 
     def full_state_dict(self):
         """fp32 master values (not the bf16 working copy), gathered on every rank."""
@@ -31,7 +72,8 @@ class DeepSpeedEngine(Engine):
         out = {}
         named = dict(self.model.named_parameters(remove_duplicate=False))
         for name, p in named.items():
-            out[name] = safe_get_full_fp32_param(p).detach().to("cpu", copy=True)
+            value = safe_get_full_fp32_param(p) if p.requires_grad else self._module_value(p)
+            out[name] = value.detach().to("cpu", copy=True)
         for name, b in self.model.named_buffers():
             out[name] = b.detach().to("cpu", copy=True)
         keys = self.model.state_dict().keys()
@@ -39,9 +81,9 @@ class DeepSpeedEngine(Engine):
 
     # --- checkpoints -------------------------------------------------------------------------
     def _params(self):
-        """(canonical name, param): the first name of a tied parameter, as torch's state-dict
-        helpers name optimizer state."""
-        return list(self.model.named_parameters())
+        """(canonical name, param) of the trainable parameters: the first name of a tied
+        parameter, as torch's state-dict helpers name optimizer state."""
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
     def _mesh(self):
         if getattr(self, "_world_mesh", None) is None:
@@ -127,6 +169,11 @@ class DeepSpeedEngine(Engine):
             for k, v in group.items():
                 if k != "params":
                     optim[f"param_groups.{name}.{k}"] = v
+        for name, p in self._frozen():             # no optimizer state; the module's own value
+            shape = p.ds_shape if hasattr(p, "ds_shape") else p.shape
+            value = self._sharded(torch.zeros(shape, dtype=torch.float32) if template else self._module_value(p))
+            for alias in aliases[id(p)]:
+                model[alias] = value
         for name, b in self.model.named_buffers():
             if name in self.model.state_dict():
                 model[name] = b.detach().clone()
@@ -136,23 +183,17 @@ class DeepSpeedEngine(Engine):
         return self.checkpoint_state(template=True)
 
     def load_checkpoint_state(self, state):
-        import deepspeed
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
         model, optim = state["model"], state["optim"]
         keys = self._state_keys()
-        rank = torch.distributed.get_rank()
         for name, p in self._params():
             full = model[name].full_tensor()
             safe_set_full_fp32_param(p, full)
             for key in keys:
                 safe_set_full_optimizer_state(p, optim[f"state.{name}.{key}"].full_tensor(), key)
-            # the module's own (16-bit or fp32) copy the forward reads
-            if hasattr(p, "ds_id"):
-                with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
-                    if rank == 0:
-                        p.data.copy_(full.to(p.dtype).view_as(p))
-            else:
-                p.data.copy_(full.to(p.dtype).view_as(p))
+            self._set_module_value(p, full)     # the module's own (16-bit or fp32) copy forward reads
+        for name, p in self._frozen():
+            self._set_module_value(p, model[name].full_tensor())
         first = self._params()[0][0]
         for st in self._inner().state.values():
             if "step" in st:
@@ -166,13 +207,18 @@ class DeepSpeedEngine(Engine):
             if name in model:
                 b.data.copy_(model[name])
 
-    def save_native(self, path):
-        self.runner.save_checkpoint(path, tag="native", save_latest=False)
+    @property
+    def user_optimizer(self):
+        return self._inner()
 
-    def load_native(self, path):
-        loaded, _ = self.runner.load_checkpoint(path, tag="native", load_optimizer_states=True,
-                                                load_lr_scheduler_states=False)
-        return loaded is not None
+    def _set_module_value(self, p, full: torch.Tensor) -> None:
+        import deepspeed
+        if hasattr(p, "ds_id"):
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                if torch.distributed.get_rank() == 0:
+                    p.data.copy_(full.to(p.dtype).view_as(p))
+        else:
+            p.data.copy_(full.to(p.dtype).view_as(p))
 
     def tensor_roles(self):
         """DeepSpeed's own flat buffers: 16-bit params (or their partitions and hpZ copies),
@@ -199,8 +245,10 @@ class DeepSpeedEngine(Engine):
                 "optimizer": masters + optimizer_tensors(inner, params)}
 
 
-def apply(strategy, model, optimizer_factory, mesh, spec, runtime) -> DeepSpeedEngine:
+def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: LoopOptions | None = None) -> DeepSpeedEngine:
     import deepspeed
+
+    options = options or LoopOptions()
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     cuda = runtime.device.type == "cuda"
@@ -209,16 +257,20 @@ def apply(strategy, model, optimizer_factory, mesh, spec, runtime) -> DeepSpeedE
                           "machine has none. Use zero1, zero2 or zero3")
     profile = profile_module(model)
     hidden = profile.decoder.hidden if profile.decoder else None
-    config = ds_config(strategy, spec, hidden, runtime.world_size, runtime.local_world_size, cuda)
+    if spec.precision == "fp16-mixed" and not cuda:
+        raise HybridError(f"{strategy.name}: DeepSpeed's fp16 mode needs CUDA (its CPU accelerator has no fp16); "
+                          "use ddp or fsdp for fp16-mixed on CPU ranks, or --precision fp32")
+    config = ds_config(strategy, spec, hidden, runtime.world_size, runtime.local_world_size, cuda,
+                       options.gradient_accumulation, options.max_grad_norm)
     materialize(model, runtime.device)   # ZeRO partitions it at initialize (deepspeed.zero.Init not used)
     apply_activation_checkpointing(model, spec.activation_checkpointing)
-    optimizer = optimizer_factory(model.parameters())
+    optimizer = optimizer_factory([p for p in model.parameters() if p.requires_grad])
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                                    dist_init_required=False)
     return DeepSpeedEngine(engine.module, engine, optimizer)
 
 
-def traced_apply(strategy, model, optimizer_factory, mesh, spec, runtime):
+def traced_apply(strategy, model, optimizer_factory, mesh, spec, runtime, options=None):
     """DeepSpeed cannot run on fake tensors. Its compute is FSDP2's with bf16 params (the module
     is cast to bf16, like MixedPrecisionPolicy), so the trace runs the FSDP2 equivalent (full
     shard; blocks re-gathered in backward only for stage 3) and memory/traced.py replaces the

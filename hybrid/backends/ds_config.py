@@ -5,7 +5,7 @@ from ..errors import HybridError
 
 
 def ds_config(strategy, spec, hidden: int | None, world_size: int, gpus_per_node: int,
-              cuda: bool = True) -> dict:
+              cuda: bool = True, gradient_accumulation: int = 1, max_grad_norm: float | None = None) -> dict:
     """Bucket sizes left unset in the catalogue follow HF Trainer's 'auto' rules (hidden^2,
     0.9 hidden^2, 10 hidden); the analytic model uses the same numbers."""
     if strategy.family != "deepspeed":
@@ -32,16 +32,22 @@ def ds_config(strategy, spec, hidden: int | None, world_size: int, gpus_per_node
         zero["offload_param"] = {"device": "cpu", "pin_memory": cuda}
     if strategy.hpz:
         zero["zero_hpz_partition_size"] = gpus_per_node if strategy.hpz == "node" else int(strategy.hpz)
-    return {
+    out = {
         "train_micro_batch_size_per_gpu": spec.micro_batch,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": spec.micro_batch * world_size,
+        "gradient_accumulation_steps": gradient_accumulation,
+        "train_batch_size": spec.micro_batch * gradient_accumulation * world_size,
         "bf16": {"enabled": spec.precision == "bf16-mixed"},
         "zero_optimization": zero,
         # the user's torch optimizer is used as given, also with offload
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
-        "gradient_clipping": 0.0,
+        "gradient_clipping": float(max_grad_norm or 0.0),
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if spec.precision == "fp16-mixed":
+        # dynamic loss scaling with torch GradScaler's defaults: 2^16, halve on overflow, double
+        # after 2000 clean steps (DeepSpeed's own default window is 1000)
+        out["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 2000,
+                       "hysteresis": 1, "min_loss_scale": 1}
+    return out

@@ -1,15 +1,25 @@
 """PyTorch FSDP2 (`fully_shard`): per-block units plus the root, on a 1D or 2D (HSDP) mesh."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from ..errors import HybridError
-from .base import Engine, apply_activation_checkpointing, materialize, shardable_blocks
+from .base import (Engine, LoopOptions, apply_activation_checkpointing, compute_dtype, make_scaler, materialize,
+                   shardable_blocks)
 
 
 class FSDPEngine(Engine):
     family = "fsdp"
+
+    def sync_context(self, sync):
+        # FSDP2's native no-sync: inside a window gradients accumulate unsharded, reduce-scatter
+        # (and HSDP's all-reduce) run only in the window's last backward
+        self.model.set_requires_gradient_sync(sync)
+        self.model.set_is_last_backward(sync)
+        return contextlib.nullcontext()
 
     def full_state_dict(self):
         out = {}
@@ -42,8 +52,9 @@ def fsdp_kwargs(strategy, mesh, spec, runtime) -> dict:
         raise HybridError(f"{strategy.name} offloads parameters from GPU to host memory, which needs "
                           "CUDA; this machine has none. Use fsdp or hsdp")
     fsdp_mesh = mesh["shard"] if mesh.shape[0] == 1 else mesh
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if spec.precision == "bf16-mixed" else MixedPrecisionPolicy())
+    low = compute_dtype(spec)
+    mp = (MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low is not None
+          else MixedPrecisionPolicy())
     # a traced (fake) run simulates the GPU job on the CPU: offload is accounted afterwards
     offload = (CPUOffloadPolicy(pin_memory=True) if strategy.offload_params and runtime.backend != "fake"
                else OffloadPolicy())
@@ -51,7 +62,7 @@ def fsdp_kwargs(strategy, mesh, spec, runtime) -> dict:
                 offload_policy=offload)
 
 
-def apply(strategy, model, optimizer_factory, mesh, spec, runtime) -> FSDPEngine:
+def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: LoopOptions | None = None) -> FSDPEngine:
     kwargs = fsdp_kwargs(strategy, mesh, spec, runtime)
     if spec.precision == "bf16" and any(p.dtype != torch.bfloat16 for p in model.parameters()):
         model.to(torch.bfloat16)
@@ -60,7 +71,8 @@ def apply(strategy, model, optimizer_factory, mesh, spec, runtime) -> FSDPEngine
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     materialize(model, "cpu" if strategy.offload_params else runtime.device)   # meta-built: shards only
-    return FSDPEngine(model, model, optimizer_factory(model.parameters()))
+    optimizer = optimizer_factory([p for p in model.parameters() if p.requires_grad])
+    return FSDPEngine(model, model, optimizer, make_scaler(spec, runtime.device.type, sharded=True))
 
 
 traced_apply = apply   # FSDP2 runs as it is under fake tensors and a fake process group

@@ -83,10 +83,12 @@ def _ddp(s: Strategy, p: ModelProfile, spec: TrainSpec, n: int, cl: Cluster) -> 
     grads = p.trainable_params * b.grad
     lay = _Layout(params=p.params * b.param, optimizer=optimizer_elements(p, spec) * b.state,
                   scratch=_scratch_elements(p, spec) * b.state,
-                  autocast=spec.precision == "bf16-mixed", grads_end=grads)
+                  autocast=spec.precision in ("bf16-mixed", "fp16-mixed"), grads_end=grads)
     if s.gradient_as_bucket_view:
         lay.grads_start = grads          # grads are views into buckets allocated at DDP init
     else:
+        if spec.gradient_accumulation > 1:
+            lay.grads_start = grads      # .grad accumulates across the window (no_sync)
         lay.buffers_start = lay.buffers_mid = lay.buffers_end = lay.buffers_step = grads
         lay.notes.append("DDP buckets hold a second gradient copy (gradient_as_bucket_view=False)")
     return lay
@@ -118,6 +120,13 @@ def _fsdp(s: Strategy, p: ModelProfile, spec: TrainSpec, n: int, cl: Cluster) ->
     # block's reduce-scatter input in the reduce dtype (its grads themselves: unit_grads)
     lay.buffers_mid = c * (root + head + gathered_blocks) + rb * unit
     lay.buffers_end = c * (2 * root) + rb * root
+    if spec.gradient_accumulation > 1:
+        # FSDP2's no-sync (set_requires_gradient_sync(False)) keeps every unsharded gradient, in
+        # the compute dtype, from the window's first backward to its last reduce-scatter
+        lay.grads_start += P * c
+        lay.grads_end += P * c
+        lay.notes.append(f"gradient accumulation: unsharded {('bf16' if c == 2 else 'fp32')} gradients are kept "
+                         "between micro-batches (reduce-scatter once per window)")
     return lay
 
 
@@ -139,6 +148,10 @@ def _deepspeed(s: Strategy, p: ModelProfile, spec: TrainSpec, n: int, cl: Cluste
         lay.params = p.params * c           # the module's bf16 params, whole on every rank
         # stage 1 keeps full bf16 grads until the step; stage 2 reduces them into a 1/N partition
         lay.grads_end = P * c if s.stage == 1 else P * c / n
+        if spec.gradient_accumulation > 1:
+            # stage 1 accumulates whole 16-bit grads over the window; stage 2 accumulates its
+            # fp32 partition (averaged_gradients) between micro-batches
+            lay.grads_start = P * c if s.stage == 1 else P * FP32 / n
         # the IPG reduce bucket; updated partitions are all-gathered in place into the flat params
         lay.buffers_start = lay.buffers_mid = lay.buffers_end = c * reduce_bucket
     else:

@@ -77,6 +77,21 @@ def check_runnable(source: ModelSource, cluster: Cluster) -> None:
                           f"--gpus-per-node 2, or --method traced for the full-size job")
 
 
+def _check_host_memory(source, strategy, spec, cluster, shard_size) -> None:
+    """CPU ranks share this machine's memory: refuse up front a run the kernel would OOM-kill."""
+    from ..cluster import available_host_bytes
+    from ..units import fmt_bytes
+    from .analytic import estimate
+    need = estimate(strategy, source.profile, spec, cluster, strategy.shard_size(cluster, shard_size)).total
+    need *= cluster.world_size
+    have = available_host_bytes()
+    if need > 0.9 * have:
+        raise HybridError(f"measuring {source.profile.name} under {strategy.name} on {cluster.world_size} CPU ranks "
+                          f"needs about {fmt_bytes(need)} of host memory (analytic estimate) and this machine has "
+                          f"{fmt_bytes(have)} available; measure a smaller model, or use --method traced (fake "
+                          "tensors, no memory)")
+
+
 def measured_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cluster,
                       shard_size: int | None = None, steps: int = 2, prefer_hf: bool = True) -> Measured:
     from ..launch import run_ranks
@@ -84,6 +99,8 @@ def measured_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, 
     check_runnable(source, cluster)
     check_job(source.profile, spec)
     world = cluster.world_size
+    if not cluster.gpu.is_cuda:
+        _check_host_memory(source, strategy, spec, cluster, shard_size)
     start = time.perf_counter()
     results = run_ranks(world, _rank_main, source.ref, strategy, spec, cluster, shard_size, steps, prefer_hf,
                         local_world=cluster.gpus_per_node)
