@@ -142,8 +142,6 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
                 log.warning("hybrid: warning: %s is forced but %s", strategy, chosen.reason)
     chosen = _agree(the_plan.chosen, runtime, strategy, cluster)
     mesh = build_mesh(chosen.shard_size, runtime, cluster.gpus_per_node)
-    if chosen.strategy.family == "fsdp":
-        expose_output_tensors(model)
     options = LoopOptions(gradient_accumulation, max_grad_norm, bool(find_unused_parameters))
     engine = apply(chosen.strategy, model, optimizer, mesh, chosen.spec, runtime, options)
     model._hybrid_wrapped = True
@@ -152,38 +150,6 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
     if verbose and runtime.rank == 0:
         log.info("%s", wrapped.describe())
     return wrapped
-
-
-def expose_output_tensors(model: nn.Module) -> None:
-    """FSDP2 finds the output tensors it must hook for backward with torch's pytree, which sees
-    into tensors, tuples, lists, dicts and registered classes (HF ModelOutput) but not into a
-    plain object with a `.loss` attribute. Register such a class (a dataclass by its fields, any
-    other by its __dict__) the first time it is returned; the hook runs before FSDP's own."""
-    from torch.utils import _pytree as pytree
-
-    def register(cls) -> None:
-        if (cls in pytree.SUPPORTED_NODES or issubclass(cls, (torch.Tensor, tuple, list, dict, str, bytes,
-                                                                int, float, bool, type(None)))):
-            return
-        if dataclasses.is_dataclass(cls):
-            names = [f.name for f in dataclasses.fields(cls)]
-            flatten = lambda o: ([getattr(o, n) for n in names], None)              # noqa: E731
-        elif hasattr(cls, "__dict__"):
-            flatten = lambda o: (list(vars(o).values()), list(vars(o)))             # noqa: E731
-            names = None
-        else:
-            return
-
-        def unflatten(values, context, cls=cls, names=names):
-            out = object.__new__(cls)
-            for k, v in zip(names if names is not None else context, values):
-                object.__setattr__(out, k, v)
-            return out
-        pytree.register_pytree_node(cls, flatten, unflatten)
-
-    def hook(module, args, output):
-        register(type(output))
-    model.register_forward_hook(hook)
 
 
 def _agree(chosen, runtime, strategy, cluster):

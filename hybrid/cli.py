@@ -97,7 +97,7 @@ def _estimator(args, src, cluster):
     """None for analytic; else a callable running the traced or measured estimate, with progress."""
     if args.method == "analytic":
         return None
-    from .memory.measured import check_runnable, measured_estimate
+    from .memory.measured import check_host_memory, check_runnable, measured_estimate
     from .memory.traced import check_traceable, traced_estimate
 
     if args.method == "traced":
@@ -114,6 +114,8 @@ def _estimator(args, src, cluster):
     verb = "tracing" if args.method == "traced" else "measuring"
 
     def estimator(strategy, spec, n):
+        if args.method == "measured":
+            check_host_memory(src, strategy, spec, cluster, n if strategy.shard_is_free else None)
         print(f"hybrid: {verb} {strategy.name} (shard {n}) ...", end="", file=sys.stderr, flush=True)
         result = run(src, strategy, spec, cluster, n if strategy.shard_is_free else None, prefer_hf=prefer_hf)
         print(f" {result.seconds:.1f}s ({result.implementation})", file=sys.stderr, flush=True)

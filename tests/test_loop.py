@@ -323,3 +323,108 @@ def reference_norm_ga1():
     model(ids, labels=ids).loss.backward()
     return torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
 
+
+
+# --- odd models: plain-object outputs, unused parameters, nested ModuleLists, DataParallel ----------
+class PlainOutput:
+    """Not a tensor, tuple, dict, dataclass or ModelOutput: just an object with .loss."""
+
+    def __init__(self, loss, pred):
+        self.loss, self.pred = loss, pred
+
+
+class Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+class Odd(torch.nn.Module):
+    def __init__(self, unused=False, nested=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(8, 16)
+        if nested:
+            self.stages = torch.nn.ModuleList([torch.nn.ModuleList([Layer(), Layer()]) for _ in range(2)])
+        else:
+            self.stages = torch.nn.ModuleList([Layer() for _ in range(4)])
+        self.head = torch.nn.Linear(16, 1)
+        self.spare = torch.nn.Linear(16, 16) if unused else None
+
+    def layers(self):
+        for s in self.stages:
+            yield from (s if isinstance(s, torch.nn.ModuleList) else [s])
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for layer in self.layers():
+            h = layer(h)
+        pred = self.head(h).squeeze(-1)
+        return PlainOutput(torch.nn.functional.mse_loss(pred, y), pred)
+
+
+ODD = {"plain": {}, "unused": {"unused": True}, "nested": {"nested": True}}
+
+
+def odd_data(world, steps=2):
+    g = torch.Generator().manual_seed(11)
+    return [(torch.randn(world * 2, 8, generator=g), torch.randn(world * 2, generator=g)) for _ in range(steps)]
+
+
+def odd_reference(kind, world):
+    model = Odd(**ODD[kind])
+    opt = sgd([p for p in model.parameters()])
+    for x, y in odd_data(world):
+        model(x, y).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def odd_train(runs):
+    import torch.distributed as dist
+
+    from hybrid import auto_wrap
+    from hybrid.errors import HybridError
+    out = {}
+    for kind, strategy, wrap_dp, unused_flag in runs:
+        model = Odd(**ODD[kind])
+        if wrap_dp:
+            model = torch.nn.DataParallel(model)
+        try:
+            w = auto_wrap(model, optimizer=sgd, strategy=strategy, precision="fp32", verbose=False,
+                          find_unused_parameters=unused_flag)
+            rank, world = dist.get_rank(), dist.get_world_size()
+            for x, y in odd_data(world):
+                out_ = w(x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2])
+                w.backward(out_.loss)
+                w.step()
+                w.zero_grad()
+            out[(kind, strategy, wrap_dp, unused_flag)] = w.state_dict()
+        except HybridError as e:
+            out[(kind, strategy, wrap_dp, unused_flag)] = str(e)
+    return out
+
+
+def test_odd_models_train_under_every_strategy_or_name_the_fix():
+    runs = [(kind, s, False, None) for kind in ODD for s in ("ddp", "fsdp", "zero1", "zero2", "zero3")]
+    runs += [("unused", "ddp", False, True), ("plain", "fsdp", True, None), ("plain", "ddp", True, None)]
+    results = run_ranks(2, odd_train, runs)
+    for run in runs:
+        got = results[0][run]
+        if run == ("unused", "ddp", False, None):
+            assert isinstance(got, str) and "find_unused_parameters=True" in got, got
+            continue
+        assert not isinstance(got, str), (run, got)
+        ref = odd_reference(run[0], 2)
+        diff = max((got[k] - ref[k]).abs().max().item() for k in ref)
+        assert diff < 1e-5, (run, diff)
+
+
+def test_nested_module_lists_shard_each_block():
+    from hybrid.profile import find_blocks
+    cls, blocks = find_blocks(Odd(nested=True))
+    assert cls == "Layer" and len(blocks) == 4

@@ -46,7 +46,7 @@ def save_into_user_dir(path):
     w.save(path, overwrite=True)
     _train(w)
     w.save(path, overwrite=True)                 # a second version replaces our first, only ours
-    for target in (os.path.join(path, "notes.txt"), "/proc/version"):
+    for target in (os.path.join(path, "notes.txt"), "/proc/hybrid-ckpt"):      # a file; unwritable
         try:
             w.save(target)
         except HybridError as e:
@@ -138,11 +138,7 @@ def leave_early(strategy):
     if dist.get_rank() == 1:
         shutdown()
         return "left"
-    start = time.monotonic()
-    try:
-        _train(w, 5)
-    except HybridError as e:
-        return str(e), time.monotonic() - start
+    _train(w, 5)              # must raise: rank 1 is gone
     return "no error"
 
 

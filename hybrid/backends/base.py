@@ -5,7 +5,7 @@ import contextlib
 import functools
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, is_dataclass
 
 import torch
 import torch.nn as nn
@@ -202,6 +202,41 @@ def optimizer_tensors(optimizer, model_params) -> list[torch.Tensor]:
     for g in optimizer.param_groups:
         out += [p for p in g["params"] if id(p) not in own]
     return out
+
+
+@dataclass
+class _Carrier:
+    """A plain output object's attributes, in a form FSDP2 looks into."""
+    obj: object
+    attrs: dict
+
+
+def _is_opaque(out) -> bool:
+    """An output FSDP2's _apply_to_tensors cannot see into (not a tensor, container, dataclass)."""
+    return not (out is None or isinstance(out, (torch.Tensor, tuple, list, dict, set, str, int, float, bool))
+                or is_dataclass(out)) and hasattr(out, "__dict__")
+
+
+def carry_plain_outputs(model):
+    """FSDP2, DDP (find_unused_parameters) and ZeRO-3 find the output tensors they hook for
+    backward by walking tensors, containers and dataclasses; a plain object with `.loss` hides
+    them (FSDP2 then reads freed parameters in backward: 'setStorage ... storage of size 0').
+    This forward hook, registered before the library wraps `model`, carries such an object's
+    attributes in a dataclass; the returned hook, registered on the wrapper after the library's,
+    gives the user back the same kind of object."""
+    import copy
+
+    def pack(module, args, out):
+        return _Carrier(out, dict(vars(out))) if _is_opaque(out) else None
+
+    def unpack(module, args, out):
+        if isinstance(out, _Carrier):
+            new = copy.copy(out.obj)
+            new.__dict__.update(out.attrs)
+            return new
+        return None
+    model.register_forward_hook(pack)                  # before fully_shard: runs before FSDP's hook
+    return unpack
 
 
 def check_optimizer_factory(factory) -> None:

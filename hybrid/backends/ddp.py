@@ -7,8 +7,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import HybridError
-from .base import (Engine, LoopOptions, apply_activation_checkpointing, compute_dtype, make_scaler, materialize,
-                   to_cpu_state)
+from .base import (Engine, LoopOptions, apply_activation_checkpointing, carry_plain_outputs, compute_dtype,
+                   make_scaler, materialize, to_cpu_state)
 
 
 class DDPEngine(Engine):
@@ -45,10 +45,12 @@ def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: Loop
     materialize(model, runtime.device)                  # a meta-built model: every rank holds it all
     model.to(device=runtime.device, dtype=dtype)
     apply_activation_checkpointing(model, spec.activation_checkpointing)
+    unpack = carry_plain_outputs(model)
     ddp = DDP(model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
               process_group=mesh["replicate"].get_group(), bucket_cap_mb=strategy.bucket_cap_mb,
               gradient_as_bucket_view=strategy.gradient_as_bucket_view, static_graph=strategy.static_graph,
               find_unused_parameters=options.find_unused_parameters)
+    ddp.register_forward_hook(unpack)
     optimizer = optimizer_factory([p for p in ddp.parameters() if p.requires_grad])
     return DDPEngine(model, ddp, optimizer, compute_dtype(spec), runtime.device.type,
                      make_scaler(spec, runtime.device.type, sharded=False))

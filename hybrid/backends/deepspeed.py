@@ -7,7 +7,8 @@ import torch
 
 from ..errors import HybridError
 from ..profile import profile_module
-from .base import Engine, LoopOptions, apply_activation_checkpointing, materialize, optimizer_tensors
+from .base import (Engine, LoopOptions, apply_activation_checkpointing, carry_plain_outputs, materialize,
+                   optimizer_tensors)
 from .ds_config import ds_config
 
 
@@ -265,8 +266,10 @@ def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: Loop
     materialize(model, runtime.device)   # ZeRO partitions it at initialize (deepspeed.zero.Init not used)
     apply_activation_checkpointing(model, spec.activation_checkpointing)
     optimizer = optimizer_factory([p for p in model.parameters() if p.requires_grad])
+    unpack = carry_plain_outputs(model)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                                    dist_init_required=False)
+    engine.register_forward_hook(unpack)
     return DeepSpeedEngine(engine.module, engine, optimizer)
 
 

@@ -7,12 +7,29 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from ..errors import HybridError
-from .base import (Engine, LoopOptions, apply_activation_checkpointing, compute_dtype, make_scaler, materialize,
-                   shardable_blocks)
+from .base import (Engine, LoopOptions, apply_activation_checkpointing, carry_plain_outputs, compute_dtype,
+                   make_scaler, materialize, shardable_blocks)
 
 
 class FSDPEngine(Engine):
     family = "fsdp"
+
+    def __init__(self, model, runner, optimizer, scaler=None, shard_group=None):
+        super().__init__(model, runner, optimizer, scaler)
+        self.shard_group = shard_group
+
+    def total_norm(self):
+        """Every gradient is a DTensor sharded over the shard group (replicated across HSDP
+        replicas): the local shards' squared norms summed over the shard group, one all-reduce
+        (torch's DTensor norm gives the same number with more Python per tensor)."""
+        import torch.distributed as dist
+        local = [getattr(p.grad, "_local_tensor", p.grad) for p in self._grad_params()]
+        if not local:
+            return torch.zeros(())
+        sq = torch.stack(torch._foreach_norm(local, 2.0)).float().pow(2).sum()
+        if self.shard_group is not None and dist.get_world_size(self.shard_group) > 1:
+            dist.all_reduce(sq, group=self.shard_group)
+        return sq.sqrt()
 
     def sync_context(self, sync):
         # FSDP2's native no-sync: inside a window gradients accumulate unsharded, reduce-scatter
@@ -69,10 +86,13 @@ def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: Loop
     apply_activation_checkpointing(model, spec.activation_checkpointing)
     for block in shardable_blocks(model):
         fully_shard(block, **kwargs)
+    unpack = carry_plain_outputs(model)
     fully_shard(model, **kwargs)
+    model.register_forward_hook(unpack)                 # after FSDP's hook
     materialize(model, "cpu" if strategy.offload_params else runtime.device)   # meta-built: shards only
     optimizer = optimizer_factory([p for p in model.parameters() if p.requires_grad])
-    return FSDPEngine(model, model, optimizer, make_scaler(spec, runtime.device.type, sharded=True))
+    return FSDPEngine(model, model, optimizer, make_scaler(spec, runtime.device.type, sharded=True),
+                      shard_group=mesh["shard"].get_group())
 
 
 traced_apply = apply   # FSDP2 runs as it is under fake tensors and a fake process group

@@ -77,8 +77,10 @@ def check_runnable(source: ModelSource, cluster: Cluster) -> None:
                           f"--gpus-per-node 2, or --method traced for the full-size job")
 
 
-def _check_host_memory(source, strategy, spec, cluster, shard_size) -> None:
+def check_host_memory(source, strategy, spec, cluster, shard_size) -> None:
     """CPU ranks share this machine's memory: refuse up front a run the kernel would OOM-kill."""
+    if cluster.gpu.is_cuda:
+        return
     from ..cluster import available_host_bytes
     from ..units import fmt_bytes
     from .analytic import estimate
@@ -99,8 +101,7 @@ def measured_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, 
     check_runnable(source, cluster)
     check_job(source.profile, spec)
     world = cluster.world_size
-    if not cluster.gpu.is_cuda:
-        _check_host_memory(source, strategy, spec, cluster, shard_size)
+    check_host_memory(source, strategy, spec, cluster, shard_size)
     start = time.perf_counter()
     results = run_ranks(world, _rank_main, source.ref, strategy, spec, cluster, shard_size, steps, prefer_hf,
                         local_world=cluster.gpus_per_node)
