@@ -97,7 +97,7 @@ def test_estimate_traced_method(capsys):
     (["plan", "--params", "lots"], "cannot parse parameter count 'lots'"),
     (["plan", "gpt2", "--method", "guess"], "unknown method 'guess'. Available: analytic, traced, measured"),
     (["estimate", "--params", "1e9", "--strategy", "ddp", "--method", "traced"], "bare parameter count"),
-    (["measure", "gpt2", "--strategy", "ddp", "--nodes", "8"], "world size 64 needs more than"),
+    (["measure", "gpt2", "--strategy", "ddp", "--nodes", "8"], "world size 16 needs more than"),
     (["plan"], "no model given"),
 ])
 def test_bad_input_exit_2(capsys, argv, match):

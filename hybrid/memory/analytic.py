@@ -216,6 +216,11 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
              shard_size: int | None = None) -> MemoryBreakdown:
     check_job(profile, spec)
     n = strategy.shard_size(cluster, shard_size)
+    if spec.precision in ("bf16", "bf16-mixed") and cluster.gpu.is_cuda and not cluster.gpu.bf16:
+        raise NotApplicable(f"{cluster.gpu.name} has no bf16 (Ampere or newer needed); use fp16-mixed or fp32")
+    if spec.precision == "fp16-mixed" and strategy.family == "deepspeed" and not cluster.gpu.is_cuda:
+        raise NotApplicable(f"{strategy.name}: DeepSpeed's fp16 mode needs CUDA (its CPU accelerator has no fp16); "
+                            "use ddp or fsdp for fp16-mixed on CPU ranks")
     lay = _LAYOUTS[strategy.family](strategy, profile, spec, n, cluster)
     notes = list(lay.notes)
     if profile.decoder:
