@@ -51,7 +51,7 @@ def by_hand(family, model):
             lambda k: (opt.step(), opt.zero_grad(set_to_none=True)) if k == GA - 1 else None
     import deepspeed
 
-    from hybrid.backends.ds_config import ds_config
+    from hybrid.families.deepspeed import ds_config
     from hybrid.catalogue import get_strategy
     from hybrid.spec import TrainSpec
     # the same ZeRO-3 settings auto_wrap generates, so only the wrapper itself is compared

@@ -82,7 +82,7 @@ def main(argv=None):
                   micro_batch=args.micro_batch, seq_len=seq, cluster=cluster)
     rank, world = dist.get_rank(), dist.get_world_size()
     data = synthetic_corpus(max(args.steps, 1) * world * args.micro_batch, seq, cfg.vocab)
-    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    sampler = DistributedSampler(data, num_replicas=w.dp_size, rank=w.dp_rank, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=args.micro_batch, sampler=sampler, drop_last=True)
     if args.ckpt_dir and os.path.exists(os.path.join(args.ckpt_dir, "meta.json")):
         w.load(args.ckpt_dir)

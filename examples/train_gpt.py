@@ -64,10 +64,10 @@ def main(argv=None):
     w = auto_wrap(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr), strategy=args.strategy,
                   micro_batch=args.micro_batch, seq_len=args.seq_len, precision=args.precision,
                   gpu_memory=args.gpu_memory, verbose=True)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     device = w.runtime.device
     data = synthetic_corpus(args.samples, args.seq_len, args.vocab)
-    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
+    sampler = DistributedSampler(data, num_replicas=w.dp_size, rank=w.dp_rank, shuffle=True, seed=0, drop_last=True)
     loader = DataLoader(data, batch_size=args.micro_batch, sampler=sampler, drop_last=True)
 
     epoch, skip = 0, 0

@@ -1,32 +1,43 @@
-"""hybrid: pick the right data-parallel strategy from an honest per-GPU memory estimate, and apply it.
+"""hybrid: pick the right parallel layout from an honest per-GPU memory estimate, and apply it.
 
-The public API; heavy parts (torch, deepspeed) are imported on first use so that `hybrid plan`
-answers without loading torch.
+The user API. `import hybrid` stays torch-free so that `hybrid plan` answers without loading torch:
+the pure parts are imported here; the runtime parts (auto_wrap, Wrapped, shutdown) are loaded on
+first use, and the TYPE_CHECKING imports below keep all of them visible to IDEs and type checkers.
+Internals are reached through their modules (hybrid.mesh, hybrid.profile, ...).
 """
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
+
+from .api import estimate
+from .cluster import Cluster
+from .errors import HybridError
+from .parallel import ParallelDims
+from .planner import plan
+from .spec import TrainSpec
+
+if TYPE_CHECKING:
+    from .auto import auto_wrap
+    from .mesh import shutdown
+    from .wrapped import Wrapped
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "Cluster": "cluster", "GPUSpec": "cluster", "GPUS": "cluster", "detect": "cluster",
-    "TrainSpec": "spec", "HybridError": "errors",
-    "ModelProfile": "profile", "profile_module": "profile", "resolve_model": "profile",
-    "DecoderConfig": "presets", "PRESETS": "presets",
-    "Strategy": "catalogue", "load_catalogue": "catalogue",
-    "MemoryBreakdown": "memory.breakdown",
-    "Plan": "planner", "Candidate": "planner", "plan": "planner",
-    "estimate": "api",
-    "auto_wrap": "auto", "Wrapped": "wrapped", "init_distributed": "mesh", "build_mesh": "mesh",
-}
+__all__ = ["Cluster", "HybridError", "ParallelDims", "TrainSpec", "Wrapped", "auto_wrap", "estimate", "plan",
+           "shutdown"]
 
-__all__ = sorted(_EXPORTS)
+_LAZY = {"auto_wrap": "auto", "Wrapped": "wrapped", "shutdown": "mesh",
+         # reachable here since 0.1 (kept for compatibility; prefer their modules)
+         "GPUSpec": "cluster", "GPUS": "cluster", "detect": "cluster", "ModelProfile": "profile",
+         "profile_module": "profile", "resolve_model": "profile", "DecoderConfig": "presets", "PRESETS": "presets",
+         "Strategy": "catalogue", "load_catalogue": "catalogue", "MemoryBreakdown": "memory.breakdown",
+         "Plan": "planner", "Candidate": "planner", "init_distributed": "mesh", "build_mesh": "mesh"}
 
 
 def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'hybrid' has no attribute {name!r}")

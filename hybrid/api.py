@@ -5,7 +5,7 @@ from .catalogue import get_strategy, load_catalogue
 from .cluster import Cluster
 from .memory.analytic import estimate as _analytic
 from .memory.breakdown import MemoryBreakdown
-from .profile import ModelProfile, profile_module, resolve_model
+from .profile import ModelProfile, build_profile, resolve_model
 from .spec import TrainSpec
 
 
@@ -17,6 +17,6 @@ def estimate(model, strategy: str = "fsdp", cluster: Cluster | None = None, spec
     elif isinstance(model, ModelProfile):
         profile = model
     else:
-        profile = profile_module(model)
+        profile = build_profile(model)
     return _analytic(get_strategy(strategy, load_catalogue()), profile, spec or TrainSpec(),
                      cluster or Cluster(), shard_size)

@@ -14,8 +14,8 @@ from .cluster import Cluster, detect
 from .errors import HybridError
 from .mesh import build_mesh, init_distributed
 from .planner import plan as make_plan
-from .profile import profile_module
-from .spec import TrainSpec
+from .profile import build_profile
+from .spec import TrainSpec, default_seq_len
 from .log import get_logger
 from .wrapped import Wrapped
 
@@ -114,9 +114,9 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
         raise HybridError(f"the cluster spec has {cluster.world_size} GPUs ({cluster.nodes} x "
                           f"{cluster.gpus_per_node}) but this job runs {runtime.world_size} ranks")
     prepare_for_training(model)
-    profile = profile_module(model)
+    profile = build_profile(model)
     mp = profile.max_positions
-    spec = TrainSpec(micro_batch=micro_batch, seq_len=seq_len or min(mp or 2048, 4096),
+    spec = TrainSpec(micro_batch=micro_batch, seq_len=seq_len or default_seq_len(mp),
                      precision=precision or default_precision(runtime), optimizer=optimizer_kind(optimizer),
                      activation_checkpointing=activation_checkpointing or "none", attention=attention,
                      gradient_accumulation=gradient_accumulation)
@@ -141,7 +141,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
             if runtime.rank == 0:
                 log.warning("hybrid: warning: %s is forced but %s", strategy, chosen.reason)
     chosen = _agree(the_plan.chosen, runtime, strategy, cluster)
-    mesh = build_mesh(chosen.shard_size, runtime, cluster.gpus_per_node)
+    mesh = build_mesh(chosen.parallel, runtime, cluster.gpus_per_node)
     options = LoopOptions(gradient_accumulation, max_grad_norm, bool(find_unused_parameters))
     engine = apply(chosen.strategy, model, optimizer, mesh, chosen.spec, runtime, options)
     model._hybrid_wrapped = True

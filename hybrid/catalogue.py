@@ -5,22 +5,13 @@ from __future__ import annotations
 import importlib.resources
 import os
 from dataclasses import dataclass, fields
-from typing import Literal
-
 import yaml
 
 from .errors import HybridError, unknown_name
-
-Family = Literal["ddp", "fsdp", "deepspeed"]
+from .families import FAMILIES, get_family
+from .parallel import validate_shard_size
 
 _COMMON = {"name", "family", "description", "shard", "complexity"}
-_KNOBS = {
-    "ddp": {"bucket_cap_mb", "gradient_as_bucket_view", "static_graph"},
-    "fsdp": {"reshard_after_forward", "offload_params", "offload_optimizer"},
-    "deepspeed": {"stage", "offload_optimizer", "offload_params", "hpz", "reduce_bucket_size",
-                  "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters",
-                  "max_reuse_distance", "param_persistence_threshold"},
-}
 
 
 @dataclass(frozen=True)
@@ -28,7 +19,8 @@ class Strategy:
     """A named preset: which backend, how wide the shard group is, and the knobs it fixes."""
 
     name: str
-    family: Family
+    family: str
+    """A registered family: ddp, fsdp or deepspeed (hybrid/families/)."""
     description: str = ""
     shard: str = "world"
     """Shard-group size rule: 'none' (1, plain replication), 'node' (gpus per node), 'world', or a
@@ -83,31 +75,15 @@ class Strategy:
             raise HybridError(f"{where}: bucket_cap_mb must be a positive number of MB, got {self.bucket_cap_mb!r}")
         if self.complexity is not None and (isinstance(self.complexity, bool) or not isinstance(self.complexity, int)):
             raise HybridError(f"{where}: complexity must be an integer, got {self.complexity!r}")
-        if self.family not in _KNOBS:
-            raise HybridError(f"{where}: family {self.family!r} is not one of ddp, fsdp, deepspeed")
+        if self.family not in FAMILIES:
+            raise HybridError(f"{where}: family {self.family!r} is not one of {', '.join(FAMILIES)}")
         shard = str(self.shard).lower()
         if shard not in ("none", "node", "world") and not (shard.isdigit() and int(shard) >= 1):
             raise HybridError(f"{where}: shard {self.shard!r} must be none, node, world or a positive integer")
         object.__setattr__(self, "shard", shard)
-        if self.family == "ddp" and shard not in ("none", "1"):
-            raise HybridError(f"{where}: ddp does not shard; use shard: none")
-        if self.family == "deepspeed":
-            if self.stage not in (1, 2, 3):
-                raise HybridError(f"{where}: stage must be 1, 2 or 3, got {self.stage!r}")
-            if shard != "world":
-                raise HybridError(f"{where}: DeepSpeed ZeRO partitions over the whole world (shard: world); "
-                                  "for node-local sharding use hpz: node with stage 3, or the fsdp family")
-            if self.offload_params and self.stage != 3:
-                raise HybridError(f"{where}: offload_params needs stage 3, got stage {self.stage}")
-            if self.offload_optimizer and self.stage == 1:
-                raise HybridError(f"{where}: DeepSpeed offloads the optimizer only with stage 2 or 3")
-            if self.hpz is not None and self.stage != 3:
-                raise HybridError(f"{where}: hpz needs stage 3, got stage {self.stage}")
-        elif self.stage:
+        if self.stage and "stage" not in get_family(self.family).knobs:
             raise HybridError(f"{where}: stage is a DeepSpeed knob; family is {self.family}")
-        if self.family == "fsdp" and self.offload_params != self.offload_optimizer:
-            raise HybridError(f"{where}: FSDP2's CPUOffloadPolicy moves params, grads and optimizer "
-                              "together; set offload_params and offload_optimizer both true or both false")
+        get_family(self.family).validate(self, where)
         if self.hpz is not None:
             h = str(self.hpz).lower()
             if h != "node" and not (h.isdigit() and int(h) >= 1):
@@ -116,13 +92,18 @@ class Strategy:
 
     # --- resolution against a cluster ----------------------------------------------------------
     @property
+    def family_obj(self):
+        """The registered family object (layout, communication, runtime, emission)."""
+        return get_family(self.family)
+
+    @property
     def offload(self) -> bool:
         return self.offload_optimizer or self.offload_params
 
     @property
     def shard_is_free(self) -> bool:
         """Whether the planner / --shard-size may choose this strategy's shard size."""
-        return self.family == "fsdp" and self.shard == "node"
+        return self.family_obj.shard_is_free(self)
 
     def shard_size(self, cluster, override: int | None = None) -> int:
         """Ranks per shard group on this cluster, validated against the node/world shape."""
@@ -145,56 +126,14 @@ class Strategy:
         """Simplicity for tie-breaks: replication < partial sharding < full sharding < offload."""
         if self.complexity is not None:
             return self.complexity
-        base = {"ddp": 0, "fsdp": 4, "deepspeed": 0}[self.family]
-        if self.family == "deepspeed":
-            base = {1: 1, 2: 2, 3: 6}[self.stage] + (1 if self.hpz else 0)
-        elif not self.reshard_after_forward:
-            base = 3
-        elif self.shard == "world":
-            base = 5
-        return base + 10 * self.offload_optimizer + 2 * self.offload_params
+        return self.family_obj.simplicity(self)
 
     def knobs(self) -> dict:
         """The knobs this preset's family has, with their values (unset ones omitted)."""
         skip = {"name", "family", "description", "source", "complexity"}
-        allowed = _COMMON | _KNOBS[self.family]
+        allowed = _COMMON | self.family_obj.knobs
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if f.name not in skip and f.name in allowed and getattr(self, f.name) is not None}
-
-
-def validate_shard_size(n: int, world: int, per_node: int) -> None:
-    """Shard groups are consecutive ranks: inside one node, or whole nodes."""
-    if not isinstance(n, int) or n < 1:
-        raise HybridError(f"shard size must be a positive integer, got {n!r}")
-    if n > world:
-        raise HybridError(f"shard size {n} is larger than the world size {world}; use at most {world}")
-    if world % n:
-        raise HybridError(f"world size {world} is not divisible by shard size {n}: "
-                          f"replicate x shard must equal the world; valid sizes: {_divisors(world, per_node)}")
-    if n <= per_node and per_node % n:
-        raise HybridError(f"shard size {n} does not divide the {per_node} GPUs per node, so a shard group "
-                          f"would straddle nodes; valid sizes: {_divisors(world, per_node)}")
-    if n > per_node and n % per_node:
-        raise HybridError(f"shard size {n} spans nodes but is not a whole number of nodes "
-                          f"({per_node} GPUs each); valid sizes: {_divisors(world, per_node)}")
-
-
-def divisors(n: int) -> list[int]:
-    """Every divisor of n, ascending, in O(sqrt(n))."""
-    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
-
-
-def valid_shard_sizes(world: int, per_node: int) -> list[int]:
-    """Shard sizes that divide the world and keep groups inside a node (divisors of the GPUs per
-    node) or on whole nodes (the GPUs per node times a divisor of the node count)."""
-    nodes = world // per_node
-    inside = [d for d in divisors(per_node) if d <= world]
-    return inside + [per_node * k for k in divisors(nodes) if k > 1]
-
-
-def _divisors(world: int, per_node: int) -> str:
-    return ", ".join(map(str, valid_shard_sizes(world, per_node)))
 
 
 # --- loading ---------------------------------------------------------------------------------
@@ -236,9 +175,9 @@ def load_file(path: str) -> Strategy:
         raise HybridError(f"{path}: a strategy file must be a mapping of knob: value")
     lines = _lines(text)
     family = data.get("family")
-    if family not in _KNOBS:
-        raise HybridError(f"{path}:{lines.get('family', 1)}: family {family!r} must be one of ddp, fsdp, deepspeed")
-    allowed = _COMMON | _KNOBS[family]
+    if not isinstance(family, str) or family not in FAMILIES:
+        raise HybridError(f"{path}:{lines.get('family', 1)}: family {family!r} must be one of {', '.join(FAMILIES)}")
+    allowed = _COMMON | FAMILIES[family].knobs
     for key in data:
         if key not in allowed:
             raise HybridError(f"{path}:{lines.get(key, 1)}: unknown key {key!r} for family {family}. "

@@ -128,10 +128,8 @@ def _param_table(module) -> dict:
 
 
 def _tied(module) -> list[list[str]]:
-    groups: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
-    return [g for g in groups.values() if len(g) > 1]
+    from .profile import names_by_param
+    return [g for g in names_by_param(module).values() if len(g) > 1]
 
 
 def _broadcast(obj, rank):

@@ -8,6 +8,7 @@ import json
 import sys
 
 from .errors import HybridError
+from .families import FAMILIES
 
 
 def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
@@ -50,7 +51,7 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
 def _job(args):
     from .cluster import Cluster
     from .profile import resolve_model
-    from .spec import TrainSpec
+    from .spec import TrainSpec, default_seq_len
 
     src = resolve_model(args.model, args.params)
     for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node),
@@ -65,7 +66,7 @@ def _job(args):
     else:
         cluster = Cluster.build(args.nodes, args.gpus_per_node or 8, args.gpu or "h100-80gb", args.gpu_memory,
                                 args.host_memory)
-    seq = args.seq_len if args.seq_len is not None else min(4096, src.profile.max_positions or 2048)
+    seq = args.seq_len if args.seq_len is not None else default_seq_len(src.profile.max_positions)
     precision = args.precision or ("bf16-mixed" if cluster.gpu.bf16 or not cluster.gpu.is_cuda else "fp16-mixed")
     if "bf16" in str(precision).lower() and cluster.gpu.is_cuda and not cluster.gpu.bf16:
         raise HybridError(f"{cluster.gpu.name} has no bf16 (it needs Ampere or newer): use --precision fp16-mixed "
@@ -248,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="every candidate ranked by predicted speed, and the choice")
     _common(p, search=True)
     p.add_argument("--strategy", help="only this catalogue strategy (its shard sizes and checkpointing)")
-    p.add_argument("--emit", choices=("deepspeed", "fsdp"),
+    p.add_argument("--emit", choices=tuple(f.emits for f in FAMILIES.values() if f.emits),
                    help="write the chosen (or --strategy) DeepSpeed JSON config / FSDP2 YAML settings")
     p.add_argument("--output", "-o", help="file for --emit (default: stdout)")
     p.set_defaults(func=cmd_plan)

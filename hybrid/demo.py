@@ -86,11 +86,12 @@ def worker(steps: int, traced: int = 0) -> None:
     dist.all_gather_object(groups, shard_group_ranks(w.mesh))
     if rank == 0:
         print(format_plan(w.plan, summary=True))
-        shape = tuple(w.mesh.shape)
-        print(f"\nmesh {shape} (replicate x shard): shard groups {sorted(set(map(tuple, groups)))} stay inside "
-              f"a node; gradients are all-reduced across the {shape[0]} replicas\n", flush=True)
+        dims = w.parallel
+        print(f"\nmesh {dims.describe()} {tuple(w.mesh.shape)} (pp, dp_replicate, dp_shard, tp): shard groups "
+              f"{sorted(set(map(tuple, groups)))} stay inside a node; gradients are all-reduced across the "
+              f"{dims.dp_replicate} replicas\n", flush=True)
     data = synthetic_corpus(steps * world * MICRO_BATCH, SEQ, DEMO_MODEL.vocab)
-    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    sampler = DistributedSampler(data, num_replicas=w.dp_size, rank=w.dp_rank, shuffle=True, seed=0)
     sampler.set_epoch(0)
     batches = iter(DataLoader(data, batch_size=MICRO_BATCH, sampler=sampler, drop_last=True))
     # the first two steps run under the tensor tracker: the measured peak of this rank

@@ -3,15 +3,10 @@ and collect what each returns. Used by measured estimates, benchmarks and the te
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import traceback
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .mesh import free_port
 
 
 def _entry(rank, world, port, local_world, fn, args, out_dir, quiet):

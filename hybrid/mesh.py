@@ -1,21 +1,21 @@
-"""Process group start-up and the named 2D DeviceMesh ("replicate", "shard").
+"""Process group start-up, the named DeviceMesh of a ParallelDims, bounded waits and shutdown.
 
-Shard groups are consecutive ranks: torchrun numbers ranks node by node, so a shard size that
-divides the GPUs per node keeps every shard group inside one node (NVLink), and a larger one spans
-whole nodes. Every shape is validated before any collective is called.
+The mesh is ("pp", "dp_replicate", "dp_shard", "tp") (hybrid/parallel.py says why in that order);
+every shape is validated before any collective is called.
 """
 from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
-from .catalogue import validate_shard_size
 from .errors import HybridError
+from .parallel import ParallelDims, validate_shard_size
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,13 @@ class Runtime:
     @property
     def device_type(self) -> str:
         return self.device.type
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a world of one, or locally spawned ranks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def default_timeout(cuda: bool) -> float:
@@ -63,7 +70,6 @@ def init_distributed(timeout_s: float | None = None) -> Runtime:
         timeout = timeout_s if timeout_s is not None else default_timeout(cuda)
         _STATE["timeout"] = timeout
         if "WORLD_SIZE" not in os.environ:
-            from .launch import free_port
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
@@ -132,20 +138,22 @@ def peer_failure(e: BaseException, what: str) -> HybridError:
                        "HYBRID_TIMEOUT sets the wait")
 
 
-def build_mesh(shard_size: int, runtime: Runtime, gpus_per_node: int | None = None) -> DeviceMesh:
-    """A 2D mesh (replicate = world / shard, shard) with named dimensions. Validated first."""
+def build_mesh(dims: ParallelDims | int, runtime: Runtime, gpus_per_node: int | None = None) -> DeviceMesh:
+    """The named 4D mesh of `dims` (or, given a shard size, of pure data parallelism with that
+    shard size). Validated first, identically on every rank."""
     per_node = gpus_per_node or runtime.local_world_size
-    world = runtime.world_size
-    if world % per_node:
-        raise HybridError(f"world size {world} is not a multiple of {per_node} ranks per node")
-    validate_shard_size(shard_size, world, per_node)
-    return init_device_mesh(runtime.device_type, (world // shard_size, shard_size),
-                            mesh_dim_names=("replicate", "shard"))
+    if runtime.world_size % per_node:
+        raise HybridError(f"world size {runtime.world_size} is not a multiple of {per_node} ranks per node")
+    if isinstance(dims, int):
+        validate_shard_size(dims, runtime.world_size, per_node)
+        dims = ParallelDims.data_parallel(runtime.world_size, dims)
+    dims.validate(runtime.world_size, per_node)
+    return dims.build_mesh(runtime.device_type)
 
 
 def shard_group_ranks(mesh: DeviceMesh) -> list[int]:
     """Global ranks in this rank's shard group (for checks and printing)."""
-    return dist.get_process_group_ranks(mesh["shard"].get_group())
+    return dist.get_process_group_ranks(mesh["dp_shard"].get_group())
 
 
 def shutdown(timeout_s: float | None = None) -> None:

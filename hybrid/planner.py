@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .catalogue import Strategy, load_catalogue, valid_shard_sizes
+from .catalogue import Strategy, load_catalogue
+from .parallel import ParallelDims, valid_shard_sizes
 from .cluster import GPUS, Cluster
 from .cost import EFFICIENCY, StepCost, step_cost
 from .errors import HybridError
 from .memory.analytic import NotApplicable, check_job, estimate
 from .memory.breakdown import MemoryBreakdown
 from .profile import ModelProfile
+from .report import format_plan
 from .spec import TrainSpec
 from .units import fmt_bytes
 
@@ -29,7 +31,8 @@ class Candidate:
     """One strategy at one shard size and checkpointing choice, with its estimates."""
 
     strategy: Strategy
-    shard_size: int
+    parallel: ParallelDims
+    """How the world is laid out for this candidate (dp_replicate x dp_shard x tp x pp)."""
     spec: TrainSpec
     memory: MemoryBreakdown | None
     """None when the strategy cannot run this job at all (see reason)."""
@@ -40,6 +43,11 @@ class Candidate:
     @property
     def name(self) -> str:
         return self.strategy.name
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks one copy of the model state is sharded over (parallel.dp_shard)."""
+        return self.parallel.dp_shard
 
     @property
     def label(self) -> str:
@@ -53,6 +61,7 @@ class Candidate:
         m = self.memory
         return {
             "name": self.name, "family": self.strategy.family, "shard_size": self.shard_size,
+            "parallel": self.parallel.to_dict(),
             "activation_checkpointing": self.spec.activation_checkpointing,
             "per_gpu": m.to_dict() if m else None,
             "per_cpu": {"total": m.cpu if m else 0},
@@ -82,7 +91,6 @@ class Plan:
 
     def __str__(self) -> str:
         """The decision: one row per strategy (its best variant) with the reason, and the choice."""
-        from .report import format_plan
         return format_plan(self, summary=True)
 
     def to_dict(self) -> dict:
@@ -92,7 +100,7 @@ class Plan:
             "model": self.model.name, "params": self.model.params, "world_size": self.cluster.world_size,
             "capacity_bytes": self.cluster.capacity_bytes,
             "chosen": c.name if c else None,
-            "chosen_candidate": ({"name": c.name, "shard_size": c.shard_size,
+            "chosen_candidate": ({"name": c.name, "shard_size": c.shard_size, "parallel": c.parallel.to_dict(),
                                   "activation_checkpointing": c.spec.activation_checkpointing} if c else None),
             "method": self.method, "gpu": self.cluster.gpu.name, "nodes": self.cluster.nodes,
             "gpus_per_node": self.cluster.gpus_per_node, "spec": self.spec.to_dict(),
@@ -108,16 +116,13 @@ def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: C
     replaces the analytic memory model (traced, measured); the analytic one still rules out
     strategies that cannot run the job at all, before anything expensive runs."""
     n = strategy.shard_size(cluster, shard_size)
-    if strategy.offload and not cluster.gpu.is_cuda:
-        return Candidate(strategy, n, spec, None, False, f"not applicable: {strategy.name} offloads GPU memory "
-                         f"to the host, which needs CUDA; {cluster.gpu.name} ranks have none (they run in host "
-                         "memory already)")
+    dims = ParallelDims.data_parallel(cluster.world_size, n).validate(cluster.world_size, cluster.gpus_per_node)
     try:
         m = estimate(strategy, profile, spec, cluster, n)
         if estimator is not None:
             m = estimator(strategy, spec, n)
     except NotApplicable as e:
-        return Candidate(strategy, n, spec, None, False, f"not applicable: {e}")
+        return Candidate(strategy, dims, spec, None, False, f"not applicable: {e}")
     cost = step_cost(strategy, profile, spec, cluster, n, efficiency)
     cap, host = cluster.capacity_bytes, cluster.host_bytes_per_rank
     fits = m.total <= cap and m.cpu <= host
@@ -132,7 +137,7 @@ def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: C
             why += f"; host {fmt_bytes(m.cpu)} of {fmt_bytes(host)} per rank"
     if m.activations is None:
         why += " (activations unknown)"
-    return Candidate(strategy, n, spec, m, fits, why, cost)
+    return Candidate(strategy, dims, spec, m, fits, why, cost)
 
 
 def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, spec: TrainSpec,

@@ -121,19 +121,24 @@ def find_blocks(module) -> tuple[str | None, list]:
     return best[1], best[2]
 
 
+def names_by_param(module) -> dict[int, list[str]]:
+    """id(parameter) -> every name it has (a tied weight has several), in module order. The one
+    place tied parameters are grouped: the same Parameter object under several names (this works
+    on meta and fake tensors, where data_ptr() says nothing)."""
+    groups: dict[int, list[str]] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(n)
+    return groups
+
+
 def profile_module(module, name: str | None = None) -> ModelProfile:
     """Walk a real, meta or fake nn.Module. Tied parameters are the same Parameter object under
     several names (works on meta, where data_ptr() is 0 for everything)."""
-    named = list(module.named_parameters(remove_duplicate=False))
-    if not named:
+    params = list(module.parameters())
+    if not params:
         raise HybridError(f"model {name or type(module).__name__} has no parameters: "
                           "there is nothing to train or shard")
-    groups: dict[int, list[str]] = {}
-    unique = {}
-    for n, p in named:
-        groups.setdefault(id(p), []).append(n)
-        unique[id(p)] = p
-    params = list(unique.values())
+    groups = names_by_param(module)
     dtype_bytes: Counter = Counter()
     for p in params:
         dtype_bytes[str(p.dtype).replace("torch.", "")] += p.numel() * p.element_size()
@@ -154,10 +159,11 @@ def profile_module(module, name: str | None = None) -> ModelProfile:
         largest_layer_params=max(own, default=0), largest_param=max(p.numel() for p in params),
         factored_state=factored,
         tied_groups=tuple(tuple(g) for g in groups.values() if len(g) > 1),
-        decoder=_decoder_of(module), source="module")
+        decoder=decoder_of(module), source="module")
 
 
-def _decoder_of(module) -> DecoderConfig | None:
+def decoder_of(module) -> DecoderConfig | None:
+    """The module's transformer shape, read from its config (no walk over the module)."""
     cfg = getattr(module, "config", None)
     if isinstance(cfg, DecoderConfig):
         return cfg
@@ -283,6 +289,23 @@ def _from_config_json(path: str) -> ModelSource:
     return ModelSource(profile_module(model, name), build, path)
 
 
+def build_profile(module, name: str | None = None) -> ModelProfile:
+    """The one profile builder (auto_wrap and the CLI): the module's counts and block, and for a
+    non-transformer with `example_inputs(batch)`, the activation bytes per sample, probed on a
+    meta-device copy (so nothing is computed and the real weights are not touched)."""
+    profile = profile_module(module, name)
+    if profile.decoder is None and hasattr(module, "example_inputs"):
+        import copy
+        import dataclasses
+        probe = module if _on_meta(module) else copy.deepcopy(module).to("meta")
+        profile = dataclasses.replace(profile, activation_bytes_per_sample=probe_activations(probe))
+    return profile
+
+
+def _on_meta(module) -> bool:
+    return all(t.device.type == "meta" for t in (*module.parameters(), *module.buffers()))
+
+
 def probe_activations(module) -> int:
     """Bytes saved for backward per sample, from two shape-only forwards (batch 1 and 2) of a
     meta-device model: the difference cancels everything that does not scale with the batch."""
@@ -340,8 +363,4 @@ def _from_factory(spec: str) -> ModelSource:
         return model, "factory"
 
     model, _ = build()
-    profile = profile_module(model, spec)
-    if profile.decoder is None and hasattr(model, "example_inputs"):
-        import dataclasses
-        profile = dataclasses.replace(profile, activation_bytes_per_sample=probe_activations(model))
-    return ModelSource(profile, build, spec)
+    return ModelSource(build_profile(model, spec), build, spec)

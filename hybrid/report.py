@@ -1,9 +1,13 @@
 """Printing a Plan: breakdown tables, the ranked comparison, and the memory plot (thin)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .memory.breakdown import CATEGORIES
-from .planner import Candidate, Plan
 from .units import fmt_bytes
+
+if TYPE_CHECKING:                 # report formats planner values; it never needs them at run time
+    from .planner import Candidate, Plan
 
 _COLS = CATEGORIES + ("total",)
 

@@ -26,6 +26,15 @@ def choice(kind: str, value: str, allowed) -> str:
     return v
 
 
+DEFAULT_SEQ_LEN = 4096
+"""Sequence length when none is given: the model's maximum positions, at most this (the common
+pre-training length of 7B-70B recipes), 2048 when the model does not say."""
+
+
+def default_seq_len(max_positions: int | None) -> int:
+    return min(max_positions or 2048, DEFAULT_SEQ_LEN)
+
+
 @dataclass(frozen=True)
 class DtypeBytes:
     """Bytes per element of each kind of tensor under a precision mode."""

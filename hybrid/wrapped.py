@@ -78,13 +78,21 @@ class Wrapped:
         return self._norm
 
     @property
+    def parallel(self):
+        """The layout (ParallelDims) this job runs on."""
+        return self.chosen.parallel
+
+    @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: each reads a different shard of the data."""
-        return self.runtime.world_size
+        """Data-parallel ranks: each reads a different shard of the data
+        (DistributedSampler(num_replicas=w.dp_size, rank=w.dp_rank))."""
+        return self.parallel.dp_size
 
     @property
     def dp_rank(self) -> int:
-        return self.runtime.rank
+        """This rank's index among the data-parallel ranks (equal to the rank when tp = pp = 1)."""
+        return self.mesh["dp_replicate"].get_local_rank() * self.parallel.dp_shard + \
+            self.mesh["dp_shard"].get_local_rank()
 
     def __call__(self, *args, **kwargs):
         self.engine.set_sync(self.sync_gradients)

@@ -71,6 +71,7 @@ def test_estimate_params_only_and_gpu_memory(capsys):
     assert "activations unknown" in out
 
 
+@pytest.mark.fakepg
 def test_estimate_traced_method(capsys):
     code, out, err = run(capsys, "estimate", "tiny-llama", "--strategy", "hsdp", "--nodes", "2",
                          "--gpus-per-node", "4", "--seq-len", "64", "--method", "traced",

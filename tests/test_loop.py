@@ -54,8 +54,6 @@ def reference(world, steps=STEPS, model_fn=None, frozen=None):
 
 
 def train(strategy, steps=STEPS, frozen=None):
-    import torch.distributed as dist
-
     from hybrid import auto_wrap
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     model = build_decoder(TINY, seed=0)
@@ -108,7 +106,6 @@ def test_accumulation_clipping_scheduler_four_ranks_hsdp():
 # --- no gradient reduction inside a window ----------------------------------------------------
 def count_collectives(strategy):
     """Collectives issued during the backward of each micro-batch of one window."""
-    import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
     from hybrid import auto_wrap
@@ -145,10 +142,8 @@ def freeze_most(model):
 
 
 def lora_save_then_continue(strategy, path):
-    import torch.distributed as dist
-
     from hybrid import auto_wrap
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    world = int(os.environ["WORLD_SIZE"])
     model = build_decoder(TINY, seed=0)
     freeze_most(model)
     w = auto_wrap(model, optimizer=adamw, scheduler=warmup, gradient_accumulation=2, max_grad_norm=CLIP,
@@ -180,8 +175,6 @@ def _lora_steps(w, start, stop):
 
 
 def lora_resume(strategy, path):
-    import torch.distributed as dist
-
     from hybrid import auto_wrap
     world = int(os.environ["WORLD_SIZE"])
     model = build_decoder(TINY, seed=5)          # other weights: everything must come from disk
@@ -243,8 +236,6 @@ def fp16_reference(world, pure_fp16: bool):
 
 
 def train_fp16(strategy):
-    import torch.distributed as dist
-
     from hybrid import auto_wrap
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     w = auto_wrap(build_decoder(TINY, seed=0), optimizer=sgd, strategy=strategy, precision="fp16-mixed",

@@ -72,7 +72,7 @@ def _emit(capsys, *argv):
 
 def test_emit_fsdp_yaml(capsys):
     doc = yaml.safe_load(_emit(capsys, "llama2-7b", "--nodes", "8", "--seq-len", "4096", "--emit", "fsdp"))
-    assert doc["mesh"]["dim_names"] == ["replicate", "shard"] and doc["mesh"]["shape"][0] * doc["mesh"]["shape"][1] == 64
+    assert doc["mesh"]["dim_names"] == ["dp_replicate", "dp_shard"] and doc["mesh"]["shape"][0] * doc["mesh"]["shape"][1] == 64
     assert doc["fully_shard"]["units"] == ["Block", "root"]
     assert doc["fully_shard"]["mp_policy"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
 
@@ -94,6 +94,7 @@ def _initialize(cfg):
     return engine.zero_optimization_stage(), loss.item()
 
 
+@pytest.mark.gloo
 def test_emitted_deepspeed_config_loads_in_deepspeed(capsys):
     from hybrid.launch import run_ranks
     cfg = json.loads(_emit(capsys, "tiny-llama", "--gpus-per-node", "1", "--seq-len", "16", "--precision",

@@ -252,6 +252,7 @@ def _cases(tmp):
     return cases
 
 
+@pytest.mark.gloo      # one subprocess, ~20 s: the CLI as a user runs it
 def test_bad_cli_input_is_one_line_exit_2_nothing_on_stdout(tmp_path):
     cases = _cases(tmp_path)
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
@@ -283,6 +284,7 @@ def test_plan_on_a_huge_world_answers_in_under_a_second(capsys):
 
 
 # --- 9. ZeRO at world size 1 under plain python; misuse is one line -------------------------------------
+@pytest.mark.gloo
 def test_zero_under_plain_python_and_misuse():
     script = f"""
 import torch, sys

@@ -84,6 +84,7 @@ def test_traced_cleans_up_after_an_error(monkeypatch):
         traced_estimate(resolve_model("gpt2"), CAT["zero3"], TrainSpec(1, 128, precision="bf16"), Cluster())
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
 def test_traced_within_5_percent_of_measured(strategy):
     """2 real CPU ranks (gloo; DeepSpeed itself for zero3) against the trace of the same job."""

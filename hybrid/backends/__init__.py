@@ -1,14 +1,10 @@
-"""One Strategy interface, three implementations over the real libraries.
-
-`apply(strategy, model, optimizer_factory, mesh, spec, runtime) -> Engine` lives in ddp.py,
-fsdp.py and deepspeed.py (Engine in base.py); each module is imported only when its family is
-used, and ds_config.py is pure so configs can be emitted without torch.
+"""The runtime side of each family: `apply(strategy, model, optimizer_factory, mesh, spec, runtime,
+options) -> Engine` lives in ddp.py, fsdp.py and deepspeed.py (Engine in base.py). Which module
+serves a strategy is its family's business (hybrid/families/); each is imported only when used,
+and ds_config.py is pure so configs can be emitted without torch.
 """
 from __future__ import annotations
 
-import importlib
-
 
 def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options=None):
-    module = importlib.import_module(f".{strategy.family}", __name__)
-    return module.apply(strategy, model, optimizer_factory, mesh, spec, runtime, options)
+    return strategy.family_obj.runtime().apply(strategy, model, optimizer_factory, mesh, spec, runtime, options)

@@ -47,7 +47,7 @@ def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: Loop
     apply_activation_checkpointing(model, spec.activation_checkpointing)
     unpack = carry_plain_outputs(model)
     ddp = DDP(model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
-              process_group=mesh["replicate"].get_group(), bucket_cap_mb=strategy.bucket_cap_mb,
+              process_group=mesh["dp_replicate"].get_group(), bucket_cap_mb=strategy.bucket_cap_mb,
               gradient_as_bucket_view=strategy.gradient_as_bucket_view, static_graph=strategy.static_graph,
               find_unused_parameters=options.find_unused_parameters)
     ddp.register_forward_hook(unpack)

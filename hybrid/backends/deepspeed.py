@@ -6,10 +6,10 @@ import logging
 import torch
 
 from ..errors import HybridError
-from ..profile import profile_module
+from ..profile import decoder_of, names_by_param
 from .base import (Engine, LoopOptions, apply_activation_checkpointing, carry_plain_outputs, materialize,
                    optimizer_tensors)
-from .ds_config import ds_config
+from ..families.deepspeed import ds_config
 
 
 _SCALER_KEYS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
@@ -87,12 +87,7 @@ class DeepSpeedEngine(Engine):
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
     def _mesh(self):
-        if getattr(self, "_world_mesh", None) is None:
-            import torch.distributed as dist
-            from torch.distributed.device_mesh import init_device_mesh
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-            self._world_mesh = init_device_mesh(device, (dist.get_world_size(),))
-        return self._world_mesh
+        return self.shard_mesh
 
     def _sharded(self, full: torch.Tensor):
         """A full tensor (the same on every rank) as a DTensor sharded on dim 0 over the world:
@@ -154,9 +149,7 @@ class DeepSpeedEngine(Engine):
         model, optim = {}, {}
         group = self._inner().param_groups[0]
         keys = self._state_keys()
-        aliases: dict[int, list[str]] = {}
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(p), []).append(name)
+        aliases = names_by_param(self.model)
         for name, p in self._params():
             shape = p.ds_shape if hasattr(p, "ds_shape") else p.shape
             get = (lambda key=None: torch.zeros(shape, dtype=torch.float32, device=p.device)) if template else (
@@ -253,11 +246,13 @@ def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: Loop
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     cuda = runtime.device.type == "cuda"
-    if strategy.offload and not cuda:
-        raise HybridError(f"{strategy.name} offloads from GPU to host memory, which needs CUDA; this "
-                          "machine has none. Use zero1, zero2 or zero3")
-    profile = profile_module(model)
-    hidden = profile.decoder.hidden if profile.decoder else None
+    strategy.family_obj.check(strategy, spec, cuda)
+    if mesh["dp_shard"].size() != runtime.world_size:
+        raise HybridError(f"{strategy.name}: DeepSpeed ZeRO partitions over the whole world ({runtime.world_size} "
+                          f"ranks), but the layout shards over {mesh['dp_shard'].size()}; use an fsdp strategy "
+                          "(hsdp) for partial sharding")
+    decoder = decoder_of(model)
+    hidden = decoder.hidden if decoder else None
     if spec.precision == "fp16-mixed" and not cuda:
         raise HybridError(f"{strategy.name}: DeepSpeed's fp16 mode needs CUDA (its CPU accelerator has no fp16); "
                           "use ddp or fsdp for fp16-mixed on CPU ranks, or --precision fp32")
@@ -270,7 +265,9 @@ def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: Loop
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                                    dist_init_required=False)
     engine.register_forward_hook(unpack)
-    return DeepSpeedEngine(engine.module, engine, optimizer)
+    out = DeepSpeedEngine(engine.module, engine, optimizer)
+    out.shard_mesh = mesh["dp_shard"]            # the portable checkpoint's shards follow the job's mesh
+    return out
 
 
 def traced_apply(strategy, model, optimizer_factory, mesh, spec, runtime, options=None):

@@ -6,7 +6,6 @@ import contextlib
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from ..errors import HybridError
 from .base import (Engine, LoopOptions, apply_activation_checkpointing, carry_plain_outputs, compute_dtype,
                    make_scaler, materialize, shardable_blocks)
 
@@ -65,10 +64,10 @@ def _param_groups(module):
 
 def fsdp_kwargs(strategy, mesh, spec, runtime) -> dict:
     """fully_shard arguments: the mesh (2D = hybrid sharding), mixed precision, offload."""
-    if strategy.offload_params and runtime.device.type != "cuda" and runtime.backend != "fake":
-        raise HybridError(f"{strategy.name} offloads parameters from GPU to host memory, which needs "
-                          "CUDA; this machine has none. Use fsdp or hsdp")
-    fsdp_mesh = mesh["shard"] if mesh.shape[0] == 1 else mesh
+    if runtime.backend != "fake":     # a traced run simulates the GPU job on this CPU
+        strategy.family_obj.check(strategy, spec, runtime.device.type == "cuda")
+    # HSDP: replicate over dp_replicate, shard over dp_shard (a 2D mesh); else 1D over dp_shard
+    fsdp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
     low = compute_dtype(spec)
     mp = (MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low is not None
           else MixedPrecisionPolicy())
@@ -92,7 +91,7 @@ def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: Loop
     materialize(model, "cpu" if strategy.offload_params else runtime.device)   # meta-built: shards only
     optimizer = optimizer_factory([p for p in model.parameters() if p.requires_grad])
     return FSDPEngine(model, model, optimizer, make_scaler(spec, runtime.device.type, sharded=True),
-                      shard_group=mesh["shard"].get_group())
+                      shard_group=mesh["dp_shard"].get_group())
 
 
 traced_apply = apply   # FSDP2 runs as it is under fake tensors and a fake process group

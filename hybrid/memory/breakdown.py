@@ -5,6 +5,17 @@ from dataclasses import dataclass, field
 
 from ..units import fmt_bytes
 
+ALLOCATOR_HEADROOM = 0.05
+"""Caching-allocator slack over live tensors (block rounding, fragmentation): reserved exceeds
+allocated by a few percent in steady-state training. Assumption (5%) until measured on a GPU:
+benchmarks/gpu_memory_check.py measures it where a GPU is lent."""
+
+
+def overhead_bytes(cluster, tensors: float) -> float:
+    """The runtime's share on top of live tensors: CUDA context and workspaces, allocator slack."""
+    return cluster.gpu.cuda_context_bytes + ALLOCATOR_HEADROOM * tensors
+
+
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries", "buffers", "overhead")
 """params: parameter storage on the GPU (sharded or whole, incl. a persistent low-precision copy);
 grads: gradient storage; optimizer: optimizer states and fp32 master copies held by the optimizer;
@@ -57,7 +68,6 @@ class MemoryBreakdown:
     def from_tensors(cls, parts: dict, cluster, **kw) -> "MemoryBreakdown":
         """From bytes per tensor category (a tracer's count), adding the runtime overhead the
         same way the analytic model does."""
-        from .analytic import overhead_bytes
         tensors = sum(v for v in parts.values() if v)
         return cls(**{c: int(parts[c]) for c in CATEGORIES if c != "overhead"},
                    overhead=int(overhead_bytes(cluster, tensors)), **kw)

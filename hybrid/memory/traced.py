@@ -9,7 +9,6 @@ what it is made of come from memory/tracker.py.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import time
 from dataclasses import dataclass
 
@@ -18,7 +17,7 @@ from ..cluster import Cluster
 from ..errors import HybridError
 from ..profile import ModelSource
 from ..spec import TrainSpec
-from .analytic import _LAYOUTS, check_job
+from .analytic import check_job, layout_of
 from .breakdown import MemoryBreakdown
 
 
@@ -95,13 +94,13 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
                           "distributed job (e.g. from the CLI)")
     check_job(source.profile, spec)
     n = strategy.shard_size(cluster, shard_size)
-    _LAYOUTS[strategy.family](strategy, source.profile, spec, n, cluster)  # NotApplicable, before tracing
+    layout_of(strategy, source.profile, spec, cluster, n)        # NotApplicable, before tracing
     start = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cluster.world_size)
     try:
         runtime = Runtime(torch.device("cpu"), "fake", cluster.world_size, 0, cluster.gpus_per_node)
         mesh = build_mesh(n, runtime, cluster.gpus_per_node)        # outside fake mode: real ints
-        backend = importlib.import_module(f"..backends.{strategy.family}", __package__)
+        backend = strategy.family_obj.runtime()
         dtype = torch.bfloat16 if spec.precision == "bf16" else None
         with FakeTensorMode(allow_non_fake_inputs=True), _unpacked_batches():
             tracker = MemoryTracker()
@@ -126,9 +125,9 @@ def _account(tracker, strategy: Strategy, source: ModelSource, spec: TrainSpec, 
     strategy (host offload; DeepSpeed's partitions and buckets), that state is replaced along the
     whole timeline by the real strategy's layout and the peak is taken again."""
     notes, cpu = [], 0
-    if strategy.family == "deepspeed" or strategy.offload:
-        lay = _LAYOUTS[strategy.family](strategy, source.profile, spec, n, cluster)
-        replaced = {"params", "grads", "optimizer"} | ({"buffers"} if strategy.family == "deepspeed" else set())
+    replaced = strategy.family_obj.traced_replaces(strategy)
+    if replaced:
+        lay = layout_of(strategy, source.profile, spec, cluster, n)
 
         def layout(phase: str, progress: float) -> dict:
             if phase == "step":
@@ -143,9 +142,7 @@ def _account(tracker, strategy: Strategy, source: ModelSource, spec: TrainSpec, 
 
         _, parts, phase = tracker.peak_replacing(replaced, layout)
         cpu = lay.cpu
-        what = "DeepSpeed's partitions and buckets" if strategy.family == "deepspeed" else "host offload"
-        notes.append(f"{strategy.name}: traced as {'its FSDP2 equivalent' if strategy.family == 'deepspeed' else 'fsdp'}"
-                     f", with {what} in place of the traced state")
+        notes.append(strategy.family_obj.traced_note(strategy))
     else:
         parts, phase = tracker.peak_breakdown(), tracker.peak_phase
     return MemoryBreakdown.from_tensors(parts, cluster, cpu=int(cpu), phase=phase, notes=tuple(notes))

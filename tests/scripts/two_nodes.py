@@ -15,7 +15,7 @@ out_dir = sys.argv[1]
 w = auto_wrap(build_decoder("tiny-llama"), strategy="hsdp", precision="fp32", micro_batch=2, seq_len=16,
               verbose=False)
 node = int(os.environ["GROUP_RANK"])
-shard_group = w.mesh["shard"].get_group()
+shard_group = w.mesh["dp_shard"].get_group()
 nodes_in_group = [None] * dist.get_world_size(shard_group)
 dist.all_gather_object(nodes_in_group, node, group=shard_group)
 ids = torch.randint(0, 512, (2, 16))

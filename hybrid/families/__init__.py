@@ -1,0 +1,24 @@
+"""The family registry: one object per backend family (ddp, fsdp, deepspeed), registered once.
+
+Each owns its catalogue knobs and rules, its memory layout, its communication, its runtime
+(`apply`, `traced_apply`), what a traced run replaces, and its config emission. The planner, the
+estimators, the CLI and the emitters ask the registry; nothing branches on a family's name. A new
+family is one module here (plus its backend and YAML presets) and one line below.
+"""
+from __future__ import annotations
+
+from ..errors import unknown_name
+from .base import Comm, Family
+from .ddp import FAMILY as _DDP
+from .deepspeed import FAMILY as _DEEPSPEED
+from .fsdp import FAMILY as _FSDP
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (_DDP, _FSDP, _DEEPSPEED)}
+
+__all__ = ["Comm", "FAMILIES", "Family", "get_family"]
+
+
+def get_family(name: str) -> Family:
+    if name not in FAMILIES:
+        raise unknown_name("strategy family", name, FAMILIES)
+    return FAMILIES[name]

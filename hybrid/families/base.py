@@ -1,0 +1,95 @@
+"""The family interface: everything the planner, estimators, CLI and emitters ask of a backend
+family, in one object per family (pure: no torch until `runtime()` is called)."""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from ..errors import HybridError
+
+
+@dataclass(frozen=True)
+class Comm:
+    """A family's communication for one optimizer step, seconds (Links prices them)."""
+    fwd: float = 0.0
+    """Collectives in every micro-batch's forward (FSDP/ZeRO-3 all-gathers)."""
+    bwd: float = 0.0
+    """Collectives in every micro-batch's backward (re-gathers; ZeRO-2/3 reduce-scatters)."""
+    sync_bwd: float = 0.0
+    """Collectives only in the window's last backward (the gradient reduction no-sync defers)."""
+    tail: float = 0.0
+    """The part no compute can hide (first gather, last reduce-scatter), per micro-batch."""
+    after_step: float = 0.0
+    """After the optimizer step, never hidden (ZeRO-1/2's all-gather of updated params)."""
+    offload: float = 0.0
+    """Host transfers and the host optimizer step."""
+    copied_micro: float = 0.0
+    """Bytes packed into and out of communication buffers every micro-batch."""
+    copied_sync: float = 0.0
+    """... only at the window's end."""
+
+
+class Family:
+    """One backend family. Subclasses set the class attributes and override what differs."""
+
+    name: str = ""
+    knobs: frozenset = frozenset()
+    """The catalogue keys this family accepts (besides name, family, description, shard, complexity)."""
+    runtime_module: str = ""
+    """The module with apply() and traced_apply() (imports torch and the library)."""
+    emits: str | None = None
+    """The `--emit` kind this family writes, if any."""
+    keeps_master_copy: bool = False
+    """The optimizer step also writes a low-precision copy of the fp32 master (DeepSpeed)."""
+
+    # --- catalogue ------------------------------------------------------------------------------
+    def validate(self, s, where: str) -> None:
+        """Family rules on a preset's knobs; HybridError naming the file and the fix."""
+
+    def simplicity(self, s) -> int:
+        """Tie-break rank, lower is simpler (replication < partial sharding < full sharding)."""
+        return 0
+
+    def shard_is_free(self, s) -> bool:
+        """Whether the planner / --shard-size may choose this preset's shard size."""
+        return False
+
+    # --- estimation -----------------------------------------------------------------------------
+    def check(self, s, spec, cuda: bool) -> None:
+        """NotApplicable when the family cannot run this job at all on this kind of device (the one
+        place each such rule lives: the planner asks it of the cluster, the backends of the device)."""
+        if s.offload and not cuda:
+            from ..memory.layout import NotApplicable
+            raise NotApplicable(f"{s.name} offloads GPU memory to the host, which needs CUDA; CPU ranks run in "
+                                "host memory already (use the same strategy without offload)")
+
+    def layout(self, s, profile, spec, n: int, cluster):
+        raise NotImplementedError
+
+    def comm(self, s, profile, spec, cluster, n: int, links) -> Comm:
+        raise NotImplementedError
+
+    def sharded_optimizer(self, s) -> bool:
+        """Whether the optimizer step runs on 1/N of the parameters."""
+        return True
+
+    def traced_replaces(self, s) -> frozenset:
+        """Categories a traced run takes from `layout` (the traced proxy holds them differently)."""
+        return frozenset({"params", "grads", "optimizer"}) if s.offload else frozenset()
+
+    def traced_note(self, s) -> str:
+        return f"{s.name}: traced as fsdp, with host offload in place of the traced state"
+
+    # --- runtime and hand-off ---------------------------------------------------------------------
+    def runtime(self):
+        return importlib.import_module(self.runtime_module)
+
+    def emit(self, candidate, plan, profile) -> str:
+        raise HybridError(f"{self.name} strategies have no config to emit")
+
+
+def provenance(p, c) -> dict:
+    """Where an emitted config came from (the plan and candidate), for the file's `_hybrid` key."""
+    return {"model": p.model.name, "cluster": p.cluster.describe(), "strategy": c.name,
+            "shard_size": c.shard_size, "parallel": c.parallel.to_dict(), "per_gpu_bytes": c.memory.total,
+            "fits": c.fits, "step_time_s": round(c.cost.seconds, 4), "memory_method": p.method}

@@ -1,0 +1,49 @@
+"""DDP: a full replica per rank, bucketed all-reduce of gradients (torch DistributedDataParallel)."""
+from __future__ import annotations
+
+import math
+
+from ..errors import HybridError
+from ..memory.layout import Layout, optimizer_elements, scratch_elements
+from .base import Comm, Family
+
+
+class DDPFamily(Family):
+    name = "ddp"
+    knobs = frozenset({"bucket_cap_mb", "gradient_as_bucket_view", "static_graph"})
+    runtime_module = "hybrid.backends.ddp"
+
+    def validate(self, s, where):
+        if s.shard not in ("none", "1"):
+            raise HybridError(f"{where}: ddp does not shard; use shard: none")
+
+    def sharded_optimizer(self, s):
+        return False
+
+    def layout(self, s, p, spec, n, cl) -> Layout:
+        b = spec.bytes
+        grads = p.trainable_params * b.grad
+        lay = Layout(params=p.params * b.param, optimizer=optimizer_elements(p, spec) * b.state,
+                     scratch=scratch_elements(p, spec) * b.state,
+                     autocast=spec.precision in ("bf16-mixed", "fp16-mixed"), grads_end=grads)
+        if s.gradient_as_bucket_view:
+            lay.grads_start = grads          # grads are views into buckets allocated at DDP init
+        else:
+            if spec.gradient_accumulation > 1:
+                lay.grads_start = grads      # .grad accumulates across the window (no_sync)
+            lay.buffers_start = lay.buffers_mid = lay.buffers_end = lay.buffers_step = grads
+            lay.notes.append("DDP buckets hold a second gradient copy (gradient_as_bucket_view=False)")
+        return lay
+
+
+
+    def comm(self, s, p, spec, cl, n, links):
+        # all-reduce of the gradients over the world, bucketed, in the window's last backward
+        grad_bytes = p.trainable_params * spec.bytes.grad
+        buckets = max(1, math.ceil(grad_bytes / (s.bucket_cap_mb * 1e6)))
+        sync = links.collective("all_reduce", grad_bytes, cl.world_size, buckets)
+        copied = 0.0 if s.gradient_as_bucket_view or cl.world_size == 1 else 2 * grad_bytes
+        return Comm(sync_bwd=sync, tail=sync / buckets / max(spec.gradient_accumulation, 1), copied_sync=copied)
+
+
+FAMILY = DDPFamily()

@@ -1,0 +1,219 @@
+"""DeepSpeed ZeRO stage 1/2/3 (with offload and ZeRO++ hpZ): memory layout, communication, config."""
+from __future__ import annotations
+
+import json
+
+from ..errors import HybridError
+from ..links import HOST_STEP_RATE, PCIE_BW
+from ..memory.layout import FP32, Layout, NotApplicable, optimizer_elements, scratch_elements
+from .base import Comm, Family, provenance
+
+SUB_GROUP_SIZE = 1_000_000_000
+"""DeepSpeed ZeRO-3 `sub_group_size` default: elements stepped (and fp32 grads made) at a time."""
+
+
+def bucket_sizes(s, hidden: int | None) -> tuple[int, int, int]:
+    """(reduce bucket, ZeRO-3 prefetch, ZeRO-3 persistence threshold) in elements: the preset's, or
+    HF Trainer's "auto" rules (hidden^2, 0.9 hidden^2, 10 hidden), or DeepSpeed's own defaults
+    (5e8, 5e7, 1e5) when the hidden size is unknown. The one source for the config and the memory."""
+    h = hidden
+    reduce = s.reduce_bucket_size or (h * h if h else 500_000_000)
+    prefetch = s.prefetch_bucket_size or (int(0.9 * h * h) if h else 50_000_000)
+    persist = s.param_persistence_threshold if s.param_persistence_threshold is not None else (10 * h if h else 100_000)
+    return reduce, prefetch, persist
+
+
+def persistent_params(p, threshold: int) -> int:
+    """ZeRO-3 stage3_param_persistence_threshold: tensors under it are never partitioned."""
+    d = p.decoder
+    if d is None:
+        return 0
+    small = [m for m in d.block_matrices() if (m[0] * (m[1] if len(m) == 2 else 1)) < threshold]
+    return d.layers * sum(m[0] * (m[1] if len(m) == 2 else 1) for m in small) + d.hidden
+
+
+
+def ds_config(strategy, spec, hidden: int | None, world_size: int, gpus_per_node: int,
+              cuda: bool = True, gradient_accumulation: int = 1, max_grad_norm: float | None = None) -> dict:
+    """Bucket sizes left unset in the catalogue follow HF Trainer's 'auto' rules (hidden^2,
+    0.9 hidden^2, 10 hidden); the analytic model uses the same numbers (families.deepspeed.bucket_sizes)."""
+    if "stage" not in strategy.family_obj.knobs:
+        raise HybridError(f"{strategy.name} is a {strategy.family} strategy, not DeepSpeed ZeRO")
+    if spec.precision == "bf16":
+        raise HybridError(f"{strategy.name}: DeepSpeed ZeRO keeps an fp32 master copy; use --precision "
+                          "bf16-mixed or fp32")
+    reduce_bucket, prefetch, persist = bucket_sizes(strategy, hidden)
+    zero = {"stage": strategy.stage, "contiguous_gradients": True, "overlap_comm": cuda,
+            "reduce_bucket_size": reduce_bucket}
+    if strategy.stage < 3:
+        zero["allgather_bucket_size"] = strategy.allgather_bucket_size
+    else:
+        zero["stage3_prefetch_bucket_size"] = prefetch
+        zero["stage3_param_persistence_threshold"] = persist
+        zero["stage3_max_live_parameters"] = strategy.max_live_parameters
+        zero["stage3_max_reuse_distance"] = strategy.max_reuse_distance
+        zero["stage3_gather_16bit_weights_on_model_save"] = False
+    if strategy.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
+    if strategy.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": cuda}
+    if strategy.hpz:
+        zero["zero_hpz_partition_size"] = gpus_per_node if strategy.hpz == "node" else int(strategy.hpz)
+    out = {
+        "train_micro_batch_size_per_gpu": spec.micro_batch,
+        "gradient_accumulation_steps": gradient_accumulation,
+        "train_batch_size": spec.micro_batch * gradient_accumulation * world_size,
+        "bf16": {"enabled": spec.precision == "bf16-mixed"},
+        "zero_optimization": zero,
+        # the user's torch optimizer is used as given, also with offload
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "gradient_clipping": float(max_grad_norm or 0.0),
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if spec.precision == "fp16-mixed":
+        # dynamic loss scaling with torch GradScaler's defaults: 2^16, halve on overflow, double
+        # after 2000 clean steps (DeepSpeed's own default window is 1000)
+        out["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 2000,
+                       "hysteresis": 1, "min_loss_scale": 1}
+    return out
+
+
+class DeepSpeedFamily(Family):
+    name = "deepspeed"
+    knobs = frozenset({"stage", "offload_optimizer", "offload_params", "hpz", "reduce_bucket_size",
+                       "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters",
+                       "max_reuse_distance", "param_persistence_threshold"})
+    runtime_module = "hybrid.backends.deepspeed"
+    emits = "deepspeed"
+    keeps_master_copy = True
+
+    def validate(self, s, where):
+        if s.stage not in (1, 2, 3):
+            raise HybridError(f"{where}: stage must be 1, 2 or 3, got {s.stage!r}")
+        if s.shard != "world":
+            raise HybridError(f"{where}: DeepSpeed ZeRO partitions over the whole world (shard: world); "
+                              "for node-local sharding use hpz: node with stage 3, or the fsdp family")
+        if s.offload_params and s.stage != 3:
+            raise HybridError(f"{where}: offload_params needs stage 3, got stage {s.stage}")
+        if s.offload_optimizer and s.stage == 1:
+            raise HybridError(f"{where}: DeepSpeed offloads the optimizer only with stage 2 or 3")
+        if s.hpz is not None and s.stage != 3:
+            raise HybridError(f"{where}: hpz needs stage 3, got stage {s.stage}")
+
+    def simplicity(self, s):
+        base = {1: 1, 2: 2, 3: 6}[s.stage] + (1 if s.hpz else 0)
+        return base + 10 * s.offload_optimizer + 2 * s.offload_params
+
+    def check(self, s, spec, cuda):
+        super().check(s, spec, cuda)
+        if spec.precision == "bf16":
+            raise NotApplicable(f"{s.name}: DeepSpeed ZeRO keeps an fp32 master copy; pure bf16 training is "
+                                "not one of its modes. Use --precision bf16-mixed, or an fsdp/ddp strategy")
+        if spec.precision == "fp16-mixed" and not cuda:
+            raise NotApplicable(f"{s.name}: DeepSpeed's fp16 mode needs CUDA (its CPU accelerator has no fp16); "
+                                "use ddp or fsdp for fp16-mixed on CPU ranks")
+
+    def layout(self, s, p, spec, n, cl) -> Layout:
+        c = spec.bytes.compute                  # module params/grads: bf16 (bf16.enabled) or fp32
+        P, h = p.trainable_params, (p.decoder.hidden if p.decoder else None)
+        reduce_bucket, prefetch, persist = bucket_sizes(s, h)
+        # fp32 master partition + optimizer states, DeepSpeed's "4_params_32bit + 8_optimizer_states"
+        opt = (P * FP32 + optimizer_elements(p, spec) * FP32) / n
+        fp32_grad = P * FP32 / n                # single_partition_of_fp32_groups[i].grad at the step
+        scratch = scratch_elements(p, spec) * FP32 / n
+        lay = Layout()
+        if s.stage in (1, 2):
+            lay.params = p.params * c           # the module's bf16 params, whole on every rank
+            # stage 1 keeps full bf16 grads until the step; stage 2 reduces them into a 1/N partition
+            lay.grads_end = P * c if s.stage == 1 else P * c / n
+            if spec.gradient_accumulation > 1:
+                # stage 1 accumulates whole 16-bit grads over the window; stage 2 accumulates its
+                # fp32 partition (averaged_gradients) between micro-batches
+                lay.grads_start = P * c if s.stage == 1 else P * FP32 / n
+            # the IPG reduce bucket; updated partitions are all-gathered in place into the flat params
+            lay.buffers_start = lay.buffers_mid = lay.buffers_end = c * reduce_bucket
+        else:
+            small = persistent_params(p, persist)
+            lay.params = c * (p.params / n + small * (1 - 1 / n))
+            # stage3.py allocates grad_partitions_flat_buffer (1/N, 16-bit) once, at init
+            lay.grads_start = lay.grads_end = P * c / n
+            # ... and makes the fp32 grad one sub-group (sub_group_size, default 1e9) at a time
+            fp32_grad = FP32 * min(SUB_GROUP_SIZE, P / n)
+            scratch = FP32 * min(SUB_GROUP_SIZE, scratch_elements(p, spec) / n)
+            largest = p.largest_layer_params or p.largest_param
+            unit = p.block_params if p.num_blocks else largest
+            # Gathered params stay gathered while they are reused within max_reuse_distance fetches:
+            # at the forward/backward turn the last blocks (fetched again after 2 x the params in
+            # between) and the head are kept; everything is capped by max_live_parameters.
+            kept = min(p.params, s.max_live_parameters, largest + s.max_reuse_distance / 2 + prefetch)
+            lay.buffers_start = c * (kept + reduce_bucket)
+            lay.buffers_mid = c * (min(s.max_live_parameters, kept + unit) + reduce_bucket)
+            lay.buffers_end = c * (min(p.params, s.max_live_parameters, largest + prefetch) + reduce_bucket)
+            hpz = s.hpz_size(cl)
+            if hpz:
+                lay.params += c * p.params / hpz   # ZeRO++ hpZ secondary partition (bf16, node-local)
+                lay.notes.append(f"hpZ keeps a secondary bf16 partition over {hpz} ranks")
+        if s.offload_optimizer:
+            lay.cpu += opt + fp32_grad + scratch
+            if s.stage == 3:                    # grad_partitions_flat_buffer is pinned host memory then
+                lay.cpu += lay.grads_end
+                lay.grads_start = lay.grads_end = 0
+            lay.notes.append("optimizer states, fp32 master and fp32 grads in host memory")
+        else:
+            lay.optimizer, lay.grads_step, lay.scratch = opt, fp32_grad, scratch
+        if s.offload_params:
+            lay.cpu += lay.params
+            lay.params = 0
+        return lay
+
+
+
+    def comm(self, s, p, spec, cl, n, links):
+        c, P, W = spec.bytes.compute, p.trainable_params, cl.world_size
+        units = max(p.num_blocks, 1) + 1
+        unit_bytes = c * (p.block_params or p.params)
+        offload = 0.0
+        if s.offload_optimizer:
+            # fp32 grads to the host, updated 16-bit params back, and the step on the host
+            offload = (4 * P / n + c * P / n) / PCIE_BW + (P / n) / HOST_STEP_RATE
+        if s.offload_params:
+            offload += 2 * (c * P / n) / PCIE_BW
+        if s.stage == 1:
+            # gradients reduced at the window's end; updated partitions all-gathered after the step
+            return Comm(sync_bwd=links.collective("reduce_scatter", c * P, W, units),
+                        after_step=links.collective("all_gather", c * P, W, 1), offload=offload,
+                        copied_sync=2 * c * P)
+        if s.stage == 2:
+            # partitioned gradients: reduce-scattered in every micro-batch's backward
+            return Comm(bwd=links.collective("reduce_scatter", c * P, W, units),
+                        after_step=links.collective("all_gather", c * P, W, 1), offload=offload,
+                        copied_micro=2 * c * P)
+        ag = links.collective("all_gather", c * P, W, units)
+        hpz = s.hpz_size(cl)
+        bwd = (links.collective("all_gather", c * P, hpz, units) if hpz else ag)
+        bwd += links.collective("reduce_scatter", c * P, W, units)
+        tail = links.collective("all_gather", unit_bytes, W) + links.collective("reduce_scatter", unit_bytes, W)
+        return Comm(fwd=ag, bwd=bwd, tail=tail, offload=offload,
+                    copied_micro=2 * 2 * c * P + 2 * c * P)   # two gathers' copy-out, one bucket copy
+
+    def traced_replaces(self, s):
+        return frozenset({"params", "grads", "optimizer", "buffers"})
+
+    def traced_note(self, s):
+        return f"{s.name}: traced as its FSDP2 equivalent, with DeepSpeed's partitions and buckets in place of the traced state"
+
+    def emit(self, c, plan, profile):
+        """The DeepSpeed JSON config of the candidate (HF Trainer / deepspeed.initialize)."""
+        cfg = ds_config(c.strategy, c.spec, profile.decoder.hidden if profile.decoder else None,
+                        plan.cluster.world_size, plan.cluster.gpus_per_node, cuda=plan.cluster.gpu.is_cuda,
+                        gradient_accumulation=c.spec.gradient_accumulation)
+        if c.spec.activation_checkpointing != "none":
+            cfg["activation_checkpointing"] = {"partition_activations": False,
+                                               "contiguous_memory_optimization": False}
+        cfg["_hybrid"] = provenance(plan, c)
+        return json.dumps(cfg, indent=2)
+
+
+FAMILY = DeepSpeedFamily()

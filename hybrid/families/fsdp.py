@@ -1,0 +1,107 @@
+"""FSDP2 (`fully_shard`): per-block units plus the root, on a 1D or 2D (HSDP) mesh."""
+from __future__ import annotations
+
+import yaml
+
+from ..errors import HybridError
+from ..links import HOST_STEP_RATE, PCIE_BW
+from ..memory.layout import Layout, optimizer_elements, reduce_bytes, scratch_elements
+from .base import Comm, Family, provenance
+
+
+class FSDPFamily(Family):
+    name = "fsdp"
+    knobs = frozenset({"reshard_after_forward", "offload_params", "offload_optimizer"})
+    runtime_module = "hybrid.backends.fsdp"
+    emits = "fsdp"
+
+    def validate(self, s, where):
+        if s.offload_params != s.offload_optimizer:
+            raise HybridError(f"{where}: FSDP2's CPUOffloadPolicy moves params, grads and optimizer "
+                              "together; set offload_params and offload_optimizer both true or both false")
+
+    def simplicity(self, s):
+        base = 3 if not s.reshard_after_forward else (5 if s.shard == "world" else 4)
+        return base + 10 * s.offload_optimizer + 2 * s.offload_params
+
+    def shard_is_free(self, s):
+        return s.shard == "node"
+
+    def layout(self, s, p, spec, n, cl) -> Layout:
+        b = spec.bytes
+        c = b.compute
+        rb = reduce_bytes(spec)
+        P = p.trainable_params
+        unit = p.block_params if p.num_blocks else p.params
+        root = p.root_params if p.num_blocks else 0
+        head = (p.decoder.vocab * p.decoder.hidden) if p.decoder else root
+        lay = Layout()
+        sharded = dict(params=p.params * b.param / n, optimizer=optimizer_elements(p, spec) * b.state / n,
+                       grads=P * b.grad / n, scratch=scratch_elements(p, spec) * b.state / n)
+        if s.offload_params:
+            lay.cpu = sharded["params"] + sharded["optimizer"] + sharded["grads"] + sharded["scratch"]
+            lay.notes.append("CPUOffloadPolicy: sharded params, grads and the optimizer step live in host memory")
+        else:
+            lay.params, lay.optimizer = sharded["params"], sharded["optimizer"]
+            lay.grads_end, lay.scratch = sharded["grads"], sharded["scratch"]
+        # The root (embeddings, final norm, head) is not resharded after forward (FSDP2 keeps the root
+        # gathered for backward); blocks are gathered one at a time plus one prefetched.
+        gathered_blocks = 2 * unit if s.reshard_after_forward else p.num_blocks * unit + unit
+        lay.buffers_start = c * (root + (unit if s.reshard_after_forward else p.num_blocks * unit))
+        # in a block's backward: root params + the head's unsharded grad, two blocks gathered (the
+        # block and the prefetched one, whose all-gather output and copy-out overlap it), and the
+        # block's reduce-scatter input in the reduce dtype (its grads themselves: unit_grads)
+        lay.buffers_mid = c * (root + head + gathered_blocks) + rb * unit
+        lay.buffers_end = c * (2 * root) + rb * root
+        if spec.gradient_accumulation > 1:
+            # FSDP2's no-sync (set_requires_gradient_sync(False)) keeps every unsharded gradient, in
+            # the compute dtype, from the window's first backward to its last reduce-scatter
+            lay.grads_start += P * c
+            lay.grads_end += P * c
+            lay.notes.append(f"gradient accumulation: unsharded {('bf16' if c == 2 else 'fp32')} gradients are kept "
+                             "between micro-batches (reduce-scatter once per window)")
+        return lay
+
+
+
+    def comm(self, s, p, spec, cl, n, links):
+        # all-gather params in every forward and again in backward (unless kept), reduce-scatter
+        # grads within the shard group at the window's end; HSDP adds an all-reduce across replicas
+        c, rb, P = spec.bytes.compute, reduce_bytes(spec), p.trainable_params
+        units = max(p.num_blocks, 1) + 1
+        unit_bytes = c * (p.block_params or p.params)
+        ag = links.collective("all_gather", c * P, n, units)
+        sync = links.collective("reduce_scatter", rb * P, n, units)
+        sync += links.across_replicas("all_reduce", rb * P / n, cl.world_size // n, units)
+        tail = links.collective("all_gather", unit_bytes, n) + links.collective("reduce_scatter", unit_bytes, n)
+        gathers = 2 if s.reshard_after_forward else 1
+        offload = 0.0
+        if s.offload_params:
+            offload = 2 * (spec.bytes.param * P / n) / PCIE_BW + (P / n) / HOST_STEP_RATE
+        return Comm(fwd=ag, bwd=ag if s.reshard_after_forward else 0.0, sync_bwd=sync, tail=tail, offload=offload,
+                    copied_micro=gathers * 2 * c * P,   # copy-out of each gather
+                    copied_sync=2 * rb * P)             # chunk_cat per reduce-scatter
+
+    def emit(self, c, plan, profile):
+        """The FSDP2 settings as YAML: mesh, units, mixed precision, reshard, offload."""
+        s = c.strategy
+        dims = c.parallel
+        settings = {
+            "strategy": s.name,
+            "mesh": {"shape": [dims.dp_replicate, dims.dp_shard], "dim_names": ["dp_replicate", "dp_shard"],
+                     "hybrid_sharding": dims.dp_replicate > 1, "parallel": dims.to_dict()},
+            "fully_shard": {
+                "units": [profile.block_class, "root"] if profile.block_class else ["root"],
+                "reshard_after_forward": s.reshard_after_forward,
+                "mp_policy": ({"param_dtype": {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}[c.spec.precision],
+                               "reduce_dtype": "float32"} if c.spec.mixed else {"param_dtype": None, "reduce_dtype": None}),
+                "offload_policy": "CPUOffloadPolicy(pin_memory=True)" if s.offload_params else None,
+            },
+            "activation_checkpointing": c.spec.activation_checkpointing,
+            "train": c.spec.to_dict(),
+            "_hybrid": provenance(plan, c),
+        }
+        return yaml.safe_dump(settings, sort_keys=False)
+
+
+FAMILY = FSDPFamily()

@@ -1,0 +1,64 @@
+"""How long collectives and host transfers take on a cluster's links (pure).
+
+Ring collectives (Patarasuk & Yuan 2009; NCCL's ring): all-reduce moves 2(n-1)/n x S bytes per
+GPU, all-gather and reduce-scatter (n-1)/n x S each, at the bandwidth of the slowest link the ring
+crosses (NVLink inside a node, the NIC across nodes), plus a latency of alpha x log2(n) per
+collective (NCCL's tree/ring start-up).
+"""
+from __future__ import annotations
+
+import math
+
+LATENCY_INTRA = 10e-6
+"""Seconds per log2(n) step of a collective inside a node. Assumption: the order of NCCL's
+small-message all-reduce latency over NVLink (nccl-tests report ~10-20 us for 8 GPUs)."""
+LATENCY_INTER = 25e-6
+"""... across nodes. Assumption: a few times the NVLink latency (InfiniBand/RoCE round trips of a
+few us per hop plus NCCL's protocol steps)."""
+PCIE_BW = 25e9
+"""Host<->GPU bytes/s per direction: PCIe Gen4 x16 is 32 GB/s raw, ~25 GB/s sustained (NVIDIA's
+bandwidthTest on A100/H100 hosts); Gen5 about twice."""
+HOST_STEP_RATE = 1.0e9
+"""Parameters per second an optimizer step runs at on the host. Assumption: DeepSpeedCPUAdam-class
+AVX code on a many-core server (the ZeRO-Offload paper, arXiv 2101.06840, reports ~1-2 s per step
+for 10B parameters); torch's CPU AdamW is slower."""
+
+
+def ring(kind: str, nbytes: float, n: int, bw: float) -> float:
+    if n <= 1:
+        return 0.0
+    factor = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
+    return factor * nbytes / bw
+
+
+class Links:
+    """The links a group of ranks crosses. Groups are consecutive ranks (ParallelDims keeps
+    dp_shard x tp blocks inside a node or on whole nodes); replica groups take one rank from each
+    shard group."""
+
+    def __init__(self, cluster):
+        self.c = cluster
+
+    def bw(self, n: int) -> float:
+        """A group of n consecutive ranks stays inside a node if n <= GPUs per node."""
+        g = self.c.gpu
+        return g.intra_node_bw if n <= self.c.gpus_per_node else g.inter_node_bw
+
+    def latency(self, n: int) -> float:
+        if n <= 1:
+            return 0.0
+        lat = LATENCY_INTRA if n <= self.c.gpus_per_node else LATENCY_INTER
+        return lat * math.log2(n)
+
+    def collective(self, kind: str, nbytes: float, n: int, count: int = 1) -> float:
+        """`count` collectives moving `nbytes` in total over groups of n ranks."""
+        return ring(kind, nbytes, n, self.bw(n)) + count * self.latency(n)
+
+    def across_replicas(self, kind: str, nbytes: float, replicas: int, count: int = 1) -> float:
+        """Replica groups take one rank from each shard group: always across nodes when > 1 node."""
+        if replicas <= 1:
+            return 0.0
+        inter = self.c.nodes > 1
+        bw = self.c.gpu.inter_node_bw if inter else self.c.gpu.intra_node_bw
+        lat = LATENCY_INTER if inter else LATENCY_INTRA
+        return ring(kind, nbytes, replicas, bw) + count * lat * math.log2(replicas)
