@@ -83,7 +83,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
               shard_size: int | None = None, gpu_memory: str | int | None = None,
               strategies_dir: tuple[str, ...] = (), verbose: bool = True, scheduler=None,
               gradient_accumulation: int = 1, max_grad_norm: float | None = None,
-              find_unused_parameters: bool | None = None) -> Wrapped:
+              find_unused_parameters: bool | None = None, tp: int | None = None) -> Wrapped:
     """Wrap `model` for data-parallel training on the current process group (started here from
     torchrun's variables if needed, nccl+cuda or gloo+cpu).
 
@@ -98,6 +98,9 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
     gradient_accumulation  micro-batches per optimizer step (gradients reduced once per window)
     max_grad_norm  clip the global gradient norm before each optimizer step (None: no clipping)
     find_unused_parameters  DDP: tolerate parameters that get no gradient in a step
+    tp          tensor-parallel degree inside a node (default: the planner chooses with strategy
+                "auto", 1 with a forced strategy); ranks of one tp group read the same batch:
+                shard data with w.dp_size / w.dp_rank
     """
     if not isinstance(model, nn.Module):
         raise HybridError(f"auto_wrap needs an nn.Module, got {type(model).__name__}")
@@ -123,7 +126,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
     catalogue = load_catalogue(strategies_dir)
     search = activation_checkpointing is None
     if strategy == "auto":
-        the_plan = make_plan(profile, spec, cluster, catalogue, shard_size, search_checkpointing=search)
+        the_plan = make_plan(profile, spec, cluster, catalogue, shard_size, search_checkpointing=search, tp=tp)
         if the_plan.chosen is None:
             fixes = "; ".join(the_plan.suggestions) or "none found"
             raise HybridError(f"no strategy fits {profile.name} in {cluster.describe()}. Smallest changes that "
@@ -131,7 +134,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
     else:
         get_strategy(strategy, catalogue)
         the_plan = make_plan(profile, spec, cluster, catalogue, shard_size, strategies=[strategy],
-                             search_checkpointing=search, search_shards=False)
+                             search_checkpointing=search, search_shards=False, tp=tp or 1)
         if the_plan.chosen is None:      # forced: run the least memory-hungry variant anyway
             usable = [c for c in the_plan.candidates if c.memory is not None]
             if not usable:
@@ -158,7 +161,7 @@ def _agree(chosen, runtime, strategy, cluster):
     if runtime.world_size == 1:
         return chosen
     choices = [None] * runtime.world_size
-    dist.all_gather_object(choices, (chosen.name, chosen.shard_size, strategy, cluster.capacity_bytes))
+    dist.all_gather_object(choices, (chosen.name, chosen.parallel.shape, strategy, cluster.capacity_bytes))
     if len({c[:2] for c in choices}) > 1:
         detail = "; ".join(f"rank {r}: strategy={c[2]!r}, capacity {c[3]} B -> {c[0]} x{c[1]}"
                            for r, c in enumerate(choices))

@@ -105,14 +105,21 @@ class Strategy:
         """Whether the planner / --shard-size may choose this strategy's shard size."""
         return self.family_obj.shard_is_free(self)
 
-    def shard_size(self, cluster, override: int | None = None) -> int:
-        """Ranks per shard group on this cluster, validated against the node/world shape."""
+    def shard_size(self, cluster, override: int | None = None, tp: int = 1) -> int:
+        """Ranks per shard group (dp_shard) on this cluster, validated against the node/world
+        shape; with tensor parallelism the 'node' and 'world' rules count tp groups, not GPUs."""
         world, per_node = cluster.world_size, cluster.gpus_per_node
         if override is not None and self.shard_is_free:
             n = override
         else:
-            n = {"none": 1, "node": per_node, "world": world}.get(self.shard) or int(self.shard)
-        validate_shard_size(n, world, per_node)
+            n = {"none": 1, "node": per_node // tp, "world": world // tp}.get(self.shard) or int(self.shard)
+        if tp == 1:
+            validate_shard_size(n, world, per_node)
+        else:
+            from .parallel import ParallelDims
+            if n < 1 or (world // tp) % n:
+                raise HybridError(f"shard size {n} does not divide the {world // tp} tensor-parallel groups")
+            ParallelDims(dp_replicate=world // tp // n, dp_shard=n, tp=tp).validate(world, per_node)
         return n
 
     def hpz_size(self, cluster) -> int | None:

@@ -35,6 +35,8 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
                    help="none | selective | full (default: " + ("the planner tries all three" if search else "none") + ")")
     t.add_argument("--attention", default="sdpa", help="sdpa (flash) | eager (default sdpa)")
     t.add_argument("--shard-size", type=int, help="ranks per shard group for hsdp (default: every valid size)")
+    t.add_argument("--tp", type=int, help="tensor-parallel degree inside a node (default: plan tries 1, 2, 4, 8 "
+                   "where they divide the GPUs per node and the heads; estimate/compare use 1)")
     o = p.add_argument_group("method and output")
     o.add_argument("--method", default="analytic",
                    help="analytic (closed form, instant; default) | traced (simulate one rank of the real job "
@@ -138,7 +140,12 @@ def _plan(args, strategies=None, search=False):
     cat = load_catalogue(args.strategies_dir)
     for name in strategies or ():
         get_strategy(name, cat)
-    return plan(src.profile, spec, cluster, cat, args.shard_size, strategies=strategies,
+    tp = args.tp if args.tp is not None else (None if search else 1)
+    if tp != 1 and args.method != "analytic":
+        if args.tp is not None:
+            raise HybridError(f"--method {args.method} runs tp 1 only for now; use --method analytic for --tp {args.tp}")
+        tp = 1
+    return plan(src.profile, spec, cluster, cat, args.shard_size, strategies=strategies, tp=tp,
                 estimator=_estimator(args, src, cluster), method=args.method,
                 search_checkpointing=search and args.activation_checkpointing is None and args.method == "analytic",
                 efficiency=args.efficiency or EFFICIENCY, search_shards=search), src

@@ -26,13 +26,13 @@ step      the optimizer step on the GPU is memory-bound: it reads and writes eac
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .catalogue import Strategy
 from .cluster import Cluster
 from .links import Links
 from .memory.layout import optimizer_elements
-from .profile import ModelProfile
+from .profile import ModelProfile, tp_share
 from .spec import TrainSpec
 
 SELECTIVE_RECOMPUTE = 0.05
@@ -58,6 +58,12 @@ class StepCost:
     mfu: float
     """Model FLOPs utilisation: model FLOPs per step / (step time x peak)."""
 
+    @property
+    def time_per_token(self) -> float:
+        """GPU-seconds per training token: what the planner ranks by (a step's seconds are not
+        comparable across tensor-parallel degrees, whose tp ranks share one micro-batch)."""
+        return 1.0 / self.tokens_per_s_per_gpu
+
     def to_dict(self) -> dict:
         return {"step_time_s": self.seconds, "compute_s": self.compute_s, "comm_s": self.comm_s,
                 "exposed_comm_s": self.exposed_comm_s, "offload_s": self.offload_s,
@@ -73,12 +79,34 @@ def model_flops_per_token(profile: ModelProfile, seq_len: int, recompute: bool =
     return base * (8 / 6) if recompute else base
 
 
+def tp_comm_seconds(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, tp: int) -> float:
+    """Tensor parallelism with sequence parallelism, per micro-batch: in each block's forward two
+    all-gathers (attention and MLP inputs) and two reduce-scatters (their outputs) of the b x s x h
+    activation inside the tp group, the same again in backward (Korthikanti et al. 2022, sec. 4.2.2).
+    On the critical path: each waits for the matmul before it (no async TP modelled)."""
+    if tp == 1 or profile.decoder is None:
+        return 0.0
+    d = profile.decoder
+    nbytes = spec.bytes.compute * spec.micro_batch * spec.seq_len * d.hidden
+    return 8 * d.layers * Links(cluster).collective("all_gather", nbytes, tp)
+
+
 def step_cost(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
-              shard_size: int, efficiency: float = EFFICIENCY) -> StepCost:
-    g, W, N = cluster.gpu, cluster.world_size, shard_size
+              shard_size: int, efficiency: float = EFFICIENCY, tp: int = 1) -> StepCost:
+    """With tp > 1 each rank computes 1/tp of the FLOPs, the families' data-parallel traffic is
+    priced on the rank's tensor-parallel share over groups of tp groups (a cluster whose 'GPUs' are
+    tp groups), and the tp collectives are added, unhidden."""
+    g, N = cluster.gpu, shard_size
+    tp_time = tp_comm_seconds(profile, spec, cluster, tp)
+    whole = profile
+    profile = tp_share(profile, tp)
+    cluster = replace(cluster, gpus_per_node=cluster.gpus_per_node // tp)
+    W = cluster.world_size
     T = spec.micro_batch * spec.seq_len
     recompute = spec.activation_checkpointing == "full"
-    flops = model_flops_per_token(profile, spec.seq_len, recompute) * T
+    flops = model_flops_per_token(whole, spec.seq_len, recompute) * T / tp
+    # fp32 matmuls run on TF32 tensor cores at half the dense bf16 rate (A100 datasheet: 156 vs
+    # 312 TFLOP/s; H100 SXM: 495 vs 989); V100/T4 have no TF32, an upper bound there
     peak = g.bf16_flops * (0.5 if spec.precision == "fp32" else 1.0)
     compute = flops / (peak * efficiency)
     if spec.activation_checkpointing == "selective":
@@ -106,11 +134,11 @@ def step_cost(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluste
     micro = exposed(comm.fwd, comm.bwd) + comm.tail * hidden
     last = exposed(comm.fwd, comm.bwd + comm.sync_bwd) + comm.tail * hidden
     copies = (ga * comm.copied_micro + comm.copied_sync) / g.mem_bw if W > 1 else 0.0
-    exposed_s = max((ga - 1) * micro + last + comm.after_step, 0.0) + copies
+    exposed_s = max((ga - 1) * micro + last + comm.after_step, 0.0) + copies + ga * tp_time
     seconds = ga * compute + exposed_s + comm.offload + optimizer
-    tokens = ga * T
+    tokens = ga * T / tp                       # a tp group shares its micro-batch
     return StepCost(seconds=seconds, compute_s=ga * compute,
-                    comm_s=ga * comm.fwd + (ga * comm.bwd + comm.sync_bwd) + comm.after_step,
+                    comm_s=ga * comm.fwd + (ga * comm.bwd + comm.sync_bwd) + comm.after_step + ga * tp_time,
                     exposed_comm_s=exposed_s, offload_s=comm.offload, optimizer_s=optimizer,
                     tokens_per_s_per_gpu=tokens / seconds,
-                    mfu=model_flops_per_token(profile, spec.seq_len) * tokens / (seconds * g.bf16_flops))
+                    mfu=model_flops_per_token(whole, spec.seq_len) * tokens / (seconds * g.bf16_flops))

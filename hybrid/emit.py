@@ -27,7 +27,7 @@ def _pick(p: Plan, family, name: str | None) -> Candidate:
     fitting = [c for c in pool if c.fits]
     if not fitting:
         raise HybridError(f"no {family.name} candidate fits this job; see `hybrid plan` for why")
-    return min(fitting, key=lambda c: c.cost.seconds)
+    return min(fitting, key=lambda c: c.cost.time_per_token)
 
 
 def emit(kind: str, p: Plan, profile: ModelProfile, name: str | None = None) -> str:

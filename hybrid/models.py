@@ -57,15 +57,18 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h, h, bias=cfg.style == "gpt2")
 
     def forward(self, x, rope, mask=None):
-        b, s, _ = x.shape
+        # head counts come from the projections' outputs: under tensor parallelism each rank holds
+        # heads / tp query heads and kv_heads / tp key/value heads
+        b, s = x.shape[0], x.shape[1]
         a, kvh, d = self.cfg.heads, self.cfg.n_kv_heads, self.cfg.head_dim
         if self.cfg.style == "gpt2":
             q, k, v = self.qkv_proj(x).split([a * d, kvh * d, kvh * d], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(b, s, a, d).transpose(1, 2)
-        k = k.view(b, s, kvh, d).transpose(1, 2)
-        v = v.view(b, s, kvh, d).transpose(1, 2)
+        q = q.view(b, s, -1, d).transpose(1, 2)
+        k = k.view(b, s, -1, d).transpose(1, 2)
+        v = v.view(b, s, -1, d).transpose(1, 2)
+        a, kvh = q.shape[1], k.shape[1]
         if rope is not None:
             cos, sin = rope
             q = q * cos + _rotate_half(q) * sin
@@ -83,7 +86,7 @@ class Attention(nn.Module):
                 # Llama takes the softmax in fp32 and casts back; GPT-2 keeps the compute dtype
                 upcast = torch.float32 if self.cfg.style == "llama" else None
                 y = torch.softmax(scores, dim=-1, dtype=upcast).to(q.dtype) @ v
-        return self.o_proj(y.transpose(1, 2).reshape(b, s, a * d))
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
 class MLP(nn.Module):

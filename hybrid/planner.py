@@ -16,7 +16,7 @@ from .cost import EFFICIENCY, StepCost, step_cost
 from .errors import HybridError
 from .memory.analytic import NotApplicable, check_job, estimate
 from .memory.breakdown import MemoryBreakdown
-from .profile import ModelProfile
+from .profile import ModelProfile, tp_degrees
 from .report import format_plan
 from .spec import TrainSpec
 from .units import fmt_bytes
@@ -50,12 +50,16 @@ class Candidate:
         return self.parallel.dp_shard
 
     @property
+    def tp(self) -> int:
+        return self.parallel.tp
+
+    @property
     def label(self) -> str:
         ckpt = self.spec.activation_checkpointing
-        return self.name + ("" if ckpt == "none" else f"+ac:{ckpt}")
+        return self.name + ("" if self.tp == 1 else f"+tp{self.tp}") + ("" if ckpt == "none" else f"+ac:{ckpt}")
 
     def simplicity(self) -> tuple:
-        return (self.strategy.rank(), CKPT_ORDER[self.spec.activation_checkpointing], -self.shard_size)
+        return (self.strategy.rank(), CKPT_ORDER[self.spec.activation_checkpointing], self.tp, -self.shard_size)
 
     def to_dict(self) -> dict:
         m = self.memory
@@ -85,9 +89,14 @@ class Plan:
     """When nothing fits: the smallest changes that would make something fit."""
 
     @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks of the chosen layout (the world when nothing was chosen)."""
+        return self.chosen.parallel.dp_size if self.chosen else self.cluster.world_size
+
+    @property
     def global_batch(self) -> int:
         """Sequences per optimizer step: micro-batch x accumulation x data-parallel ranks."""
-        return self.spec.micro_batch * self.spec.gradient_accumulation * self.cluster.world_size
+        return self.spec.micro_batch * self.spec.gradient_accumulation * self.dp_size
 
     def __str__(self) -> str:
         """The decision: one row per strategy (its best variant) with the reason, and the choice."""
@@ -111,19 +120,20 @@ class Plan:
 
 
 def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
-          shard_size: int | None = None, estimator=None, efficiency: float = EFFICIENCY) -> Candidate:
+          shard_size: int | None = None, estimator=None, efficiency: float = EFFICIENCY, tp: int = 1) -> Candidate:
     """Estimate one candidate and say whether and why it fits. `estimator(strategy, spec, n)`
-    replaces the analytic memory model (traced, measured); the analytic one still rules out
-    strategies that cannot run the job at all, before anything expensive runs."""
-    n = strategy.shard_size(cluster, shard_size)
-    dims = ParallelDims.data_parallel(cluster.world_size, n).validate(cluster.world_size, cluster.gpus_per_node)
+    replaces the analytic memory model (traced, measured) for tp 1; the analytic one still rules
+    out strategies that cannot run the job at all, before anything expensive runs."""
+    n = strategy.shard_size(cluster, shard_size, tp)
+    dims = ParallelDims(dp_replicate=cluster.world_size // tp // n, dp_shard=n, tp=tp).validate(
+        cluster.world_size, cluster.gpus_per_node)
     try:
-        m = estimate(strategy, profile, spec, cluster, n)
-        if estimator is not None:
+        m = estimate(strategy, profile, spec, cluster, n, tp)
+        if estimator is not None and tp == 1:
             m = estimator(strategy, spec, n)
     except NotApplicable as e:
         return Candidate(strategy, dims, spec, None, False, f"not applicable: {e}")
-    cost = step_cost(strategy, profile, spec, cluster, n, efficiency)
+    cost = step_cost(strategy, profile, spec, cluster, n, efficiency, tp)
     cap, host = cluster.capacity_bytes, cluster.host_bytes_per_rank
     fits = m.total <= cap and m.cpu <= host
     if m.total > cap:
@@ -142,23 +152,31 @@ def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: C
 
 def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, spec: TrainSpec,
                          cluster: Cluster, names: list[str], shard_size: int | None,
-                         search_checkpointing: bool, search_shards: bool = True) -> list[tuple[Strategy, int, TrainSpec]]:
-    """Every preset x its shard sizes (a free-shard preset: every valid size between 1 and the
-    world; --shard-size pins it) x checkpointing {none, selective, full} when it can apply."""
+                         search_checkpointing: bool, search_shards: bool = True,
+                         tp: int | None = 1) -> list[tuple[Strategy, int, TrainSpec, int]]:
+    """Every preset x tensor-parallel degree (tp None: every valid one for families that run
+    over tp groups; an int pins it) x its shard sizes (a free-shard preset: every valid size
+    between 1 and the world; --shard-size pins it) x checkpointing {none, selective, full} when
+    it can apply."""
     can_ckpt = profile.num_blocks > 0 and (profile.decoder is not None or profile.activation_bytes_per_sample)
     ckpts = list(CKPT_ORDER) if search_checkpointing and can_ckpt else [spec.activation_checkpointing]
+    degrees = tp_degrees(profile, cluster.gpus_per_node) if tp is None else [tp]
     out = []
     for name in names:
         s = catalogue[name]
-        if s.shard_is_free and shard_size is None and search_shards:
-            default = s.shard_size(cluster)
-            sizes = sorted({default, *(n for n in valid_shard_sizes(cluster.world_size, cluster.gpus_per_node)
-                                       if 1 < n < cluster.world_size)})
-        else:
-            sizes = [s.shard_size(cluster, shard_size)]
-        for n in sizes:
-            for ac in ckpts:
-                out.append((s, n, replace(spec, activation_checkpointing=ac)))
+        for t in degrees:
+            if t > 1 and not s.family_obj.supports_tp and tp is None:
+                continue
+            groups = cluster.world_size // t
+            if s.shard_is_free and shard_size is None and search_shards:
+                default = s.shard_size(cluster, None, t)
+                sizes = sorted({default, *(n for n in valid_shard_sizes(cluster.world_size, cluster.gpus_per_node, t)
+                                           if 1 < n < groups)})
+            else:
+                sizes = [s.shard_size(cluster, shard_size, t)]
+            for n in sizes:
+                for ac in ckpts:
+                    out.append((s, n, replace(spec, activation_checkpointing=ac), t))
     return out
 
 
@@ -167,18 +185,19 @@ def choose(cands) -> Candidate | None:
     fitting = [c for c in cands if c.fits]
     if not fitting:
         return None
-    best = min(c.cost.seconds for c in fitting)
-    close = [c for c in fitting if c.cost.seconds <= best * (1 + TIE)]
-    return min(close, key=lambda c: (c.simplicity(), c.cost.seconds))
+    best = min(c.cost.time_per_token for c in fitting)
+    close = [c for c in fitting if c.cost.time_per_token <= best * (1 + TIE)]
+    return min(close, key=lambda c: (c.simplicity(), c.cost.time_per_token))
 
 
 def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
          catalogue: dict[str, Strategy] | None = None, shard_size: int | None = None,
          strategies: list[str] | None = None, estimator=None, method: str = "analytic",
          search_checkpointing: bool = False, efficiency: float = EFFICIENCY,
-         suggest_fixes: bool = True, search_shards: bool = True) -> Plan:
+         suggest_fixes: bool = True, search_shards: bool = True, tp: int | None = None) -> Plan:
     """Judge every candidate and choose. With search_checkpointing the planner also tries each
-    activation-checkpointing setting (the spec's own is otherwise kept)."""
+    activation-checkpointing setting (the spec's own is otherwise kept); tp None tries every valid
+    tensor-parallel degree, an int pins it."""
     check_job(profile, spec)
     cat = catalogue if catalogue is not None else load_catalogue()
     names = strategies or list(cat)
@@ -189,31 +208,46 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
         raise HybridError("--shard-size applies to strategies with a free shard size (hsdp); "
                           f"none of {', '.join(names)} has one")
     # an expensive estimator (traced, measured) runs once per preset, not per shard size
+    if tp is not None:
+        valid = tp_degrees(profile, cluster.gpus_per_node)
+        if tp not in valid:
+            raise HybridError(f"--tp {tp} is not a valid tensor-parallel degree for {profile.name} on "
+                              f"{cluster.gpus_per_node} GPUs per node (it must divide the GPUs per node and the "
+                              f"attention and key/value heads of a llama-style decoder); valid: "
+                              f"{', '.join(map(str, valid))}")
     todo = enumerate_candidates(cat, profile, spec, cluster, names, shard_size, search_checkpointing,
-                                search_shards=search_shards and estimator is None)
-    cands = [judge(s, profile, sp, cluster, n, estimator, efficiency) for s, n, sp in todo]
+                                search_shards=search_shards and estimator is None,
+                                tp=tp if tp is not None or estimator is None else 1)
+    cands = [judge(s, profile, sp, cluster, n, estimator, efficiency, t) for s, n, sp, t in todo]
     chosen = choose(cands)
     order = sorted(cands, key=lambda c: (not c.fits, c.memory is None,
-                                         c.cost.seconds if c.fits else (c.memory.total if c.memory else 0)))
+                                         c.cost.time_per_token if c.fits else (c.memory.total if c.memory else 0)))
     fixes = ()
     if chosen is None and suggest_fixes and estimator is None:
-        fixes = tuple(suggest(profile, spec, cluster, cat, names, search_checkpointing, efficiency))
+        fixes = tuple(suggest(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp))
     return Plan(profile, cluster, spec, tuple(order), chosen, method, fixes)
 
 
-def _fits_with(profile, spec, cluster, cat, names, search_checkpointing, efficiency) -> Candidate | None:
+def _fits_with(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp=None) -> Candidate | None:
     try:
         check_job(profile, spec)
     except HybridError:
         return None
-    todo = enumerate_candidates(cat, profile, spec, cluster, names, None, search_checkpointing)
-    return choose([judge(s, profile, sp, cluster, n, None, efficiency) for s, n, sp in todo])
+    todo = enumerate_candidates(cat, profile, spec, cluster, names, None, search_checkpointing, tp=tp)
+    return choose([judge(s, profile, sp, cluster, n, None, efficiency, t) for s, n, sp, t in todo])
 
 
 def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[str, Strategy],
-            names: list[str], search_checkpointing: bool, efficiency: float = EFFICIENCY) -> list[str]:
+            names: list[str], search_checkpointing: bool, efficiency: float = EFFICIENCY,
+            tp: int | None = None) -> list[str]:
     """The smallest change along each axis that makes some candidate fit."""
     out = []
+    if tp is not None:      # tp was pinned: would another degree fit?
+        for t in tp_degrees(profile, cluster.gpus_per_node):
+            c = t > tp and _fits_with(profile, spec, cluster, cat, names, True, efficiency, t)
+            if c:
+                out.append(f"--tp {t} ({c.label}: {fmt_bytes(c.memory.total)})")
+                break
     args = (cat, names, True, efficiency)
     if not search_checkpointing and spec.activation_checkpointing != "full":
         for ac in ("selective", "full"):

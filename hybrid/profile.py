@@ -84,6 +84,44 @@ def profile_decoder(cfg: DecoderConfig, name: str, source: str = "preset") -> Mo
         decoder=cfg, source=source)
 
 
+TP_DEGREES = (1, 2, 4, 8)
+"""Tensor-parallel degrees the planner tries (inside one node of up to 8 GPUs, as Megatron-LM and
+torchtitan recipes do)."""
+
+
+def tp_degrees(profile: ModelProfile, gpus_per_node: int) -> list[int]:
+    """tp that divides the GPUs per node and the attention and key/value heads of a llama-style
+    decoder (GPT-2's fused qkv has no plan); [1] for anything else."""
+    d = profile.decoder
+    if d is None or d.style != "llama":
+        return [1]
+    return [t for t in TP_DEGREES if gpus_per_node % t == 0 and d.heads % t == 0 and d.n_kv_heads % t == 0]
+
+
+def tp_share(profile: ModelProfile, tp: int) -> ModelProfile:
+    """The profile one tensor-parallel rank holds: every block matrix, the embedding and the head
+    split tp ways (Megatron-LM's layout, as backends/tp.py applies it); norms replicated."""
+    if tp == 1:
+        return profile
+    d = profile.decoder
+    if d is None:
+        raise HybridError(f"tensor parallelism needs a transformer's dimensions; {profile.name} has none: use tp 1")
+    import dataclasses
+    matrices = sum(m[0] * m[1] for m in d.block_matrices() if len(m) == 2)
+    head = d.vocab * d.hidden * (1 if d.tied else 2)          # embedding and (untied) head
+    sharded = d.layers * matrices + head
+    cut = sharded - sharded // tp
+    frac = (profile.params - cut) / profile.params
+    return dataclasses.replace(
+        profile, params=profile.params - cut, trainable_params=round(profile.trainable_params * frac),
+        param_bytes=round(profile.param_bytes * frac),
+        dtype_bytes=tuple((k, round(v * frac)) for k, v in profile.dtype_bytes),
+        block_params=profile.block_params - matrices + matrices // tp,
+        root_params=profile.root_params - head + head // tp,
+        largest_layer_params=max(1, profile.largest_layer_params // tp), largest_param=max(1, profile.largest_param // tp),
+        factored_state=None if profile.factored_state is None else profile.factored_state // tp)
+
+
 def profile_params(count: int | str, name: str | None = None) -> ModelProfile:
     """A model known only by its parameter count: model states only, activations unknown."""
     n = parse_count(count)

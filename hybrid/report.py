@@ -18,7 +18,7 @@ def _header(p: Plan) -> list[str]:
             f"{s.precision}, {s.optimizer}, activation checkpointing {s.activation_checkpointing}, "
             f"attention {s.attention}",
             f"global batch {p.global_batch} sequences = micro-batch {s.micro_batch} x accumulation "
-            f"{s.gradient_accumulation} x {p.cluster.world_size} data-parallel ranks",
+            f"{s.gradient_accumulation} x {p.dp_size} data-parallel ranks",
             f"cluster {p.cluster.describe()}; memory method {p.method}", ""]
 
 

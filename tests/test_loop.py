@@ -53,14 +53,16 @@ def reference(world, steps=STEPS, model_fn=None, frozen=None):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms, sched.get_last_lr()
 
 
-def train(strategy, steps=STEPS, frozen=None):
+def train(strategy, steps=STEPS, frozen=None, tp=None, model_fn=None):
+    """The loop as users write it; tensor-parallel ranks of one group read the same micro-batch
+    (the data is sharded by w.dp_rank / w.dp_size)."""
     from hybrid import auto_wrap
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    model = build_decoder(TINY, seed=0)
+    model = (model_fn or (lambda: build_decoder(TINY, seed=0)))()
     if frozen:
         frozen(model)
     w = auto_wrap(model, optimizer=adamw, scheduler=warmup, gradient_accumulation=GA, max_grad_norm=CLIP,
-                  strategy=strategy, precision="fp32", micro_batch=MB, seq_len=SEQ, verbose=False)
+                  strategy=strategy, precision="fp32", micro_batch=MB, seq_len=SEQ, verbose=False, tp=tp)
+    rank, world = w.dp_rank, w.dp_size
     norms, syncs = [], []
     for ids in global_batches(world, steps):
         for k in range(GA):

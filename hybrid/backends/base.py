@@ -31,15 +31,25 @@ class Engine(ABC):
     owns_accumulation: bool = False
     """True when the library counts micro-batches itself (DeepSpeed): step() runs every micro-batch."""
 
-    def __init__(self, model: nn.Module, runner, optimizer, scaler=None):
+    def __init__(self, model: nn.Module, runner, optimizer, scaler=None, tp=None):
         self.model = model          # the user's module (FSDP2 shards it in place)
         self.runner = runner        # what forward calls: DDP / the FSDP module / the DeepSpeed engine
         self.optimizer = optimizer
         self.scaler = scaler        # torch.amp.GradScaler (fp16-mixed) or None
+        self.tp = tp                # backends.tp.TensorParallel when tp > 1, else None
         self._unscaled = False
 
+    def _tp_context(self):
+        return self.tp.context() if self.tp is not None else contextlib.nullcontext()
+
     def forward(self, *args, **kwargs):
-        return self.runner(*args, **kwargs)
+        with self._tp_context():
+            out = self.runner(*args, **kwargs)
+        if self.tp is not None:      # a loss computed on vocab shards is a replicated DTensor
+            loss = getattr(out, "loss", None)
+            if hasattr(loss, "full_tensor"):
+                out.loss = loss.full_tensor()
+        return out
 
     def set_sync(self, sync: bool) -> None:
         """Before a micro-batch's forward: whether its backward reduces gradients across ranks
@@ -54,7 +64,7 @@ class Engine(ABC):
             loss = loss / accumulation
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
-        with self.sync_context(sync):
+        with self.sync_context(sync), self._tp_context():
             loss.backward()
 
     def _unscale(self) -> None:
@@ -66,17 +76,25 @@ class Engine(ABC):
         return [p for p in self.model.parameters() if p.grad is not None]
 
     def total_norm(self) -> torch.Tensor:
-        """Global L2 norm of every gradient over every rank (DTensor shards reduced)."""
-        grads = [p.grad for p in self._grad_params()]
-        if not grads:
-            return torch.zeros(())
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        """Global L2 norm of every gradient over every rank. DTensor gradients can live on
+        different meshes (FSDP's dp mesh for replicated norms, dp x tp for split matrices): each
+        mesh's norm is reduced by DTensor (which counts replicated shards once), then combined."""
+        by_mesh: dict = {}
+        for p in self._grad_params():
+            by_mesh.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p.grad)
+        total = torch.zeros((), dtype=torch.float32)
+        for grads in by_mesh.values():
+            norm = torch.nn.utils.get_total_norm(grads, 2.0)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            total = total.to(norm.device) + norm.float() ** 2
+        return total.sqrt()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         self._unscale()
         norm = self.total_norm()
-        torch.nn.utils.clip_grads_with_norm_(self._grad_params(), max_norm, norm)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)    # torch.nn.utils.clip_grad_norm_'s rule
+        for p in self._grad_params():
+            getattr(p.grad, "_local_tensor", p.grad).mul_(coef.to(p.grad.device))   # each rank scales its shard
         return norm
 
     def step(self, sync: bool = True, max_norm: float | None = None) -> StepResult:
@@ -273,6 +291,18 @@ def _selective_policy():
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
     return policy
+
+
+def prepare(model: nn.Module, mesh, spec):
+    """What every backend applies before its data parallelism, in torchtitan's order: tensor
+    parallelism over the mesh's tp dimension (when > 1), then activation checkpointing. Returns the
+    TensorParallel record (or None)."""
+    tp = None
+    if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() > 1:
+        from .tp import apply_tensor_parallel
+        tp = apply_tensor_parallel(model, mesh["tp"])
+    apply_activation_checkpointing(model, spec.activation_checkpointing)
+    return tp
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:

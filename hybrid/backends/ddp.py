@@ -8,7 +8,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import HybridError
 from .base import (Engine, LoopOptions, apply_activation_checkpointing, carry_plain_outputs, compute_dtype,
-                   make_scaler, materialize, to_cpu_state)
+                   make_scaler, materialize, prepare, to_cpu_state)
 
 
 class DDPEngine(Engine):
@@ -44,6 +44,8 @@ def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: Loop
     dtype = torch.bfloat16 if spec.precision == "bf16" else None
     materialize(model, runtime.device)                  # a meta-built model: every rank holds it all
     model.to(device=runtime.device, dtype=dtype)
+    if mesh["tp"].size() > 1:
+        return _replicate_over_tp(strategy, model, optimizer_factory, mesh, spec, runtime)
     apply_activation_checkpointing(model, spec.activation_checkpointing)
     unpack = carry_plain_outputs(model)
     ddp = DDP(model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
@@ -54,6 +56,26 @@ def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: Loop
     optimizer = optimizer_factory([p for p in ddp.parameters() if p.requires_grad])
     return DDPEngine(model, ddp, optimizer, compute_dtype(spec), runtime.device.type,
                      make_scaler(spec, runtime.device.type, sharded=False))
+
+
+def _replicate_over_tp(strategy, model, optimizer_factory, mesh, spec, runtime):
+    """DDP over tensor-parallel groups (each replica a tp group, gradients all-reduced across
+    replicas). torch's DDP takes no DTensor parameters (its TP bridge, the private
+    `_pre_dp_module_transform`, swaps the parameters out of the module between steps, which
+    checkpoints cannot follow), so replication runs through FSDP2 on the (dp_replicate, dp_shard=1)
+    mesh: whole parameters on every replica, one all-reduce of the gradients, as DDP."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from .fsdp import FSDPEngine
+    tp = prepare(model, mesh, spec)
+    low = compute_dtype(spec)
+    mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
+    unpack = carry_plain_outputs(model)
+    fully_shard(model, mesh=mesh["dp_replicate", "dp_shard"], reshard_after_forward=False, mp_policy=mp)
+    model.register_forward_hook(unpack)
+    optimizer = optimizer_factory([p for p in model.parameters() if p.requires_grad])
+    return FSDPEngine(model, model, optimizer, make_scaler(spec, runtime.device.type, sharded=True),
+                      shard_group=mesh["dp_shard"].get_group(), tp=tp)
 
 
 class _EmulatedDDP(torch.nn.Module):

@@ -6,15 +6,15 @@ import contextlib
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from .base import (Engine, LoopOptions, apply_activation_checkpointing, carry_plain_outputs, compute_dtype,
-                   make_scaler, materialize, shardable_blocks)
+from .base import (Engine, LoopOptions, carry_plain_outputs, compute_dtype, make_scaler, materialize, prepare,
+                   shardable_blocks)
 
 
 class FSDPEngine(Engine):
     family = "fsdp"
 
-    def __init__(self, model, runner, optimizer, scaler=None, shard_group=None):
-        super().__init__(model, runner, optimizer, scaler)
+    def __init__(self, model, runner, optimizer, scaler=None, shard_group=None, tp=None):
+        super().__init__(model, runner, optimizer, scaler, tp)
         self.shard_group = shard_group
 
     def total_norm(self):
@@ -22,6 +22,8 @@ class FSDPEngine(Engine):
         replicas): the local shards' squared norms summed over the shard group, one all-reduce
         (torch's DTensor norm gives the same number with more Python per tensor)."""
         import torch.distributed as dist
+        if self.tp is not None:     # 2D/3D DTensors: some replicated over tp (norms), let DTensor count them
+            return super().total_norm()
         local = [getattr(p.grad, "_local_tensor", p.grad) for p in self._grad_params()]
         if not local:
             return torch.zeros(())
@@ -62,12 +64,16 @@ def _param_groups(module):
     return groups
 
 
+def dp_mesh(mesh):
+    """HSDP: replicate over dp_replicate, shard over dp_shard (a 2D mesh); else 1D over dp_shard."""
+    return mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+
+
 def fsdp_kwargs(strategy, mesh, spec, runtime) -> dict:
     """fully_shard arguments: the mesh (2D = hybrid sharding), mixed precision, offload."""
     if runtime.backend != "fake":     # a traced run simulates the GPU job on this CPU
         strategy.family_obj.check(strategy, spec, runtime.device.type == "cuda")
-    # HSDP: replicate over dp_replicate, shard over dp_shard (a 2D mesh); else 1D over dp_shard
-    fsdp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+    fsdp_mesh = dp_mesh(mesh)
     low = compute_dtype(spec)
     mp = (MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low is not None
           else MixedPrecisionPolicy())
@@ -82,7 +88,7 @@ def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: Loop
     kwargs = fsdp_kwargs(strategy, mesh, spec, runtime)
     if spec.precision == "bf16" and any(p.dtype != torch.bfloat16 for p in model.parameters()):
         model.to(torch.bfloat16)
-    apply_activation_checkpointing(model, spec.activation_checkpointing)
+    tp = prepare(model, mesh, spec)
     for block in shardable_blocks(model):
         fully_shard(block, **kwargs)
     unpack = carry_plain_outputs(model)
@@ -91,7 +97,7 @@ def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: Loop
     materialize(model, "cpu" if strategy.offload_params else runtime.device)   # meta-built: shards only
     optimizer = optimizer_factory([p for p in model.parameters() if p.requires_grad])
     return FSDPEngine(model, model, optimizer, make_scaler(spec, runtime.device.type, sharded=True),
-                      shard_group=mesh["dp_shard"].get_group())
+                      shard_group=mesh["dp_shard"].get_group(), tp=tp)
 
 
 traced_apply = apply   # FSDP2 runs as it is under fake tensors and a fake process group

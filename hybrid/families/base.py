@@ -47,7 +47,9 @@ class Family:
         """Family rules on a preset's knobs; HybridError naming the file and the fix."""
 
     def simplicity(self, s) -> int:
-        """Tie-break rank, lower is simpler (replication < partial sharding < full sharding)."""
+        """Tie-break rank, lower is simpler (replication < partial sharding < full sharding <
+        offload). An ordering we chose, not a measurement: it only decides between candidates
+        whose predicted step times are within the planner's TIE."""
         return 0
 
     def shard_is_free(self, s) -> bool:
@@ -68,6 +70,15 @@ class Family:
 
     def comm(self, s, profile, spec, cluster, n: int, links) -> Comm:
         raise NotImplementedError
+
+    supports_tp: bool = True
+    """Whether the family runs over tensor-parallel groups (tp > 1)."""
+
+    def check_tp(self, s, tp: int) -> None:
+        if tp > 1 and not self.supports_tp:
+            from ..memory.layout import NotApplicable
+            raise NotApplicable(f"{s.name}: not applicable with tp > 1 (use an fsdp or ddp strategy over the "
+                                "tensor-parallel groups)")
 
     def sharded_optimizer(self, s) -> bool:
         """Whether the optimizer step runs on 1/N of the parameters."""

@@ -88,6 +88,9 @@ class DeepSpeedFamily(Family):
     runtime_module = "hybrid.backends.deepspeed"
     emits = "deepspeed"
     keeps_master_copy = True
+    supports_tp = False
+    """DeepSpeed's AutoTP training path (0.16+) composes with ZeRO 1/2 only, on CUDA, and shards
+    by its own module rules: not driven from here (the plan says "not applicable with tp > 1")."""
 
     def validate(self, s, where):
         if s.stage not in (1, 2, 3):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from ..catalogue import Strategy
 from ..cluster import Cluster
 from ..errors import HybridError
-from ..profile import ModelProfile
+from ..profile import ModelProfile, tp_share
 from ..spec import TrainSpec
 from .activations import ActivationTerms, activation_terms
 from .breakdown import MemoryBreakdown, overhead_bytes
@@ -45,13 +45,29 @@ def layout_of(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluste
 
 
 def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
-             shard_size: int | None = None) -> MemoryBreakdown:
+             shard_size: int | None = None, tp: int = 1) -> MemoryBreakdown:
+    """Per-GPU memory of one rank. With tp > 1 the rank holds its tensor-parallel share of the
+    model (profile.tp_share) and every per-layer and head activation term is split tp ways
+    (sequence parallelism and vocab-parallel logits, Korthikanti et al. arXiv 2205.05198), except
+    the two all-gathered block inputs the column-wise matmuls keep whole (what DTensor's
+    ColwiseParallel saves for backward)."""
     check_job(profile, spec)
-    n = strategy.shard_size(cluster, shard_size)
+    n = strategy.shard_size(cluster, shard_size, tp)
+    if tp > 1:
+        strategy.family_obj.check_tp(strategy, tp)
+    whole = profile
+    profile = tp_share(profile, tp)
     lay = layout_of(strategy, profile, spec, cluster, n)
     notes = list(lay.notes)
     if profile.decoder:
         act = activation_terms(profile.decoder, spec, lay.autocast)
+        if tp > 1:
+            gathered = 2 * spec.bytes.compute * whole.decoder.hidden * spec.tokens * (1 - 1 / tp)
+            act = ActivationTerms(per_layer=int(act.per_layer / tp + gathered), recompute=int(act.recompute / tp),
+                                  head_forward=int(act.head_forward / tp), head_backward=int(act.head_backward / tp),
+                                  autocast_cache=int(act.autocast_cache / tp), layers=act.layers)
+            notes.append(f"tensor parallel {tp}: matrices, embedding and head split {tp} ways; sequence-parallel "
+                         "activations; vocab-parallel logits")
     elif profile.activation_bytes_per_sample is not None:
         # probed in fp32; convolution and norm outputs follow the compute dtype (bf16 under
         # autocast too, where no fp32 residual stream exists)
