@@ -76,17 +76,33 @@ class Engine(ABC):
         return [p for p in self.model.parameters() if p.grad is not None]
 
     def total_norm(self) -> torch.Tensor:
-        """Global L2 norm of every gradient over every rank. DTensor gradients can live on
-        different meshes (FSDP's dp mesh for replicated norms, dp x tp for split matrices): each
-        mesh's norm is reduced by DTensor (which counts replicated shards once), then combined."""
-        by_mesh: dict = {}
-        for p in self._grad_params():
-            by_mesh.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p.grad)
-        total = torch.zeros((), dtype=torch.float32)
-        for grads in by_mesh.values():
-            norm = torch.nn.utils.get_total_norm(grads, 2.0)
-            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-            total = total.to(norm.device) + norm.float() ** 2
+        """Global L2 norm of every gradient over every rank. Plain gradients (DDP: the same on
+        every rank after its all-reduce) need no communication. DTensor gradients (FSDP, TP) are
+        summed as local shards' squares over the world in one all-reduce, each divided by how many
+        ranks hold a replica of it (its Replicate mesh dimensions, and every rank outside its mesh:
+        a tensor sharded over dp_shard alone is replicated across tp and dp_replicate), so nothing
+        counts twice."""
+        import math
+
+        import torch.distributed as dist
+        grads = [p.grad for p in self._grad_params()]
+        if not grads:
+            return torch.zeros(())
+        sharded = [g for g in grads if hasattr(g, "_local_tensor")]
+        if not sharded:
+            return torch.nn.utils.get_total_norm(grads, 2.0)
+        total = None
+        for g in grads:
+            if hasattr(g, "_local_tensor"):
+                mesh = g.device_mesh
+                copies = (dist.get_world_size() // mesh.size()) * math.prod(
+                    mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate())
+                local = g._local_tensor
+            else:
+                copies, local = dist.get_world_size(), g
+            sq = torch.linalg.vector_norm(local, 2.0, dtype=torch.float32) ** 2 / copies
+            total = sq if total is None else total + sq
+        dist.all_reduce(total)
         return total.sqrt()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:

@@ -74,8 +74,7 @@ def _replicate_over_tp(strategy, model, optimizer_factory, mesh, spec, runtime):
     fully_shard(model, mesh=mesh["dp_replicate", "dp_shard"], reshard_after_forward=False, mp_policy=mp)
     model.register_forward_hook(unpack)
     optimizer = optimizer_factory([p for p in model.parameters() if p.requires_grad])
-    return FSDPEngine(model, model, optimizer, make_scaler(spec, runtime.device.type, sharded=True),
-                      shard_group=mesh["dp_shard"].get_group(), tp=tp)
+    return FSDPEngine(model, model, optimizer, make_scaler(spec, runtime.device.type, sharded=True), tp=tp)
 
 
 class _EmulatedDDP(torch.nn.Module):

@@ -13,25 +13,6 @@ from .base import (Engine, LoopOptions, carry_plain_outputs, compute_dtype, make
 class FSDPEngine(Engine):
     family = "fsdp"
 
-    def __init__(self, model, runner, optimizer, scaler=None, shard_group=None, tp=None):
-        super().__init__(model, runner, optimizer, scaler, tp)
-        self.shard_group = shard_group
-
-    def total_norm(self):
-        """Every gradient is a DTensor sharded over the shard group (replicated across HSDP
-        replicas): the local shards' squared norms summed over the shard group, one all-reduce
-        (torch's DTensor norm gives the same number with more Python per tensor)."""
-        import torch.distributed as dist
-        if self.tp is not None:     # 2D/3D DTensors: some replicated over tp (norms), let DTensor count them
-            return super().total_norm()
-        local = [getattr(p.grad, "_local_tensor", p.grad) for p in self._grad_params()]
-        if not local:
-            return torch.zeros(())
-        sq = torch.stack(torch._foreach_norm(local, 2.0)).float().pow(2).sum()
-        if self.shard_group is not None and dist.get_world_size(self.shard_group) > 1:
-            dist.all_reduce(sq, group=self.shard_group)
-        return sq.sqrt()
-
     def sync_context(self, sync):
         # FSDP2's native no-sync: inside a window gradients accumulate unsharded, reduce-scatter
         # (and HSDP's all-reduce) run only in the window's last backward
@@ -96,8 +77,7 @@ def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: Loop
     model.register_forward_hook(unpack)                 # after FSDP's hook
     materialize(model, "cpu" if strategy.offload_params else runtime.device)   # meta-built: shards only
     optimizer = optimizer_factory([p for p in model.parameters() if p.requires_grad])
-    return FSDPEngine(model, model, optimizer, make_scaler(spec, runtime.device.type, sharded=True),
-                      shard_group=mesh["dp_shard"].get_group(), tp=tp)
+    return FSDPEngine(model, model, optimizer, make_scaler(spec, runtime.device.type, sharded=True), tp=tp)
 
 
 traced_apply = apply   # FSDP2 runs as it is under fake tensors and a fake process group

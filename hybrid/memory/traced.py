@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ..catalogue import Strategy
 from ..cluster import Cluster
 from ..errors import HybridError
-from ..profile import ModelSource
+from ..profile import ModelSource, tp_share
 from ..spec import TrainSpec
 from .analytic import check_job, layout_of
 from .breakdown import MemoryBreakdown
@@ -70,6 +70,29 @@ def _unpacked_batches():
         mu.find_packed_sequence_indices = original
 
 
+@contextlib.contextmanager
+def _real_mesh_arithmetic():
+    """FSDP over tensor parallelism joins the dp and tp meshes (DeviceMesh._concatenate), which
+    computes rank lists with tensor ops; under FakeTensorMode those would be fake (no values).
+    Mesh bookkeeping is integers, not model memory: run it on real tensors."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+    original = DeviceMesh.__dict__.get("_concatenate")
+    if original is None:
+        yield
+        return
+    func = original.__func__ if isinstance(original, staticmethod) else original
+
+    def concatenate(*args, **kwargs):
+        with unset_fake_temporarily():
+            return func(*args, **kwargs)
+    DeviceMesh._concatenate = staticmethod(concatenate) if isinstance(original, staticmethod) else concatenate
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = original
+
+
 def check_traceable(source: ModelSource) -> None:
     if source.build is None:
         raise HybridError(f"{source.profile.name} is a bare parameter count: there is nothing to trace. "
@@ -77,7 +100,7 @@ def check_traceable(source: ModelSource) -> None:
 
 
 def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cluster,
-                    shard_size: int | None = None, prefer_hf: bool = True, steps: int = 2) -> Traced:
+                    shard_size: int | None = None, prefer_hf: bool = True, steps: int = 2, tp: int = 1) -> Traced:
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -93,16 +116,21 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
         raise HybridError("a traced estimate starts its own fake process group; run it outside a "
                           "distributed job (e.g. from the CLI)")
     check_job(source.profile, spec)
-    n = strategy.shard_size(cluster, shard_size)
+    n = strategy.shard_size(cluster, shard_size, tp)
+    if tp > 1:
+        strategy.family_obj.check_tp(strategy, tp)
+        prefer_hf = False      # our decoders run sequence parallelism, as the analytic model assumes
     layout_of(strategy, source.profile, spec, cluster, n)        # NotApplicable, before tracing
     start = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cluster.world_size)
     try:
         runtime = Runtime(torch.device("cpu"), "fake", cluster.world_size, 0, cluster.gpus_per_node)
-        mesh = build_mesh(n, runtime, cluster.gpus_per_node)        # outside fake mode: real ints
+        from ..parallel import ParallelDims
+        dims = ParallelDims(dp_replicate=cluster.world_size // tp // n, dp_shard=n, tp=tp)
+        mesh = build_mesh(dims, runtime, cluster.gpus_per_node)     # outside fake mode: real ints
         backend = strategy.family_obj.runtime()
         dtype = torch.bfloat16 if spec.precision == "bf16" else None
-        with FakeTensorMode(allow_non_fake_inputs=True), _unpacked_batches():
+        with FakeTensorMode(allow_non_fake_inputs=True), _unpacked_batches(), _real_mesh_arithmetic():
             tracker = MemoryTracker()
             with tracker:
                 model, impl = source.build(device="cpu", attention=spec.attention, prefer_hf=prefer_hf,
@@ -115,19 +143,19 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
                 tracked_steps(engine, batch, tracker, steps)
     finally:
         dist.destroy_process_group()
-    memory = _account(tracker, strategy, source, spec, cluster, n)
+    memory = _account(tracker, strategy, source, spec, cluster, n, tp)
     return Traced(memory, impl, time.perf_counter() - start)
 
 
 def _account(tracker, strategy: Strategy, source: ModelSource, spec: TrainSpec, cluster: Cluster,
-             n: int) -> MemoryBreakdown:
+             n: int, tp: int = 1) -> MemoryBreakdown:
     """The tracer's bytes; where the traced proxy holds its state differently from the real
     strategy (host offload; DeepSpeed's partitions and buckets), that state is replaced along the
     whole timeline by the real strategy's layout and the peak is taken again."""
     notes, cpu = [], 0
     replaced = strategy.family_obj.traced_replaces(strategy)
     if replaced:
-        lay = layout_of(strategy, source.profile, spec, cluster, n)
+        lay = layout_of(strategy, tp_share(source.profile, tp), spec, cluster, n)
 
         def layout(phase: str, progress: float) -> dict:
             if phase == "step":
