@@ -28,31 +28,38 @@ def _mem(c: Candidate, col: str) -> str:
     return fmt_bytes(c.memory.total if col == "total" else getattr(c.memory, col))
 
 
+def _width(cands) -> int:
+    """The strategy column fits the longest label (at least 28 wide)."""
+    return max([28] + [len(c.label) + 1 for c in cands])
+
+
 def breakdown_table(cands: list[Candidate], chosen: Candidate | None = None) -> str:
     """Every memory category per candidate (estimate, compare)."""
-    head = f" {'strategy':<28}{'shard':>6}" + "".join(f"{c[:11]:>12}" for c in _COLS) + "  fits"
+    w = _width(cands)
+    head = f" {'strategy':<{w}}{'shard':>6}" + "".join(f"{c[:11]:>12}" for c in _COLS) + "  fits"
     lines = [head, "-" * len(head)]
     for c in cands:
         mark = "*" if c is chosen else " "
         fits = "n/a" if c.memory is None else ("yes" if c.fits else "no")
-        lines.append(f"{mark}{c.label:<28}{c.shard_size:>6}" + "".join(f"{_mem(c, k):>12}" for k in _COLS)
+        lines.append(f"{mark}{c.label:<{w}}{c.shard_size:>6}" + "".join(f"{_mem(c, k):>12}" for k in _COLS)
                      + f"  {fits:>4}")
     return "\n".join(lines)
 
 
 def ranking_table(cands: list[Candidate], chosen: Candidate | None = None) -> str:
     """Fitting candidates fastest first, then the rest with the reason they were rejected."""
-    head = (f" {'strategy':<28}{'shard':>6}{'per GPU':>11}{'fits':>6}{'step s':>9}{'tok/s/GPU':>11}"
+    w = _width(cands)
+    head = (f" {'strategy':<{w}}{'shard':>6}{'per GPU':>11}{'fits':>6}{'step s':>9}{'tok/s/GPU':>11}"
             f"{'MFU':>7}  note")
     lines = [head, "-" * (len(head) + 30)]
     for c in cands:
         mark = "*" if c is chosen else " "
         if c.memory is None:
-            lines.append(f"{mark}{c.label:<28}{c.shard_size:>6}{'-':>11}{'n/a':>6}{'':>9}{'':>11}{'':>7}  {c.reason}")
+            lines.append(f"{mark}{c.label:<{w}}{c.shard_size:>6}{'-':>11}{'n/a':>6}{'':>9}{'':>11}{'':>7}  {c.reason}")
             continue
         cost = c.cost
         note = c.memory.describe_largest() if c.fits else c.reason
-        lines.append(f"{mark}{c.label:<28}{c.shard_size:>6}{fmt_bytes(c.memory.total):>11}"
+        lines.append(f"{mark}{c.label:<{w}}{c.shard_size:>6}{fmt_bytes(c.memory.total):>11}"
                      f"{'yes' if c.fits else 'no':>6}{cost.seconds:>9.3f}{cost.tokens_per_s_per_gpu:>11,.0f}"
                      f"{cost.mfu:>7.1%}  {note}")
     return "\n".join(lines)
@@ -80,14 +87,14 @@ def format_plan(p: Plan, summary: bool = False) -> str:
     out = _header(p) + [ranking_table(rows, p.chosen), ""]
     c = p.chosen
     if c:
-        out.append(f"chosen: {c.label} (shard size {c.shard_size}): fastest that fits, "
+        out.append(f"chosen: {c.label} ({c.parallel.describe()}): fastest that fits, "
                    f"{c.cost.seconds:.3f} s/step, {c.cost.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
                    f"MFU {c.cost.mfu:.1%}; {c.reason}")
     else:
         out.append(f"nothing fits in {fmt_bytes(p.cluster.capacity_bytes)} per GPU")
         if p.suggestions:
             out.append("smallest changes that would fit: " + "; ".join(p.suggestions))
-    return "\n".join(out + _notes(p, rows))
+    return "\n".join(out + _notes(p, [c] if c else rows))
 
 
 def format_estimate(p: Plan) -> str:
