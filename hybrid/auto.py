@@ -53,7 +53,7 @@ def unwrap(model):
     """auto_wrap takes the plain model: nn.DataParallel is unwrapped (one process per GPU replaces
     it), and a model wrapped before is refused (its hooks and shards would be applied twice)."""
     if isinstance(model, nn.DataParallel):
-        log.warning("hybrid: unwrapping nn.DataParallel: auto_wrap runs one process per GPU (launch with "
+        log.info("hybrid: unwrapping nn.DataParallel: auto_wrap runs one process per GPU (launch with "
                     "torchrun --nproc-per-node N), which replaces DataParallel's single-process threads")
         model = model.module
     from torch.distributed.fsdp import FSDPModule
