@@ -8,7 +8,6 @@ import json
 import sys
 
 from .errors import HybridError
-from .families import FAMILIES
 
 
 def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
@@ -48,6 +47,8 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
                    help="fraction of peak FLOP/s the cost model assumes (default 0.45)")
     o.add_argument("--strategies-dir", action="append", default=[], help="extra catalogue directory (repeatable)")
     o.add_argument("--json", action="store_true", help="print the JSON contract instead of a table")
+    o.add_argument("--config", help="job file (YAML) with any of these options as keys; flags override it")
+    o.add_argument("--save-config", help="write the options in effect to this job file")
 
 
 def _job(args):
@@ -166,7 +167,12 @@ def cmd_plan(args) -> int:
     p, src = _plan(args, args.strategy and [args.strategy], search=True)
     if args.emit:
         from .emit import emit
-        text = emit(args.emit, p, src.profile, args.strategy)
+        text, c = emit(args.emit, p, src.profile, args.strategy, getattr(args, "emit_for", "engine"))
+        if p.chosen is not None and c is not p.chosen:
+            print(f"hybrid: emitted {c.label} ({c.parallel.describe()}), the fastest {args.emit} layout that fits; "
+                  f"the plan's choice is {p.chosen.label}, which {args.emit} does not run", file=sys.stderr)
+        if args.emit == "deepspeed" and args.emit_for == "trainer":
+            print(_trainer_arguments(c), file=sys.stderr)
         if args.output:
             try:
                 with open(args.output, "w") as f:
@@ -179,6 +185,19 @@ def cmd_plan(args) -> int:
         return 0
     print(json.dumps(p.to_dict(), indent=2) if args.json else format_plan(p))
     return 0
+
+
+def _trainer_arguments(c) -> str:
+    """What to set in TrainingArguments beside deepspeed="ds.json" for the emitted plan."""
+    kw = [f"per_device_train_batch_size={c.spec.micro_batch}",
+          f"gradient_accumulation_steps={c.spec.gradient_accumulation}"]
+    if c.spec.precision == "bf16-mixed":
+        kw.append("bf16=True")
+    elif c.spec.precision == "fp16-mixed":
+        kw.append("fp16=True")
+    if c.spec.activation_checkpointing != "none":
+        kw.append("gradient_checkpointing=True")
+    return "hybrid: with --for trainer, set TrainingArguments(deepspeed=\"ds.json\", " + ", ".join(kw) + ")"
 
 
 def cmd_compare(args) -> int:
@@ -256,8 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="every candidate ranked by predicted speed, and the choice")
     _common(p, search=True)
     p.add_argument("--strategy", help="only this catalogue strategy (its shard sizes and checkpointing)")
-    p.add_argument("--emit", choices=tuple(f.emits for f in FAMILIES.values() if f.emits),
-                   help="write the chosen (or --strategy) DeepSpeed JSON config / FSDP2 YAML settings")
+    p.add_argument("--emit", choices=("deepspeed", "fsdp", "torchtitan"),
+                   help="write the chosen (or --strategy) DeepSpeed JSON config / FSDP2 YAML settings / "
+                        "torchtitan TOML [parallelism] fragment")
+    p.add_argument("--for", dest="emit_for", choices=("engine", "trainer"), default="engine",
+                   help="--emit deepspeed: concrete values for deepspeed.initialize (engine, default) or the "
+                        "HF Trainer's \"auto\" form (trainer)")
     p.add_argument("--output", "-o", help="file for --emit (default: stdout)")
     p.set_defaults(func=cmd_plan)
     c = sub.add_parser("compare", help="memory by category for each strategy side by side, and a plot")
@@ -285,9 +308,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(argv: list[str]):
+    """Parse; with --config, the job file's values become the subcommand's defaults and the
+    command line is parsed again over them (so flags override the file)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        from .jobfile import load_job
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+        sub.set_defaults(**load_job(args.config, sub))
+        args = parser.parse_args(argv)
+    if getattr(args, "save_config", None):
+        from .jobfile import save_job
+        save_job(args.save_config, args)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(_join_negative_values(sys.argv[1:] if argv is None else list(argv)))
+        args = _parse(_join_negative_values(sys.argv[1:] if argv is None else list(argv)))
         if getattr(args, "method_override", None):
             args.method = args.method_override
         return args.func(args)

@@ -1,5 +1,6 @@
-"""Hand-off to other tools: the chosen strategy's config, written by its family (hybrid/families/):
-a DeepSpeed JSON config, or FSDP2 settings as YAML."""
+"""Hand-off to other tools: the chosen layout as a DeepSpeed JSON config (for deepspeed.initialize,
+or the HF Trainer's "auto" form) or FSDP2 settings as YAML, written by the family
+(hybrid/families/), and a torchtitan TOML fragment for any FSDP/DDP layout."""
 from __future__ import annotations
 
 from .errors import HybridError
@@ -8,7 +9,8 @@ from .planner import Candidate, Plan
 from .profile import ModelProfile
 
 KINDS = {f.emits: f for f in FAMILIES.values() if f.emits}
-"""--emit choices -> the family that writes them."""
+"""--emit choices a family writes -> that family."""
+CHOICES = (*KINDS, "torchtitan")
 
 
 def _pick(p: Plan, family, name: str | None) -> Candidate:
@@ -30,8 +32,57 @@ def _pick(p: Plan, family, name: str | None) -> Candidate:
     return min(fitting, key=lambda c: c.cost.time_per_token)
 
 
-def emit(kind: str, p: Plan, profile: ModelProfile, name: str | None = None) -> str:
+def emit(kind: str, p: Plan, profile: ModelProfile, name: str | None = None,
+         target: str = "engine") -> tuple[str, Candidate]:
+    """The config text and the candidate it describes (which may differ from the plan's choice
+    when the choice is of another family: the caller says so)."""
+    if kind == "torchtitan":
+        c = _pick_torchtitan(p, name)
+        return torchtitan_toml(c, p), c
     if kind not in KINDS:
-        raise HybridError(f"unknown --emit {kind!r}. Available: {', '.join(KINDS)}")
+        raise HybridError(f"unknown --emit {kind!r}. Available: {', '.join(CHOICES)}")
     family = KINDS[kind]
-    return family.emit(_pick(p, family, name), p, profile)
+    c = _pick(p, family, name)
+    return family.emit(c, p, profile, target), c
+
+
+def _pick_torchtitan(p: Plan, name: str | None) -> Candidate:
+    """torchtitan runs FSDP2/HSDP (and DDP) with TP; not DeepSpeed."""
+    pool = [c for c in p.candidates if c.memory is not None and c.strategy.family_obj.supports_tp
+            and (name is None or c.name == name)]
+    if name and not pool:
+        raise HybridError(f"strategy {name!r} has no torchtitan equivalent; --emit torchtitan needs an fsdp or ddp "
+                          "strategy")
+    if p.chosen is not None and p.chosen in pool:
+        return p.chosen
+    fitting = [c for c in pool if c.fits]
+    if not fitting:
+        raise HybridError("no fsdp or ddp candidate fits this job; see `hybrid plan` for why")
+    return min(fitting, key=lambda c: c.cost.time_per_token)
+
+
+def torchtitan_toml(c: Candidate, p: Plan) -> str:
+    """The [parallelism], [activation_checkpoint] and [training] keys of a torchtitan job file
+    (torchtitan/config/job_config.py names)."""
+    d, s = c.parallel, c.strategy
+    ac = c.spec.activation_checkpointing
+    lines = [f"# hybrid plan: {p.model.name} on {p.cluster.describe()}: {c.label} ({d.describe()})",
+             f"# predicted {c.memory.total / 2**30:.1f} GiB per GPU, {c.cost.tokens_per_s_per_gpu:,.0f} tokens/s per GPU",
+             "", "[parallelism]",
+             f"data_parallel_replicate_degree = {d.dp_replicate}",
+             f"data_parallel_shard_degree = {d.dp_shard}",
+             f"fsdp_reshard_after_forward = \"{'default' if s.reshard_after_forward else 'never'}\"",
+             f"tensor_parallel_degree = {d.tp}",
+             f"pipeline_parallel_degree = {d.pp}",
+             "", "[activation_checkpoint]", f"mode = \"{ac}\""]
+    if ac == "selective":
+        lines += ["# hybrid's selective keeps every matmul and attention output; torchtitan's op-level",
+                  "# policy keeps every second matmul output, so it holds somewhat less than the estimate",
+                  "selective_ac_option = \"op\""]
+    mixed = {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}.get(c.spec.precision)
+    lines += ["", "[training]", f"local_batch_size = {c.spec.micro_batch}",
+              f"global_batch_size = {c.spec.micro_batch * c.spec.gradient_accumulation * d.dp_size}",
+              f"seq_len = {c.spec.seq_len}"]
+    if mixed:
+        lines += [f"mixed_precision_param = \"{mixed}\"", "mixed_precision_reduce = \"float32\""]
+    return "\n".join(lines) + "\n"

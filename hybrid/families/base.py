@@ -95,7 +95,7 @@ class Family:
     def runtime(self):
         return importlib.import_module(self.runtime_module)
 
-    def emit(self, candidate, plan, profile) -> str:
+    def emit(self, candidate, plan, profile, target: str = "engine") -> str:
         raise HybridError(f"{self.name} strategies have no config to emit")
 
 

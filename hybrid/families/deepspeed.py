@@ -207,12 +207,23 @@ class DeepSpeedFamily(Family):
     def traced_note(self, s):
         return f"{s.name}: traced as its FSDP2 equivalent, with DeepSpeed's partitions and buckets in place of the traced state"
 
-    def emit(self, c, plan, profile):
-        """The DeepSpeed JSON config of the candidate (HF Trainer / deepspeed.initialize)."""
+    def emit(self, c, plan, profile, target="engine"):
+        """The DeepSpeed JSON config of the candidate. target "engine": concrete values for
+        deepspeed.initialize; "trainer": the HF Trainer's form, "auto" wherever the Trainer fills
+        the value from its TrainingArguments (batch sizes, accumulation, clipping, precision), and
+        16-bit weights gathered on save (so Trainer.save_model writes a usable model)."""
         cfg = ds_config(c.strategy, c.spec, profile.decoder.hidden if profile.decoder else None,
                         plan.cluster.world_size, plan.cluster.gpus_per_node, cuda=plan.cluster.gpu.is_cuda,
                         gradient_accumulation=c.spec.gradient_accumulation)
-        if c.spec.activation_checkpointing != "none":
+        if target == "trainer":
+            for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps",
+                        "gradient_clipping"):
+                cfg[key] = "auto"
+            cfg["bf16"] = {"enabled": "auto"}
+            cfg["fp16"] = {**cfg.get("fp16", {}), "enabled": "auto"}
+            if c.strategy.stage == 3:
+                cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+        elif c.spec.activation_checkpointing != "none":
             cfg["activation_checkpointing"] = {"partition_activations": False,
                                                "contiguous_memory_optimization": False}
         cfg["_hybrid"] = provenance(plan, c)

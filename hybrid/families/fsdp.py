@@ -82,7 +82,7 @@ class FSDPFamily(Family):
                     copied_micro=gathers * 2 * c * P,   # copy-out of each gather
                     copied_sync=2 * rb * P)             # chunk_cat per reduce-scatter
 
-    def emit(self, c, plan, profile):
+    def emit(self, c, plan, profile, target="engine"):
         """The FSDP2 settings as YAML: mesh, units, mixed precision, reshard, offload."""
         s = c.strategy
         dims = c.parallel

@@ -1,0 +1,83 @@
+"""Job files: every `hybrid plan|estimate|compare|measure` option as a YAML key, so a job lives in
+a file as Accelerate, torchtune and torchtitan users keep theirs.
+
+    model: llama3-70b          # keys are the long options without dashes (or with _ for -)
+    nodes: 8
+    gpus_per_node: 8
+    seq_len: 8192
+    activation_checkpointing: selective
+
+`--config job.yaml` reads one (flags on the command line override it); `--save-config job.yaml`
+writes the options in effect. Unknown keys are errors naming the key and its line.
+"""
+from __future__ import annotations
+
+import argparse
+
+import yaml
+
+from .errors import HybridError
+
+JOB_KEYS = ("model", "params", "nodes", "gpus_per_node", "gpu", "gpu_memory", "host_memory", "micro_batch",
+            "seq_len", "gradient_accumulation", "precision", "optimizer", "activation_checkpointing", "attention",
+            "shard_size", "tp", "method", "implementation", "efficiency", "strategies_dir", "strategy")
+"""What a job file may hold: the model, the cluster, the training step and the method (not output
+switches such as --json or --emit)."""
+
+
+def _lines(text: str) -> dict[str, int]:
+    node = yaml.compose(text)
+    if node is None or not isinstance(node, yaml.MappingNode):
+        return {}
+    return {k.value: k.start_mark.line + 1 for k, _ in node.value}
+
+
+def load_job(path: str, parser: argparse.ArgumentParser) -> dict:
+    """The file's options as argparse defaults for `parser`, type-checked like the flags."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        data = yaml.safe_load(text)
+    except FileNotFoundError:
+        raise HybridError(f"job file {path!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise HybridError(f"cannot read job file {path!r}: {e}") from None
+    except yaml.YAMLError as e:
+        raise HybridError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise HybridError(f"{path}: a job file is a mapping of option: value, got a {type(data).__name__}")
+    lines = _lines(text)
+    actions = {a.dest: a for a in parser._actions}
+    out = {}
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        if dest not in JOB_KEYS or dest not in actions:
+            valid = ", ".join(k for k in JOB_KEYS if k in actions)
+            raise HybridError(f"{path}:{lines.get(key, 1)}: unknown key {key!r} for `{parser.prog}`. Allowed: {valid}")
+        action = actions[dest]
+        if dest == "strategies_dir":
+            value = value if isinstance(value, list) else [value]
+        elif value is not None and action.type is not None:
+            try:
+                value = action.type(value) if not isinstance(value, bool) else _bad(path, lines, key, value)
+            except (TypeError, ValueError):
+                _bad(path, lines, key, value)
+        out[dest] = value
+    return out
+
+
+def _bad(path, lines, key, value):
+    raise HybridError(f"{path}:{lines.get(key, 1)}: {key} must be a number, got {value!r}")
+
+
+def save_job(path: str, args) -> None:
+    """The options in effect (unset ones left out) as a job file."""
+    data = {k: getattr(args, k) for k in JOB_KEYS if getattr(args, k, None) not in (None, [])}
+    try:
+        with open(path, "w") as f:
+            f.write("# hybrid job file (hybrid plan --config FILE); flags given on the command line override it\n")
+            yaml.safe_dump(data, f, sort_keys=False)
+    except OSError as e:
+        raise HybridError(f"cannot write --save-config {path!r}: {e.strerror or e}") from None

@@ -1,0 +1,65 @@
+"""Hand-off: torchtitan TOML, the HF Trainer's DeepSpeed form, job files (pure: no process group)."""
+import json
+
+import pytest
+import yaml
+
+from hybrid.cli import main
+
+tomllib = pytest.importorskip("tomllib")        # Python 3.11+
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out, err
+
+
+@pytest.mark.parametrize("argv,world", [(("llama2-7b", "--nodes", "8"), 64),
+                                        (("llama3-70b", "--nodes", "8", "--seq-len", "8192"), 64),
+                                        (("gpt2", "--nodes", "1", "--gpus-per-node", "4"), 4)])
+def test_torchtitan_toml_parses_and_degrees_multiply_to_the_world(capsys, argv, world):
+    out, _ = _run(capsys, "plan", *argv, "--emit", "torchtitan")
+    doc = tomllib.loads(out)
+    par = doc["parallelism"]
+    product = (par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"]
+               * par["tensor_parallel_degree"] * par["pipeline_parallel_degree"])
+    assert product == world
+    assert doc["activation_checkpoint"]["mode"] in ("none", "selective", "full")
+    assert doc["training"]["seq_len"] > 0 and doc["training"]["local_batch_size"] == 1
+
+
+def test_deepspeed_for_the_trainer_leaves_its_values_auto(capsys):
+    out, err = _run(capsys, "plan", "llama2-7b", "--nodes", "8", "--emit", "deepspeed", "--for", "trainer")
+    cfg = json.loads(out)
+    for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps",
+                "gradient_clipping"):
+        assert cfg[key] == "auto", key
+    assert cfg["bf16"]["enabled"] == "auto"
+    assert cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+    assert "TrainingArguments(deepspeed=" in err and "bf16=True" in err
+    assert "the plan's choice is hsdp" in err                      # says why it differs from the choice
+    engine = json.loads(_run(capsys, "plan", "llama2-7b", "--nodes", "8", "--emit", "deepspeed")[0])
+    assert engine["train_batch_size"] == 64 and engine["gradient_clipping"] == 0.0
+
+
+def test_job_file_round_trip_and_flags_override(capsys, tmp_path):
+    job, saved = tmp_path / "job.yaml", tmp_path / "saved.yaml"
+    job.write_text("model: llama3-70b\nnodes: 8\nseq-len: 8192\nactivation_checkpointing: selective\n")
+    first, _ = _run(capsys, "plan", "--config", str(job), "--save-config", str(saved), "--json")
+    second, _ = _run(capsys, "plan", "--config", str(saved), "--json")
+    assert first == second and yaml.safe_load(saved.read_text())["seq_len"] == 8192
+    over = json.loads(_run(capsys, "plan", "--config", str(job), "--nodes", "2", "--json")[0])
+    assert over["nodes"] == 2 and over["spec"]["seq_len"] == 8192
+
+
+def test_job_file_errors_name_the_key_and_line(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: gpt2\nnodez: 2\n")
+    assert main(["plan", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:2: unknown key 'nodez'" in err and "Allowed: model" in err
+    bad.write_text("model: gpt2\nnodes: many\n")
+    assert main(["plan", "--config", str(bad)]) == 2
+    assert "nodes must be a number, got 'many'" in capsys.readouterr().err
