@@ -84,7 +84,13 @@ def _read_plain(path: str, what: str) -> dict:
 
 
 def _is_ours(path: str, entry: str) -> bool:
-    return (entry == META or entry.startswith(f".{META}.")
+    if entry == META:               # another tool's meta.json is not ours to replace
+        try:
+            with open(os.path.join(path, META)) as f:
+                return json.load(f).get("format") == FORMAT
+        except (OSError, ValueError, AttributeError):
+            return False
+    return (entry.startswith(f".{META}.")
             or (entry.startswith("data-") and os.path.isfile(os.path.join(path, entry, MARKER))))
 
 
@@ -95,6 +101,9 @@ def _prepare(path: str, name: str, overwrite: bool) -> str | None:
     try:
         os.makedirs(path, exist_ok=True)
         foreign = sorted(e for e in os.listdir(path) if not _is_ours(path, e))
+        if META in foreign:
+            return (f"{path!r} holds a {META} that hybrid did not write; save somewhere else (hybrid's commit "
+                    f"point would replace it, overwrite=True or not)")
         if foreign and not overwrite:
             return (f"{path!r} holds files hybrid did not write ({', '.join(foreign[:3])}"
                     f"{', ...' if len(foreign) > 3 else ''}); save into an empty or hybrid-only directory, or "

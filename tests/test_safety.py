@@ -47,6 +47,14 @@ def save_into_user_dir(path):
     w.save(path, overwrite=True)
     _train(w)
     w.save(path, overwrite=True)                 # a second version replaces our first, only ours
+    other = os.path.join(path, "other-tool")            # another tool's meta.json is never replaced
+    os.makedirs(other)
+    with open(os.path.join(other, "meta.json"), "w") as f:
+        f.write('{"tool": "theirs"}')
+    try:
+        w.save(other, overwrite=True)
+    except HybridError as e:
+        out["foreign_meta"] = str(e)
     for target in (os.path.join(path, "notes.txt"), "/proc/hybrid-ckpt"):      # a file; unwritable
         try:
             w.save(target)
@@ -69,6 +77,10 @@ def test_save_never_deletes_or_mixes_with_user_folders(tmp_path):
     ours = [d for d in os.listdir(tmp_path) if (tmp_path / d / "HYBRID_DATA").exists()]
     assert len(ours) == 1                                            # the superseded version is gone
     assert "is a file" in out["bad_targets"][0] and "cannot write" in out["bad_targets"][1]
+    assert "meta.json that hybrid did not write" in out["foreign_meta"]
+    assert (tmp_path / "other-tool" / "meta.json").read_text() == '{"tool": "theirs"}'
+    ours = [d for d in os.listdir(tmp_path / "other-tool")]
+    assert ours == ["meta.json"]
 
 
 # --- 2. loading never runs code from the checkpoint ----------------------------------------------
