@@ -144,7 +144,7 @@ class Strategy:
 
 
 # --- loading ---------------------------------------------------------------------------------
-def _lines(text: str) -> dict[str, int]:
+def key_lines(text: str) -> dict[str, int]:
     """Key -> 1-based line number of a flat YAML mapping (for error messages)."""
     node = yaml.compose(text)
     if node is None or not isinstance(node, yaml.MappingNode):
@@ -180,7 +180,7 @@ def load_file(path: str) -> Strategy:
         raise HybridError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise HybridError(f"{path}: a strategy file must be a mapping of knob: value")
-    lines = _lines(text)
+    lines = key_lines(text)
     family = data.get("family")
     if not isinstance(family, str) or family not in FAMILIES:
         raise HybridError(f"{path}:{lines.get('family', 1)}: family {family!r} must be one of {', '.join(FAMILIES)}")

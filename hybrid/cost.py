@@ -132,7 +132,7 @@ def step_cost(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluste
 
     ga = spec.gradient_accumulation
     micro = exposed(comm.fwd, comm.bwd) + comm.tail * hidden
-    last = exposed(comm.fwd, comm.bwd + comm.sync_bwd) + comm.tail * hidden
+    last = exposed(comm.fwd, comm.bwd + comm.sync_bwd) + (comm.tail + comm.sync_tail) * hidden
     copies = (ga * comm.copied_micro + comm.copied_sync) / g.mem_bw if W > 1 else 0.0
     exposed_s = max((ga - 1) * micro + last + comm.after_step, 0.0) + copies + ga * tp_time
     seconds = ga * compute + exposed_s + comm.offload + optimizer

@@ -16,6 +16,7 @@ import argparse
 
 import yaml
 
+from .catalogue import key_lines
 from .errors import HybridError
 
 JOB_KEYS = ("model", "params", "nodes", "gpus_per_node", "gpu", "gpu_memory", "host_memory", "micro_batch",
@@ -23,13 +24,6 @@ JOB_KEYS = ("model", "params", "nodes", "gpus_per_node", "gpu", "gpu_memory", "h
             "shard_size", "tp", "method", "implementation", "efficiency", "strategies_dir", "strategy")
 """What a job file may hold: the model, the cluster, the training step and the method (not output
 switches such as --json or --emit)."""
-
-
-def _lines(text: str) -> dict[str, int]:
-    node = yaml.compose(text)
-    if node is None or not isinstance(node, yaml.MappingNode):
-        return {}
-    return {k.value: k.start_mark.line + 1 for k, _ in node.value}
 
 
 def load_job(path: str, parser: argparse.ArgumentParser) -> dict:
@@ -48,7 +42,7 @@ def load_job(path: str, parser: argparse.ArgumentParser) -> dict:
         return {}
     if not isinstance(data, dict):
         raise HybridError(f"{path}: a job file is a mapping of option: value, got a {type(data).__name__}")
-    lines = _lines(text)
+    lines = key_lines(text)
     actions = {a.dest: a for a in parser._actions}
     out = {}
     for key, value in data.items():

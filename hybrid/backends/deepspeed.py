@@ -86,14 +86,11 @@ class DeepSpeedEngine(Engine):
         parameter, as torch's state-dict helpers name optimizer state."""
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
-    def _mesh(self):
-        return self.shard_mesh
-
     def _sharded(self, full: torch.Tensor):
         """A full tensor (the same on every rank) as a DTensor sharded on dim 0 over the world:
         what the portable checkpoint stores, 1/world of it per rank."""
         from torch.distributed.tensor import DTensor, Shard
-        mesh = self._mesh()
+        mesh = self.shard_mesh
         if full.dim() == 0:
             return full.detach().clone()
         chunks = full.detach().chunk(mesh.size(), dim=0)

@@ -19,6 +19,8 @@ class Comm:
     """Collectives only in the window's last backward (the gradient reduction no-sync defers)."""
     tail: float = 0.0
     """The part no compute can hide (first gather, last reduce-scatter), per micro-batch."""
+    sync_tail: float = 0.0
+    """... only in the window's last micro-batch (DDP's last bucket)."""
     after_step: float = 0.0
     """After the optimizer step, never hidden (ZeRO-1/2's all-gather of updated params)."""
     offload: float = 0.0

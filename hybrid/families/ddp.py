@@ -43,7 +43,7 @@ class DDPFamily(Family):
         buckets = max(1, math.ceil(grad_bytes / (s.bucket_cap_mb * 1e6)))
         sync = links.collective("all_reduce", grad_bytes, cl.world_size, buckets)
         copied = 0.0 if s.gradient_as_bucket_view or cl.world_size == 1 else 2 * grad_bytes
-        return Comm(sync_bwd=sync, tail=sync / buckets / max(spec.gradient_accumulation, 1), copied_sync=copied)
+        return Comm(sync_bwd=sync, sync_tail=sync / buckets, copied_sync=copied)
 
 
 FAMILY = DDPFamily()
