@@ -2,12 +2,12 @@
 bf16 mixed precision, per-decoder-layer sharding, activation checkpointing chosen by the planner.
 
     # 8 nodes x 8 H100 (see slurm/train.sbatch for the srun wrapper)
-    torchrun --nnodes 8 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 \\
+    .venv/bin/torchrun --nnodes 8 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 \\
         examples/llama_7b.py --seq-len 4096 --steps 1000 --ckpt-dir /shared/ckpt
 
 On a machine without GPUs it prints the plan for the cluster it would run on (--nodes,
 --gpus-per-node, --gpu) and exits. --tiny runs the same code path on a 2-layer Llama here
-(CPU ranks are fine): torchrun --standalone --nproc-per-node 2 examples/llama_7b.py --tiny
+(CPU ranks are fine): .venv/bin/torchrun --standalone --nproc-per-node 2 examples/llama_7b.py --tiny
 """
 from __future__ import annotations
 

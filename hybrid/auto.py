@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -83,7 +84,8 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
               shard_size: int | None = None, gpu_memory: str | int | None = None,
               strategies_dir: tuple[str, ...] = (), verbose: bool = True, scheduler=None,
               gradient_accumulation: int = 1, max_grad_norm: float | None = None,
-              find_unused_parameters: bool | None = None, tp: int | None = None) -> Wrapped:
+              find_unused_parameters: bool | None = None, tp: int | None = None,
+              config: str | None = None) -> Wrapped:
     """Wrap `model` for data-parallel training on the current process group (started here from
     torchrun's variables if needed, nccl+cuda or gloo+cpu).
 
@@ -101,7 +103,12 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
     tp          tensor-parallel degree inside a node (default: the planner chooses with strategy
                 "auto", 1 with a forced strategy); ranks of one tp group read the same batch:
                 shard data with w.dp_size / w.dp_rank
+    config      a job file (`hybrid plan --save-config`): its values fill every argument left at
+                its default (arguments you pass win, as flags do over --config); nodes,
+                gpus_per_node and gpu become the cluster
     """
+    if config is not None:
+        return _with_job_file(config, locals())
     if not isinstance(model, nn.Module):
         raise HybridError(f"auto_wrap needs an nn.Module, got {type(model).__name__}")
     model = unwrap(model)
@@ -153,6 +160,26 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
     if verbose and runtime.rank == 0:
         log.info("%s", wrapped.describe())
     return wrapped
+
+
+def _with_job_file(path: str, given: dict) -> Wrapped:
+    """auto_wrap again with the job file's values for every argument still at its default."""
+    from .jobfile import wrap_options
+
+    kwargs, cluster, plan_only = wrap_options(path)
+    defaults = {k: p.default for k, p in inspect.signature(auto_wrap).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    args = {k: v for k, v in given.items() if k in defaults or k in ("model", "optimizer")}
+    args["config"] = None
+    for k, v in kwargs.items():
+        if args[k] == defaults[k]:
+            args[k] = v
+    if cluster is not None and args["cluster"] is None:
+        args["cluster"] = cluster
+    if plan_only:
+        log.info("hybrid: %s: %s describe what `hybrid plan` estimates; auto_wrap uses the module and the "
+                 "optimizer it is given", path, ", ".join(plan_only))
+    return auto_wrap(**args)
 
 
 def _agree(chosen, runtime, strategy, cluster):

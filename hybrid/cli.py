@@ -196,7 +196,8 @@ def _trainer_arguments(c) -> str:
     elif c.spec.precision == "fp16-mixed":
         kw.append("fp16=True")
     if c.spec.activation_checkpointing != "none":
-        kw.append("gradient_checkpointing=True")
+        # transformers 5 renamed the field (the old name still works, with a FutureWarning)
+        kw.append("gradient_checkpointing=True (transformers >= 5: activation_checkpointing=True)")
     return "hybrid: with --for trainer, set TrainingArguments(deepspeed=\"ds.json\", " + ", ".join(kw) + ")"
 
 
@@ -275,9 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="every candidate ranked by predicted speed, and the choice")
     _common(p, search=True)
     p.add_argument("--strategy", help="only this catalogue strategy (its shard sizes and checkpointing)")
-    p.add_argument("--emit", choices=("deepspeed", "fsdp", "torchtitan"),
+    p.add_argument("--emit", choices=("deepspeed", "fsdp", "torchtitan", "accelerate"),
                    help="write the chosen (or --strategy) DeepSpeed JSON config / FSDP2 YAML settings / "
-                        "torchtitan TOML [parallelism] fragment")
+                        "torchtitan TOML [parallelism] fragment / Accelerate config YAML")
     p.add_argument("--for", dest="emit_for", choices=("engine", "trainer"), default="engine",
                    help="--emit deepspeed: concrete values for deepspeed.initialize (engine, default) or the "
                         "HF Trainer's \"auto\" form (trainer)")
@@ -316,7 +317,9 @@ def _parse(argv: list[str]):
     if getattr(args, "config", None):
         from .jobfile import load_job
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
-        sub.set_defaults(**load_job(args.config, sub))
+        from .jobfile import JOB_KEYS
+        dests = {a.dest for a in sub._actions}
+        sub.set_defaults(**load_job(args.config, tuple(k for k in JOB_KEYS if k in dests), sub.prog))
         args = parser.parse_args(argv)
     if getattr(args, "save_config", None):
         from .jobfile import save_job

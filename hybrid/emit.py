@@ -1,6 +1,7 @@
 """Hand-off to other tools: the chosen layout as a DeepSpeed JSON config (for deepspeed.initialize,
 or the HF Trainer's "auto" form) or FSDP2 settings as YAML, written by the family
-(hybrid/families/), and a torchtitan TOML fragment for any FSDP/DDP layout."""
+(hybrid/families/); a torchtitan TOML fragment for any FSDP/DDP layout; an Accelerate config
+YAML (`accelerate launch --config_file`) for any layout Accelerate can express."""
 from __future__ import annotations
 
 from .errors import HybridError
@@ -10,7 +11,7 @@ from .profile import ModelProfile
 
 KINDS = {f.emits: f for f in FAMILIES.values() if f.emits}
 """--emit choices a family writes -> that family."""
-CHOICES = (*KINDS, "torchtitan")
+CHOICES = (*KINDS, "torchtitan", "accelerate")
 
 
 def _pick(p: Plan, family, name: str | None) -> Candidate:
@@ -39,11 +40,26 @@ def emit(kind: str, p: Plan, profile: ModelProfile, name: str | None = None,
     if kind == "torchtitan":
         c = _pick_torchtitan(p, name)
         return torchtitan_toml(c, p), c
+    if kind == "accelerate":
+        c = _named(p, name) or p.chosen
+        if c is None:
+            raise HybridError("nothing fits this job, so there is no layout to emit; see `hybrid plan` for why")
+        return accelerate_yaml(c, p, profile), c
     if kind not in KINDS:
         raise HybridError(f"unknown --emit {kind!r}. Available: {', '.join(CHOICES)}")
     family = KINDS[kind]
     c = _pick(p, family, name)
     return family.emit(c, p, profile, target), c
+
+
+def _named(p: Plan, name: str | None) -> Candidate | None:
+    """The fastest fitting candidate of the named strategy (None without a name)."""
+    if not name:
+        return None
+    fitting = [c for c in p.candidates if c.name == name and c.memory is not None and c.fits]
+    if not fitting:
+        raise HybridError(f"strategy {name!r} has no layout that fits this job; see `hybrid plan --strategy {name}`")
+    return min(fitting, key=lambda c: c.cost.time_per_token)
 
 
 def _pick_torchtitan(p: Plan, name: str | None) -> Candidate:
@@ -86,3 +102,43 @@ def torchtitan_toml(c: Candidate, p: Plan) -> str:
     if mixed:
         lines += [f"mixed_precision_param = \"{mixed}\"", "mixed_precision_reduce = \"float32\""]
     return "\n".join(lines) + "\n"
+
+
+_MIXED = {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}
+_HF_LAYERS = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "qwen2": "Qwen2DecoderLayer",
+              "gpt2": "GPT2Block"}
+"""transformers' decoder-layer class per model_type, for presets (a config.json or a module
+profile already names the class it found)."""
+
+
+def _layer_class(profile: ModelProfile) -> str | None:
+    """The class Accelerate wraps: the transformers class a preset stands for (a preset is built
+    from our own Block, but users train the transformers model), else the class we found."""
+    mt = profile.decoder.hf_model_type if profile.decoder is not None else None
+    if profile.block_class == "Block" and mt in _HF_LAYERS:
+        return _HF_LAYERS[mt]
+    return profile.block_class
+
+
+def accelerate_yaml(c: Candidate, p: Plan, profile: ModelProfile) -> str:
+    """An Accelerate config file (accelerate/commands/config/config_args.py ClusterConfig keys):
+    the machine keys here, the family's distributed_type and plugin section (FSDP2 with dp
+    replicate/shard/tp sizes, DeepSpeed's plugin fields, MULTI_GPU). Accelerate rejects unknown
+    keys, so provenance goes in comments."""
+    import yaml
+
+    spec, d = c.spec, c.parallel
+    keys, notes = c.strategy.family_obj.accelerate(c, _layer_class(profile))
+    cfg = {"compute_environment": "LOCAL_MACHINE", "distributed_type": keys.pop("distributed_type"),
+           "mixed_precision": _MIXED.get(spec.precision, "no"),
+           "num_machines": p.cluster.nodes, "num_processes": p.cluster.world_size, "machine_rank": 0,
+           "rdzv_backend": "static", "same_network": True, "main_training_function": "main", **keys}
+    if spec.precision == "bf16":
+        notes.append("the plan keeps bf16 parameters: load the model in torch.bfloat16")
+    head = [f"# hybrid plan: {p.model.name} on {p.cluster.describe()}: {c.label} ({d.describe()})",
+            f"# predicted {c.memory.total / 2**30:.1f} GiB per GPU, {c.cost.tokens_per_s_per_gpu:,.0f} tokens/s per GPU; "
+            f"per-device batch {spec.micro_batch}, seq {spec.seq_len}",
+            "# accelerate launch --config_file THIS.yaml train.py  (more than one machine: add "
+            "--machine_rank and --main_process_ip on each)"]
+    head += [f"# {n}" for n in notes]
+    return "\n".join(head) + "\n" + yaml.safe_dump(cfg, sort_keys=False)

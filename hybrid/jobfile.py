@@ -8,11 +8,10 @@ a file as Accelerate, torchtune and torchtitan users keep theirs.
     activation_checkpointing: selective
 
 `--config job.yaml` reads one (flags on the command line override it); `--save-config job.yaml`
-writes the options in effect. Unknown keys are errors naming the key and its line.
+writes the options in effect; `auto_wrap(model, config="job.yaml")` trains the same job.
+Unknown keys are errors naming the key and its line.
 """
 from __future__ import annotations
-
-import argparse
 
 import yaml
 
@@ -24,10 +23,14 @@ JOB_KEYS = ("model", "params", "nodes", "gpus_per_node", "gpu", "gpu_memory", "h
             "shard_size", "tp", "method", "implementation", "efficiency", "strategies_dir", "strategy")
 """What a job file may hold: the model, the cluster, the training step and the method (not output
 switches such as --json or --emit)."""
+_NUMBERS = {"nodes": int, "gpus_per_node": int, "micro_batch": int, "seq_len": int, "gradient_accumulation": int,
+            "shard_size": int, "tp": int, "efficiency": float}
+"""Job keys that hold numbers (the CLI's option types); the rest are strings."""
 
 
-def load_job(path: str, parser: argparse.ArgumentParser) -> dict:
-    """The file's options as argparse defaults for `parser`, type-checked like the flags."""
+def load_job(path: str, allowed: tuple[str, ...] = JOB_KEYS, prog: str = "hybrid plan") -> dict:
+    """The file's options (keys as argparse dests), type-checked like the flags; `allowed`: the
+    keys the command takes."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -43,19 +46,17 @@ def load_job(path: str, parser: argparse.ArgumentParser) -> dict:
     if not isinstance(data, dict):
         raise HybridError(f"{path}: a job file is a mapping of option: value, got a {type(data).__name__}")
     lines = key_lines(text)
-    actions = {a.dest: a for a in parser._actions}
     out = {}
     for key, value in data.items():
         dest = str(key).replace("-", "_")
-        if dest not in JOB_KEYS or dest not in actions:
-            valid = ", ".join(k for k in JOB_KEYS if k in actions)
-            raise HybridError(f"{path}:{lines.get(key, 1)}: unknown key {key!r} for `{parser.prog}`. Allowed: {valid}")
-        action = actions[dest]
+        if dest not in allowed:
+            raise HybridError(f"{path}:{lines.get(key, 1)}: unknown key {key!r} for `{prog}`. "
+                              f"Allowed: {', '.join(allowed)}")
         if dest == "strategies_dir":
             value = value if isinstance(value, list) else [value]
-        elif value is not None and action.type is not None:
+        elif value is not None and dest in _NUMBERS:
             try:
-                value = action.type(value) if not isinstance(value, bool) else _bad(path, lines, key, value)
+                value = _NUMBERS[dest](value) if not isinstance(value, bool) else _bad(path, lines, key, value)
             except (TypeError, ValueError):
                 _bad(path, lines, key, value)
         out[dest] = value
@@ -75,3 +76,26 @@ def save_job(path: str, args) -> None:
             yaml.safe_dump(data, f, sort_keys=False)
     except OSError as e:
         raise HybridError(f"cannot write --save-config {path!r}: {e.strerror or e}") from None
+
+
+_WRAP_KEYS = ("micro_batch", "seq_len", "gradient_accumulation", "precision", "activation_checkpointing",
+              "attention", "shard_size", "tp", "strategy", "gpu_memory")
+"""Job keys that are auto_wrap arguments of the same name."""
+_PLAN_ONLY = ("model", "params", "method", "implementation", "efficiency", "optimizer")
+"""Keys that describe what `hybrid plan` estimates: auto_wrap has the module and the optimizer."""
+
+
+def wrap_options(path: str) -> tuple[dict, object, list[str]]:
+    """A job file as auto_wrap arguments: (keyword arguments, a Cluster or None, the keys that only
+    `hybrid plan` uses). Checked exactly as `hybrid plan --config` checks it."""
+    from .cluster import Cluster
+
+    job = load_job(path, prog="auto_wrap(config=...)")
+    kwargs = {k: job[k] for k in _WRAP_KEYS if job.get(k) is not None}
+    if job.get("strategies_dir"):
+        kwargs["strategies_dir"] = tuple(job["strategies_dir"])
+    cluster = None
+    if any(job.get(k) is not None for k in ("nodes", "gpus_per_node", "gpu", "host_memory")):
+        cluster = Cluster.build(job.get("nodes") or 1, job.get("gpus_per_node") or 8, job.get("gpu") or "h100-80gb",
+                                job.get("gpu_memory"), job.get("host_memory"))
+    return kwargs, cluster, [k for k in _PLAN_ONLY if k in job]

@@ -142,11 +142,13 @@ def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: C
         why = (f"needs {fmt_bytes(m.cpu)} of host memory per rank > {fmt_bytes(host)} "
                f"({fmt_bytes(cluster.gpu.host_memory_bytes)} per node / {cluster.gpus_per_node} ranks)")
     else:
-        why = f"fits: {fmt_bytes(m.total)} of {fmt_bytes(cap)}, largest {m.describe_largest()}"
+        # a bare parameter count: only the model states are known to fit, never the job
+        verdict = "fits" if m.activations is not None else "model states fit"
+        why = f"{verdict}: {fmt_bytes(m.total)} of {fmt_bytes(cap)}, largest {m.describe_largest()}"
         if m.cpu:
             why += f"; host {fmt_bytes(m.cpu)} of {fmt_bytes(host)} per rank"
     if m.activations is None:
-        why += " (activations unknown)"
+        why += "; activations unknown"
     return Candidate(strategy, dims, spec, m, fits, why, cost)
 
 

@@ -33,16 +33,27 @@ def _width(cands) -> int:
     return max([28] + [len(c.label) + 1 for c in cands])
 
 
+def _fits(c: Candidate) -> str:
+    """yes / no; "states" where only the model states are known to fit (activations unknown)."""
+    if c.memory is None:
+        return "n/a"
+    if not c.fits:
+        return "no"
+    return "yes" if c.memory.activations is not None else "states"
+
+
 def breakdown_table(cands: list[Candidate], chosen: Candidate | None = None) -> str:
-    """Every memory category per candidate (estimate, compare)."""
+    """Every memory category per candidate (estimate, compare), and the phase of the step where
+    that peak happens (forward, head, loss, blocks = backward through the blocks, step)."""
     w = _width(cands)
-    head = f" {'strategy':<{w}}{'shard':>6}" + "".join(f"{c[:11]:>12}" for c in _COLS) + "  fits"
+    head = (f" {'strategy':<{w}}{'shard':>6}" + "".join(f"{c[:11]:>12}" for c in _COLS)
+            + f"  {'peak in':<8}{'fits':>6}")
     lines = [head, "-" * len(head)]
     for c in cands:
         mark = "*" if c is chosen else " "
-        fits = "n/a" if c.memory is None else ("yes" if c.fits else "no")
+        phase = (c.memory.phase or "-") if c.memory else "-"
         lines.append(f"{mark}{c.label:<{w}}{c.shard_size:>6}" + "".join(f"{_mem(c, k):>12}" for k in _COLS)
-                     + f"  {fits:>4}")
+                     + f"  {phase:<8}{_fits(c):>6}")
     return "\n".join(lines)
 
 
@@ -60,7 +71,7 @@ def ranking_table(cands: list[Candidate], chosen: Candidate | None = None) -> st
         cost = c.cost
         note = c.memory.describe_largest() if c.fits else c.reason
         lines.append(f"{mark}{c.label:<{w}}{c.shard_size:>6}{fmt_bytes(c.memory.total):>11}"
-                     f"{'yes' if c.fits else 'no':>6}{cost.seconds:>9.3f}{cost.tokens_per_s_per_gpu:>11,.0f}"
+                     f"{_fits(c):>6}{cost.seconds:>9.3f}{cost.tokens_per_s_per_gpu:>11,.0f}"
                      f"{cost.mfu:>7.1%}  {note}")
     return "\n".join(lines)
 
@@ -87,7 +98,8 @@ def format_plan(p: Plan, summary: bool = False) -> str:
     out = _header(p) + [ranking_table(rows, p.chosen), ""]
     c = p.chosen
     if c:
-        out.append(f"chosen: {c.label} ({c.parallel.describe()}): fastest that fits, "
+        verdict = "fastest that fits" if c.memory.activations is not None else "fastest whose model states fit"
+        out.append(f"chosen: {c.label} ({c.parallel.describe()}): {verdict}, "
                    f"{c.cost.seconds:.3f} s/step, {c.cost.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
                    f"MFU {c.cost.mfu:.1%}; {c.reason}")
     else:

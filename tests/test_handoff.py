@@ -63,3 +63,60 @@ def test_job_file_errors_name_the_key_and_line(capsys, tmp_path):
     bad.write_text("model: gpt2\nnodes: many\n")
     assert main(["plan", "--config", str(bad)]) == 2
     assert "nodes must be a number, got 'many'" in capsys.readouterr().err
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("strategy,expect", [
+    ("hsdp", {"kind": "fsdp", "fsdp_version": 2, "layer": ["LlamaDecoderLayer"], "reshard": True,
+              "dp_replicate": 2, "dp_shard": 2, "tp": 1, "mixed_precision": "bf16"}),
+    ("zero3", {"kind": "deepspeed", "stage": 3, "offload": "none", "mixed_precision": "bf16"})])
+def test_accelerate_launch_accepts_the_emitted_config(capsys, tmp_path, strategy, expect):
+    pytest.importorskip("accelerate")
+    import os
+    import subprocess
+    import sys
+    cfg = tmp_path / "accelerate.yaml"
+    _, err = _run(capsys, "plan", "llama2-7b", "--nodes", "2", "--gpus-per-node", "2", "--strategy", strategy,
+                  "--emit", "accelerate", "-o", str(cfg))
+    doc = yaml.safe_load(cfg.read_text())
+    assert doc["num_processes"] == 4 and doc["num_machines"] == 2
+    # one machine here: launch the four ranks locally with the emitted file otherwise unchanged
+    cfg.write_text(cfg.read_text().replace("num_machines: 2", "num_machines: 1"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg),
+                        "--main_process_port", "0", os.path.join(root, "tests", "scripts", "accelerate_probe.py"),
+                        str(tmp_path)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    for rank in range(4):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen["world_size"] == 4 and {k: seen[k] for k in expect} == expect
+
+
+def test_accelerate_refuses_what_it_cannot_express(capsys):
+    assert main(["plan", "llama2-7b", "--nodes", "2", "--strategy", "zero3-hpz", "--emit", "accelerate"]) == 2
+    assert "--emit deepspeed --for trainer" in capsys.readouterr().err
+
+
+@pytest.mark.gloo
+def test_auto_wrap_takes_the_job_file_and_arguments_win(tmp_path, caplog):
+    import logging
+    caplog.set_level(logging.INFO, logger="hybrid")
+    from hybrid import auto_wrap
+    from hybrid.mesh import shutdown
+    from hybrid.models import build_decoder
+    from tests.test_backends import TINY
+    job = tmp_path / "job.yaml"
+    job.write_text("model: llama2-7b\nmicro_batch: 2\nseq_len: 16\nstrategy: ddp\nactivation_checkpointing: full\n"
+                   "precision: fp32\n")
+    try:
+        w = auto_wrap(build_decoder(TINY, seed=0), config=str(job), micro_batch=3, verbose=False)
+        spec = w.chosen.spec
+        assert (w.chosen.name, spec.seq_len, spec.activation_checkpointing, spec.micro_batch) == ("ddp", 16, "full", 3)
+        assert "model describe what `hybrid plan` estimates" in caplog.text
+    finally:
+        shutdown()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("seq_len: 16\nmicro_bacth: 2\n")
+    with pytest.raises(Exception, match=r"bad.yaml:2: unknown key 'micro_bacth'"):
+        auto_wrap(build_decoder(TINY, seed=0), config=str(bad))

@@ -245,31 +245,46 @@ class _Carrier:
     attrs: dict
 
 
-def _is_opaque(out) -> bool:
-    """An output FSDP2's _apply_to_tensors cannot see into (not a tensor, container, dataclass)."""
-    return not (out is None or isinstance(out, (torch.Tensor, tuple, list, dict, set, str, int, float, bool))
-                or is_dataclass(out)) and hasattr(out, "__dict__")
+class _DictCarrier(dict):
+    """The same for ZeRO-3, which walks tuples, lists and dicts only (not dataclasses) and updates
+    a dict in place, so the carrier keeps its type through DeepSpeed's hooks."""
+    obj: object = None
 
 
-def carry_plain_outputs(model):
+def _is_opaque(out, dataclasses_too: bool = False) -> bool:
+    """An output the wrapper cannot see into (not a tensor or container; with dataclasses_too,
+    also a dataclass)."""
+    if out is None or isinstance(out, (torch.Tensor, tuple, list, dict, set, str, int, float, bool)):
+        return False
+    return (dataclasses_too or not is_dataclass(out)) and hasattr(out, "__dict__")
+
+
+def carry_plain_outputs(model, as_dict: bool = False):
     """FSDP2, DDP (find_unused_parameters) and ZeRO-3 find the output tensors they hook for
-    backward by walking tensors, containers and dataclasses; a plain object with `.loss` hides
-    them (FSDP2 then reads freed parameters in backward: 'setStorage ... storage of size 0').
-    This forward hook, registered before the library wraps `model`, carries such an object's
-    attributes in a dataclass; the returned hook, registered on the wrapper after the library's,
-    gives the user back the same kind of object."""
+    backward by walking tensors and containers (FSDP2 and DDP also dataclasses); an object they
+    cannot see into hides them (FSDP2 then reads freed parameters in backward: 'setStorage ...
+    storage of size 0'; ZeRO-3 warns that its hooks may not trigger). This forward hook,
+    registered before the library wraps `model`, carries such an object's attributes in a
+    dataclass (as_dict: a dict, for ZeRO-3); the returned hook, registered on the wrapper after
+    the library's, gives the user back the same kind of object."""
     import copy
 
     def pack(module, args, out):
-        return _Carrier(out, dict(vars(out))) if _is_opaque(out) else None
+        if not _is_opaque(out, dataclasses_too=as_dict):
+            return None
+        if as_dict:
+            carrier = _DictCarrier(vars(out))
+            carrier.obj = out
+            return carrier
+        return _Carrier(out, dict(vars(out)))
 
     def unpack(module, args, out):
-        if isinstance(out, _Carrier):
+        if isinstance(out, (_Carrier, _DictCarrier)):
             new = copy.copy(out.obj)
-            new.__dict__.update(out.attrs)
+            new.__dict__.update(out.attrs if isinstance(out, _Carrier) else out)
             return new
         return None
-    model.register_forward_hook(pack)                  # before fully_shard: runs before FSDP's hook
+    model.register_forward_hook(pack)                  # before the wrapper's own hooks
     return unpack
 
 

@@ -100,6 +100,20 @@ class Family:
     def emit(self, candidate, plan, profile, target: str = "engine") -> str:
         raise HybridError(f"{self.name} strategies have no config to emit")
 
+    def accelerate(self, candidate, layer_class: str | None) -> tuple[dict, list[str]]:
+        """This family's keys of an Accelerate config file (distributed_type and its plugin
+        section) and notes for the file's header; layer_class is the block class to wrap."""
+        raise HybridError(f"{self.name} strategies have no Accelerate equivalent")
+
+
+def user_checkpointing(c) -> list[str]:
+    """The Accelerate header note where the user applies checkpointing (Accelerate does so only
+    under FSDP)."""
+    if c.spec.activation_checkpointing == "none":
+        return []
+    return ["activation checkpointing: call model.gradient_checkpointing_enable() (transformers) or wrap "
+            "the blocks yourself; Accelerate applies it only under FSDP"]
+
 
 def provenance(p, c) -> dict:
     """Where an emitted config came from (the plan and candidate), for the file's `_hybrid` key."""

@@ -5,7 +5,7 @@ import math
 
 from ..errors import HybridError
 from ..memory.layout import Layout, optimizer_elements, scratch_elements
-from .base import Comm, Family
+from .base import Comm, Family, user_checkpointing
 
 
 class DDPFamily(Family):
@@ -44,6 +44,12 @@ class DDPFamily(Family):
         sync = links.collective("all_reduce", grad_bytes, cl.world_size, buckets)
         copied = 0.0 if s.gradient_as_bucket_view or cl.world_size == 1 else 2 * grad_bytes
         return Comm(sync_bwd=sync, sync_tail=sync / buckets, copied_sync=copied)
+
+    def accelerate(self, c, layer_class):
+        if c.parallel.tp > 1:
+            raise HybridError(f"{c.label}: Accelerate runs tensor parallelism only under FSDP2; emit an fsdp layout "
+                              "(--strategy fsdp or hsdp) or pin --tp 1")
+        return {"distributed_type": "MULTI_GPU"}, user_checkpointing(c)
 
 
 FAMILY = DDPFamily()

@@ -6,7 +6,7 @@ import json
 from ..errors import HybridError
 from ..links import HOST_STEP_RATE, PCIE_BW
 from ..memory.layout import FP32, Layout, NotApplicable, optimizer_elements, scratch_elements
-from .base import Comm, Family, provenance
+from .base import Comm, Family, provenance, user_checkpointing
 
 SUB_GROUP_SIZE = 1_000_000_000
 """DeepSpeed ZeRO-3 `sub_group_size` default: elements stepped (and fp32 grads made) at a time."""
@@ -228,6 +228,19 @@ class DeepSpeedFamily(Family):
                                                "contiguous_memory_optimization": False}
         cfg["_hybrid"] = provenance(plan, c)
         return json.dumps(cfg, indent=2)
+
+    def accelerate(self, c, layer_class):
+        s = c.strategy
+        if s.hpz:
+            raise HybridError(f"{s.name}: Accelerate's DeepSpeed plugin fields cannot set hpZ; write the JSON with "
+                              f"`--emit deepspeed --for trainer -o ds.json` and point Accelerate's "
+                              f"deepspeed_config_file at it")
+        keys = {"distributed_type": "DEEPSPEED",
+                "deepspeed_config": {"zero_stage": s.stage, "gradient_accumulation_steps": c.spec.gradient_accumulation,
+                                     "offload_optimizer_device": "cpu" if s.offload_optimizer else "none",
+                                     "offload_param_device": "cpu" if s.offload_params else "none",
+                                     "zero3_init_flag": s.stage == 3, "zero3_save_16bit_model": s.stage == 3}}
+        return keys, user_checkpointing(c)
 
 
 FAMILY = DeepSpeedFamily()

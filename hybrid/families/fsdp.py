@@ -103,5 +103,24 @@ class FSDPFamily(Family):
         }
         return yaml.safe_dump(settings, sort_keys=False)
 
+    def accelerate(self, c, layer_class):
+        s, d, ac = c.strategy, c.parallel, c.spec.activation_checkpointing
+        wrap = ({"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_transformer_layer_cls_to_wrap": layer_class}
+                if layer_class else {"fsdp_auto_wrap_policy": "NO_WRAP"})
+        keys = {"distributed_type": "FSDP",
+                "fsdp_config": {"fsdp_version": 2, **wrap, "fsdp_reshard_after_forward": bool(s.reshard_after_forward),
+                                "fsdp_offload_params": bool(s.offload_params),
+                                "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+                                "fsdp_cpu_ram_efficient_loading": True, "fsdp_sync_module_states": True,
+                                "fsdp_activation_checkpointing": ac != "none"},
+                "parallelism_config": {"parallelism_config_dp_replicate_size": d.dp_replicate,
+                                       "parallelism_config_dp_shard_size": d.dp_shard,
+                                       "parallelism_config_tp_size": d.tp, "parallelism_config_cp_size": 1}}
+        notes = []
+        if ac == "selective":
+            notes.append("Accelerate's fsdp_activation_checkpointing recomputes whole blocks (the plan's "
+                         "'selective' keeps matmul outputs): less memory, more compute than estimated")
+        return keys, notes
+
 
 FAMILY = FSDPFamily()
