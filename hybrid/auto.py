@@ -85,7 +85,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
               strategies_dir: tuple[str, ...] = (), verbose: bool = True, scheduler=None,
               gradient_accumulation: int = 1, max_grad_norm: float | None = None,
               find_unused_parameters: bool | None = None, tp: int | None = None,
-              config: str | None = None) -> Wrapped:
+              config: str | None = None, pp: int | None = None, schedule: str | None = None) -> Wrapped:
     """Wrap `model` for data-parallel training on the current process group (started here from
     torchrun's variables if needed, nccl+cuda or gloo+cpu).
 
@@ -103,6 +103,10 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
     tp          tensor-parallel degree inside a node (default: the planner chooses with strategy
                 "auto", 1 with a forced strategy); ranks of one tp group read the same batch:
                 shard data with w.dp_size / w.dp_rank
+    pp          pipeline stages (default: the planner chooses with strategy "auto", 1 with a
+                forced strategy); the gradient_accumulation micro-batches flow through them and
+                the loop is `loss = w.train_step(batch)`
+    schedule    pipeline schedule: 1f1b | gpipe | interleaved (default: the planner chooses)
     config      a job file (`hybrid plan --save-config`): its values fill every argument left at
                 its default (arguments you pass win, as flags do over --config); nodes,
                 gpus_per_node and gpu become the cluster
@@ -133,7 +137,8 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
     catalogue = load_catalogue(strategies_dir)
     search = activation_checkpointing is None
     if strategy == "auto":
-        the_plan = make_plan(profile, spec, cluster, catalogue, shard_size, search_checkpointing=search, tp=tp)
+        the_plan = make_plan(profile, spec, cluster, catalogue, shard_size, search_checkpointing=search, tp=tp,
+                             pp=pp, schedule=schedule)
         if the_plan.chosen is None:
             fixes = "; ".join(the_plan.suggestions) or "none found"
             raise HybridError(f"no strategy fits {profile.name} in {cluster.describe()}. Smallest changes that "
@@ -141,7 +146,8 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
     else:
         get_strategy(strategy, catalogue)
         the_plan = make_plan(profile, spec, cluster, catalogue, shard_size, strategies=[strategy],
-                             search_checkpointing=search, search_shards=False, tp=tp or 1)
+                             search_checkpointing=search, search_shards=False, tp=tp or 1, pp=pp or 1,
+                             schedule=schedule)
         if the_plan.chosen is None:      # forced: run the least memory-hungry variant anyway
             usable = [c for c in the_plan.candidates if c.memory is not None]
             if not usable:
@@ -153,7 +159,11 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
     chosen = _agree(the_plan.chosen, runtime, strategy, cluster)
     mesh = build_mesh(chosen.parallel, runtime, cluster.gpus_per_node)
     options = LoopOptions(gradient_accumulation, max_grad_norm, bool(find_unused_parameters))
-    engine = apply(chosen.strategy, model, optimizer, mesh, chosen.spec, runtime, options)
+    if chosen.pipeline is not None:
+        from .backends.pipeline import apply_pipeline
+        engine = apply_pipeline(chosen.strategy, model, optimizer, mesh, chosen.spec, runtime, chosen.pipeline, options)
+    else:
+        engine = apply(chosen.strategy, model, optimizer, mesh, chosen.spec, runtime, options)
     model._hybrid_wrapped = True
     sched = scheduler(engine.user_optimizer) if scheduler is not None else None
     wrapped = Wrapped(engine, the_plan, chosen, mesh, runtime, gradient_accumulation, max_grad_norm, sched)

@@ -36,6 +36,11 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
     t.add_argument("--shard-size", type=int, help="ranks per shard group for hsdp (default: every valid size)")
     t.add_argument("--tp", type=int, help="tensor-parallel degree inside a node (default: plan tries 1, 2, 4, 8 "
                    "where they divide the GPUs per node and the heads; estimate/compare use 1)")
+    t.add_argument("--pp", type=int, help="pipeline stages (default: plan tries every divisor of the nodes, or of "
+                   "one node's GPUs; estimate/compare use 1); micro-batches = --gradient-accumulation")
+    t.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved"),
+                   help="pipeline schedule (default: plan tries 1f1b, or gpipe with fewer micro-batches than "
+                        "stages, and interleaved)")
     o = p.add_argument_group("method and output")
     o.add_argument("--method", default="analytic",
                    help="analytic (closed form, instant; default) | traced (simulate one rank of the real job "
@@ -146,7 +151,13 @@ def _plan(args, strategies=None, search=False):
         if args.tp is not None:
             raise HybridError(f"--method {args.method} runs tp 1 only for now; use --method analytic for --tp {args.tp}")
         tp = 1
-    return plan(src.profile, spec, cluster, cat, args.shard_size, strategies=strategies, tp=tp,
+    pp = args.pp if args.pp is not None else (None if search else 1)
+    if pp != 1 and args.method != "analytic":
+        if args.pp is not None:
+            raise HybridError(f"--method {args.method} runs pp 1 only for now; use --method analytic for --pp {args.pp}")
+        pp = 1
+    return plan(src.profile, spec, cluster, cat, args.shard_size, strategies=strategies, tp=tp, pp=pp,
+                schedule=args.schedule,
                 estimator=_estimator(args, src, cluster), method=args.method,
                 search_checkpointing=search and args.activation_checkpointing is None and args.method == "analytic",
                 efficiency=args.efficiency or EFFICIENCY, search_shards=search), src

@@ -21,6 +21,13 @@ overlap   collectives issued during forward/backward hide behind that phase's co
           all-gather before the first block and the last reduce-scatter never hide; DeepSpeed's
           post-step all-gather (zero1/2) never hides.
 offload   PCIe transfers of what moves between host and GPU, and the host optimizer step.
+pipeline  (pp > 1, hybrid/pipeline.py) the busiest rank's share of the FLOPs per micro-batch, run
+          m + (pp - 1) / v times (the bubble: pp - 1 idle slots of a stage's micro-batch time,
+          v times shorter interleaved; arXiv 2104.04473 sec. 2.2); point-to-point sends of the
+          b x s x h boundary activation forward and its gradient backward per micro-batch, on
+          the link between stages (the NIC when stages are whole nodes), unhidden while the
+          pipeline fills and drains and hidden behind compute in between up to `comm_overlap`;
+          the data-parallel terms are the stage's (its parameters, over the stage's ranks).
 step      the optimizer step on the GPU is memory-bound: it reads and writes each local parameter,
           its gradient and its states once, at the device memory bandwidth.
 """
@@ -57,6 +64,8 @@ class StepCost:
     tokens_per_s_per_gpu: float
     mfu: float
     """Model FLOPs utilisation: model FLOPs per step / (step time x peak)."""
+    bubble_s: float = 0.0
+    """Pipeline idle time of the step (pp > 1)."""
 
     @property
     def time_per_token(self) -> float:
@@ -67,7 +76,7 @@ class StepCost:
     def to_dict(self) -> dict:
         return {"step_time_s": self.seconds, "compute_s": self.compute_s, "comm_s": self.comm_s,
                 "exposed_comm_s": self.exposed_comm_s, "offload_s": self.offload_s,
-                "optimizer_s": self.optimizer_s,
+                "optimizer_s": self.optimizer_s, "bubble_s": self.bubble_s,
                 "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu}
 
 
@@ -91,20 +100,53 @@ def tp_comm_seconds(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, tp
     return 8 * d.layers * Links(cluster).collective("all_gather", nbytes, tp)
 
 
+def _busiest_rank(profile: ModelProfile, layout, seq_len: int) -> ModelProfile:
+    """The pipeline rank with the most FLOPs per token (its blocks, and the head on the last)."""
+    from .profile import stage_share
+    shares = [stage_share(profile, layout, r) for r in range(layout.pp)]
+    return max(shares, key=lambda p: model_flops_per_token(p, seq_len))
+
+
+def p2p_seconds(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, tp: int, layout) -> float:
+    """Exposed point-to-point time of one step: per micro-batch and boundary the b x s x h
+    activation forward and its gradient backward (a tp rank sends its 1/tp share), over the NIC
+    when stages are whole nodes, else NVLink."""
+    if layout is None or layout.pp == 1 or profile.decoder is None:
+        return 0.0
+    from .links import LATENCY_INTER, LATENCY_INTRA
+    nbytes = spec.bytes.compute * spec.micro_batch * spec.seq_len * profile.decoder.hidden / tp
+    inter = cluster.nodes > 1
+    g = cluster.gpu
+    one = nbytes / (g.inter_node_bw if inter else g.intra_node_bw) + (LATENCY_INTER if inter else LATENCY_INTRA)
+    m = layout.micro_batches * layout.virtual
+    fill_drain = 2 * (layout.pp - 1) * one                # on the critical path
+    steady = 2 * max(m - 1, 0) * one * (1 - g.comm_overlap)
+    return fill_drain + steady
+
+
 def step_cost(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
-              shard_size: int, efficiency: float = EFFICIENCY, tp: int = 1) -> StepCost:
+              shard_size: int, efficiency: float = EFFICIENCY, tp: int = 1, layout=None) -> StepCost:
     """With tp > 1 each rank computes 1/tp of the FLOPs, the families' data-parallel traffic is
     priced on the rank's tensor-parallel share over groups of tp groups (a cluster whose 'GPUs' are
-    tp groups), and the tp collectives are added, unhidden."""
+    tp groups), and the tp collectives are added, unhidden. With a pipeline layout (pp > 1) the
+    busiest rank's share of the model and the stage's ranks take their place, and the bubble and
+    point-to-point sends are added."""
+    pp = layout.pp if layout is not None else 1
+    whole = profile
+    p2p = p2p_seconds(profile, spec, cluster, tp, layout)
+    if pp > 1:
+        from .pipeline import stage_cluster
+        cluster = stage_cluster(cluster, pp)
+        profile = _busiest_rank(profile, layout, spec.seq_len)
     g, N = cluster.gpu, shard_size
     tp_time = tp_comm_seconds(profile, spec, cluster, tp)
-    whole = profile
+    stage = profile
     profile = tp_share(profile, tp)
     cluster = replace(cluster, gpus_per_node=cluster.gpus_per_node // tp)
     W = cluster.world_size
     T = spec.micro_batch * spec.seq_len
     recompute = spec.activation_checkpointing == "full"
-    flops = model_flops_per_token(whole, spec.seq_len, recompute) * T / tp
+    flops = model_flops_per_token(stage, spec.seq_len, recompute) * T / tp
     # fp32 matmuls run on TF32 tensor cores at half the dense bf16 rate (A100 datasheet: 156 vs
     # 312 TFLOP/s; H100 SXM: 495 vs 989); V100/T4 have no TF32, an upper bound there
     peak = g.bf16_flops * (0.5 if spec.precision == "fp32" else 1.0)
@@ -134,11 +176,12 @@ def step_cost(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluste
     micro = exposed(comm.fwd, comm.bwd) + comm.tail * hidden
     last = exposed(comm.fwd, comm.bwd + comm.sync_bwd) + (comm.tail + comm.sync_tail) * hidden
     copies = (ga * comm.copied_micro + comm.copied_sync) / g.mem_bw if W > 1 else 0.0
-    exposed_s = max((ga - 1) * micro + last + comm.after_step, 0.0) + copies + ga * tp_time
-    seconds = ga * compute + exposed_s + comm.offload + optimizer
-    tokens = ga * T / tp                       # a tp group shares its micro-batch
-    return StepCost(seconds=seconds, compute_s=ga * compute,
-                    comm_s=ga * comm.fwd + (ga * comm.bwd + comm.sync_bwd) + comm.after_step + ga * tp_time,
+    exposed_s = max((ga - 1) * micro + last + comm.after_step, 0.0) + copies + ga * tp_time + p2p
+    bubble_s = (pp - 1) / layout.virtual * (compute + tp_time) if pp > 1 else 0.0
+    seconds = ga * compute + bubble_s + exposed_s + comm.offload + optimizer
+    tokens = ga * T / tp / pp                  # a tp group and a pipeline share their micro-batches
+    return StepCost(seconds=seconds, compute_s=ga * compute, bubble_s=bubble_s,
+                    comm_s=ga * comm.fwd + (ga * comm.bwd + comm.sync_bwd) + comm.after_step + ga * tp_time + p2p,
                     exposed_comm_s=exposed_s, offload_s=comm.offload, optimizer_s=optimizer,
                     tokens_per_s_per_gpu=tokens / seconds,
                     mfu=model_flops_per_token(whole, spec.seq_len) * tokens / (seconds * g.bf16_flops))

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .errors import HybridError
 from .presets import DecoderConfig, get_preset
 
 
@@ -198,6 +199,94 @@ class Decoder(nn.Module):
         logits = self.lm_head(self.norm(x))
         loss = None if labels is None else causal_lm_loss(logits, labels)
         return CausalLMOutput(loss=loss, logits=logits)
+
+
+class DecoderStage(nn.Module):
+    """Blocks [lo, hi) of a Decoder as one pipeline stage, under the model's own names (embed,
+    blocks.<i>, norm, lm_head): the first stage takes token ids and embeds them, the last returns
+    logits, the others map hidden states to hidden states. It holds the model's modules (no
+    copies): a tied embedding and head are the same Parameter on the first and last stage."""
+
+    def __init__(self, model: "Decoder", lo: int, hi: int, first: bool, last: bool):
+        super().__init__()
+        self.config, self.first, self.last = model.config, first, last
+        self._no_split_modules = [type(model.blocks[0]).__name__]      # the unit, even with one block
+        if first:
+            self.embed = model.embed
+            self.pos_embed = model.pos_embed
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(lo, hi)})
+        if last:
+            self.norm, self.lm_head = model.norm, model.lm_head
+        self._attention = model.blocks[0].attn.attention
+        if model.config.style == "llama":
+            self.register_buffer("inv_freq", model.inv_freq, persistent=False)
+
+    def forward(self, x):
+        cfg = self.config
+        if self.first:
+            s = x.shape[1]
+            x = self.embed(x)
+            if self.pos_embed is not None:
+                x = x + self.pos_embed(torch.arange(s, device=x.device))
+        b, s = x.shape[0], x.shape[1]
+        rope = None
+        if cfg.style == "llama":
+            t = torch.arange(s, device=x.device, dtype=torch.float32)
+            freqs = torch.outer(t, self.inv_freq.to(x.device))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            rope = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        mask = None
+        w = cfg.sliding_window
+        if self._attention != "sdpa" or (w is not None and s >= w):
+            i = torch.arange(s, device=x.device)
+            allowed = i[None, :] <= i[:, None]
+            if w is not None:
+                allowed = allowed & (i[None, :] > i[:, None] - w)
+            mask = allowed.expand(b, 1, s, s)
+        for block in self.blocks.values():
+            x = block(x, rope, mask)
+        return self.lm_head(self.norm(x)) if self.last else x
+
+
+class HFDecoderStage(nn.Module):
+    """The same for a transformers decoder-only model (Llama, Mistral, Qwen2: model.embed_tokens,
+    model.layers, model.norm, model.rotary_emb, lm_head), under its own names. Causal attention
+    without padding masks (SDPA's is_causal path), as pre-training batches are."""
+
+    def __init__(self, model, lo: int, hi: int, first: bool, last: bool):
+        super().__init__()
+        inner = model.model
+        self.config, self.first, self.last = model.config, first, last
+        self._no_split_modules = list(getattr(model, "_no_split_modules", None) or [type(inner.layers[0]).__name__])
+        self.model = nn.Module()
+        if first:
+            self.model.embed_tokens = inner.embed_tokens
+        self.model.layers = nn.ModuleDict({str(i): inner.layers[i] for i in range(lo, hi)})
+        self.model.rotary_emb = inner.rotary_emb
+        if last:
+            self.model.norm, self.lm_head = inner.norm, model.lm_head
+
+    def forward(self, x):
+        if self.first:
+            x = self.model.embed_tokens(x)
+        pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        rope = self.model.rotary_emb(x, pos)
+        for layer in self.model.layers.values():
+            out = layer(x, attention_mask=None, position_ids=pos, position_embeddings=rope)
+            x = out[0] if isinstance(out, tuple) else out
+        return self.lm_head(self.model.norm(x)) if self.last else x
+
+
+def pipeline_stage(model: nn.Module, lo: int, hi: int, first: bool, last: bool) -> nn.Module:
+    """Blocks [lo, hi) of `model` as a stage module, or a HybridError naming what is supported."""
+    if isinstance(model, Decoder):
+        return DecoderStage(model, lo, hi, first, last)
+    inner = getattr(model, "model", None)
+    if all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) and hasattr(model, "lm_head"):
+        return HFDecoderStage(model, lo, hi, first, last)
+    raise HybridError(f"pipeline stages are cut from hybrid's decoders and transformers decoder-only models "
+                      f"(model.embed_tokens, model.layers, model.norm, lm_head); {type(model).__name__} is neither: "
+                      "use pp 1")
 
 
 def causal_lm_loss(logits, labels, ignore_index: int = -100):

@@ -107,8 +107,18 @@ class ParallelDims:
             valid = divisors(gpus_per_node)
             raise HybridError(f"tp {self.tp} does not divide the {gpus_per_node} GPUs per node, so a tensor-parallel "
                               f"group would cross nodes; valid tp: {', '.join(map(str, valid))}")
+        if self.pp > 1:                   # a stage: whole nodes, or a share of a single node
+            nodes = world // gpus_per_node
+            if nodes % self.pp == 0:
+                world //= self.pp
+            elif nodes == 1 and gpus_per_node % self.pp == 0:
+                world //= self.pp
+                gpus_per_node //= self.pp
+            else:
+                raise HybridError(f"pp {self.pp} must divide the {nodes} nodes (each stage on whole nodes), or the "
+                                  f"GPUs of a single node")
         if self.tp == 1:                  # the data-parallel messages users know from --shard-size
-            validate_shard_size(self.dp_shard, world // self.pp, gpus_per_node)
+            validate_shard_size(self.dp_shard, world, gpus_per_node)
         block = self.dp_shard * self.tp
         inside = block <= gpus_per_node and gpus_per_node % block == 0
         whole_nodes = block > gpus_per_node and block % gpus_per_node == 0

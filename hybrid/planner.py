@@ -15,8 +15,9 @@ from .cluster import GPUS, Cluster
 from .cost import EFFICIENCY, StepCost, step_cost
 from .errors import HybridError
 from .memory.analytic import NotApplicable, check_job, estimate
+from .pipeline import VIRTUAL, PipelineLayout, balanced_split, even_split, pp_degrees, schedules_for, stage_cluster
 from .memory.breakdown import MemoryBreakdown
-from .profile import ModelProfile, tp_degrees
+from .profile import ModelProfile, stage_share, tp_degrees
 from .report import format_plan
 from .spec import TrainSpec
 from .units import fmt_bytes
@@ -24,6 +25,8 @@ from .units import fmt_bytes
 TIE = 0.02
 """Predicted step times within 2% are a tie, broken by simplicity (the cost model is not finer)."""
 CKPT_ORDER = {"none": 0, "selective": 1, "full": 2}
+MAX_PP = 64
+"""The deepest pipeline the planner tries unpinned (Llama 3 405B trained with 16 stages)."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,10 @@ class Candidate:
     fits: bool
     reason: str
     cost: StepCost | None = None
+    pipeline: PipelineLayout | None = None
+    """The stages and schedule when pp > 1."""
+    stage_memory: tuple[MemoryBreakdown, ...] = ()
+    """pp > 1: every pipeline rank's estimate (`memory` is the largest of them)."""
 
     @property
     def name(self) -> str:
@@ -54,12 +61,20 @@ class Candidate:
         return self.parallel.tp
 
     @property
+    def pp(self) -> int:
+        return self.parallel.pp
+
+    @property
     def label(self) -> str:
         ckpt = self.spec.activation_checkpointing
-        return self.name + ("" if self.tp == 1 else f"+tp{self.tp}") + ("" if ckpt == "none" else f"+ac:{ckpt}")
+        pipe = "" if self.pipeline is None else f"+pp{self.pp}" + (
+            "" if self.pipeline.schedule == "1f1b" else f":{self.pipeline.schedule}")
+        return (self.name + ("" if self.tp == 1 else f"+tp{self.tp}") + pipe
+                + ("" if ckpt == "none" else f"+ac:{ckpt}"))
 
     def simplicity(self) -> tuple:
-        return (self.strategy.rank(), CKPT_ORDER[self.spec.activation_checkpointing], self.tp, -self.shard_size)
+        return (self.strategy.rank(), CKPT_ORDER[self.spec.activation_checkpointing], self.pp, self.tp,
+                -self.shard_size)
 
     def to_dict(self) -> dict:
         m = self.memory
@@ -74,6 +89,13 @@ class Candidate:
             "fits": self.fits, "reason": self.reason,
             **(self.cost.to_dict() if self.cost else {}),
             "notes": list(m.notes) if m else [],
+            **({"pipeline": {**self.pipeline.to_dict(),
+                             "stages": [{"rank": r, "blocks": sum(self.pipeline.blocks[i] for i in
+                                                                  self.pipeline.rank_stages(r)),
+                                         "in_flight": self.pipeline.in_flight(r), "phase": sm.phase,
+                                         "per_gpu": sm.to_dict()}
+                                        for r, sm in enumerate(self.stage_memory)]}}
+               if self.pipeline is not None else {}),
         }
 
 
@@ -120,20 +142,31 @@ class Plan:
 
 
 def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
-          shard_size: int | None = None, estimator=None, efficiency: float = EFFICIENCY, tp: int = 1) -> Candidate:
+          shard_size: int | None = None, estimator=None, efficiency: float = EFFICIENCY, tp: int = 1,
+          pp: int = 1, schedule: str | None = None) -> Candidate:
     """Estimate one candidate and say whether and why it fits. `estimator(strategy, spec, n)`
     replaces the analytic memory model (traced, measured) for tp 1; the analytic one still rules
-    out strategies that cannot run the job at all, before anything expensive runs."""
-    n = strategy.shard_size(cluster, shard_size, tp)
-    dims = ParallelDims(dp_replicate=cluster.world_size // tp // n, dp_shard=n, tp=tp).validate(
+    out strategies that cannot run the job at all, before anything expensive runs. With pp > 1
+    the blocks are split into stages (pipeline_layout) and every pipeline rank is estimated on
+    the stage's share of the cluster; the largest is the candidate's memory."""
+    stage_cl = stage_cluster(cluster, pp)
+    n = strategy.shard_size(stage_cl, shard_size, tp)
+    dims = ParallelDims(dp_replicate=stage_cl.world_size // tp // n, dp_shard=n, tp=tp, pp=pp).validate(
         cluster.world_size, cluster.gpus_per_node)
+    layout, stages = None, ()
     try:
-        m = estimate(strategy, profile, spec, cluster, n, tp)
-        if estimator is not None and tp == 1:
+        if pp > 1:
+            layout = pipeline_layout(strategy, profile, spec, stage_cl, n, tp, pp, schedule or "1f1b")
+            stages = tuple(estimate(strategy, stage_share(profile, layout, r), spec, stage_cl, n, tp)
+                           for r in range(pp))
+            m = max(stages, key=lambda b: b.total)
+        else:
+            m = estimate(strategy, profile, spec, cluster, n, tp)
+        if estimator is not None and tp == 1 and pp == 1:
             m = estimator(strategy, spec, n)
     except NotApplicable as e:
         return Candidate(strategy, dims, spec, None, False, f"not applicable: {e}")
-    cost = step_cost(strategy, profile, spec, cluster, n, efficiency, tp)
+    cost = step_cost(strategy, profile, spec, cluster, n, efficiency, tp, layout)
     cap, host = cluster.capacity_bytes, cluster.host_bytes_per_rank
     fits = m.total <= cap and m.cpu <= host
     if m.total > cap:
@@ -149,36 +182,85 @@ def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: C
             why += f"; host {fmt_bytes(m.cpu)} of {fmt_bytes(host)} per rank"
     if m.activations is None:
         why += "; activations unknown"
-    return Candidate(strategy, dims, spec, m, fits, why, cost)
+    if layout is not None:
+        why += f"; {layout.describe()}"
+    return Candidate(strategy, dims, spec, m, fits, why, cost, layout, stages)
+
+
+def pipeline_layout(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, stage_cl: Cluster, n: int,
+                    tp: int, pp: int, schedule: str) -> PipelineLayout:
+    """The stages of a pp > 1 candidate. 1f1b and gpipe: blocks per rank balanced on the analytic
+    memory of each rank (its embedding or head, and per block its states and in-flight
+    activations: linear in the block count, so two estimates per rank fix it); interleaved: two
+    chunks per rank, as even as the block count allows."""
+    if not strategy.family_obj.supports_pp:
+        raise NotApplicable(f"{strategy.family} strategies do not run pipeline stages here; use an fsdp or ddp "
+                            "strategy with pp")
+    if profile.decoder is None or profile.num_blocks == 0:
+        raise NotApplicable("pipeline stages split a transformer's blocks; this model has no known decoder shape")
+    L, m = profile.num_blocks, spec.gradient_accumulation
+    if schedule == "1f1b" and m < pp:
+        raise NotApplicable(f"1f1b needs at least pp = {pp} micro-batches (--gradient-accumulation {pp} or more); "
+                            "gpipe runs fewer")
+    if schedule == "interleaved":
+        if L < pp * VIRTUAL:
+            raise NotApplicable(f"interleaved needs at least {pp * VIRTUAL} blocks for its {pp * VIRTUAL} chunks")
+        return PipelineLayout(pp, schedule, m, even_split(L, pp * VIRTUAL), VIRTUAL)
+    if L < pp:
+        raise NotApplicable(f"{pp} stages need at least {pp} blocks; the model has {L}")
+    if L < 2 * pp:
+        return PipelineLayout(pp, schedule, m, even_split(L, pp))
+
+    def totals(k: int) -> list[int]:
+        lay = PipelineLayout(pp, schedule, m, (k,) * pp)
+        return [estimate(strategy, stage_share(profile, lay, r), spec, stage_cl, n, tp).total for r in range(pp)]
+    one, two = totals(1), totals(2)
+    per_block = [b - a for a, b in zip(one, two)]
+    return PipelineLayout(pp, schedule, m, balanced_split(L, [a - d for a, d in zip(one, per_block)], per_block))
 
 
 def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, spec: TrainSpec,
                          cluster: Cluster, names: list[str], shard_size: int | None,
                          search_checkpointing: bool, search_shards: bool = True,
-                         tp: int | None = 1) -> list[tuple[Strategy, int, TrainSpec, int]]:
+                         tp: int | None = 1, pp: int | None = 1, schedule: str | None = None) -> list[tuple]:
     """Every preset x tensor-parallel degree (tp None: every valid one for families that run
-    over tp groups; an int pins it) x its shard sizes (a free-shard preset: every valid size
-    between 1 and the world; --shard-size pins it) x checkpointing {none, selective, full} when
-    it can apply."""
+    over tp groups; an int pins it) x pipeline degree and schedule (pp None: 1, and for
+    families that run stages every pp the cluster allows, pipeline.pp_degrees; an int pins it)
+    x its shard sizes (a free-shard preset: every valid size, or with pp > 1 its default one;
+    --shard-size pins it) x checkpointing {none, selective, full} when it can apply. Items: (strategy, shard
+    size, spec, tp, pp, schedule)."""
     can_ckpt = profile.num_blocks > 0 and (profile.decoder is not None or profile.activation_bytes_per_sample)
     ckpts = list(CKPT_ORDER) if search_checkpointing and can_ckpt else [spec.activation_checkpointing]
-    degrees = tp_degrees(profile, cluster.gpus_per_node) if tp is None else [tp]
+    if pp is None:
+        stages = [1] + ([p for p in pp_degrees(cluster) if 1 < p <= min(profile.num_blocks, MAX_PP)]
+                        if profile.decoder is not None else [])
+    else:
+        stages = [pp]
     out = []
     for name in names:
         s = catalogue[name]
-        for t in degrees:
-            if t > 1 and not s.family_obj.supports_tp and tp is None:
+        for p in stages:
+            if p > 1 and not s.family_obj.supports_pp and pp is None:
                 continue
-            groups = cluster.world_size // t
-            if s.shard_is_free and shard_size is None and search_shards:
-                default = s.shard_size(cluster, None, t)
-                sizes = sorted({default, *(n for n in valid_shard_sizes(cluster.world_size, cluster.gpus_per_node, t)
-                                           if 1 < n < groups)})
-            else:
-                sizes = [s.shard_size(cluster, shard_size, t)]
-            for n in sizes:
-                for ac in ckpts:
-                    out.append((s, n, replace(spec, activation_checkpointing=ac), t))
+            cl = stage_cluster(cluster, p)
+            scheds = [schedule] if schedule else schedules_for(p, spec.gradient_accumulation, profile.num_blocks // p)
+            for t in (tp_degrees(profile, cl.gpus_per_node) if tp is None else [tp]):
+                if t > 1 and not s.family_obj.supports_tp and tp is None:
+                    continue
+                if cl.gpus_per_node % t:          # a pinned tp wider than a stage's GPUs
+                    continue
+                groups = cl.world_size // t
+                if s.shard_is_free and shard_size is None and search_shards and p == 1:
+                    default = s.shard_size(cl, None, t)
+                    sizes = sorted({default, *(n for n in valid_shard_sizes(cl.world_size, cl.gpus_per_node, t)
+                                               if 1 < n < groups)})
+                else:
+                    sizes = [s.shard_size(cl, shard_size, t)]
+                for n in sizes:
+                    for ac in ckpts:
+                        for sched in scheds:
+                            out.append((s, n, replace(spec, activation_checkpointing=ac), t, p,
+                                        sched if p > 1 else None))
     return out
 
 
@@ -196,10 +278,13 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
          catalogue: dict[str, Strategy] | None = None, shard_size: int | None = None,
          strategies: list[str] | None = None, estimator=None, method: str = "analytic",
          search_checkpointing: bool = False, efficiency: float = EFFICIENCY,
-         suggest_fixes: bool = True, search_shards: bool = True, tp: int | None = None) -> Plan:
+         suggest_fixes: bool = True, search_shards: bool = True, tp: int | None = None,
+         pp: int | None = None, schedule: str | None = None) -> Plan:
     """Judge every candidate and choose. With search_checkpointing the planner also tries each
     activation-checkpointing setting (the spec's own is otherwise kept); tp None tries every valid
-    tensor-parallel degree, an int pins it."""
+    tensor-parallel degree, an int pins it; pp None tries every pipeline degree the cluster
+    allows (and the schedules that fit the micro-batch count), an int pins it, as `schedule`
+    pins the schedule."""
     check_job(profile, spec)
     cat = catalogue if catalogue is not None else load_catalogue()
     names = strategies or list(cat)
@@ -217,33 +302,50 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
                               f"{cluster.gpus_per_node} GPUs per node (it must divide the GPUs per node and the "
                               f"attention and key/value heads of a llama-style decoder); valid: "
                               f"{', '.join(map(str, valid))}")
+    if pp is not None:
+        valid = [p for p in pp_degrees(cluster) if p <= max(profile.num_blocks, 1)]
+        if pp not in valid:
+            raise HybridError(f"--pp {pp} is not a valid pipeline degree for {profile.name} on {cluster.describe()} "
+                              f"(it must divide the nodes, or the GPUs of a single node, and be at most the "
+                              f"{profile.num_blocks} blocks); valid: {', '.join(map(str, valid))}")
+    if schedule is not None:
+        PipelineLayout(2, schedule, 1, (1, 1))             # the name check, one line
     todo = enumerate_candidates(cat, profile, spec, cluster, names, shard_size, search_checkpointing,
                                 search_shards=search_shards and estimator is None,
-                                tp=tp if tp is not None or estimator is None else 1)
-    cands = [judge(s, profile, sp, cluster, n, estimator, efficiency, t) for s, n, sp, t in todo]
+                                tp=tp if tp is not None or estimator is None else 1,
+                                pp=pp if pp is not None or estimator is None else 1, schedule=schedule)
+    cands = [judge(s, profile, sp, cluster, n, estimator, efficiency, t, p, sc) for s, n, sp, t, p, sc in todo]
     chosen = choose(cands)
     order = sorted(cands, key=lambda c: (not c.fits, c.memory is None,
                                          c.cost.time_per_token if c.fits else (c.memory.total if c.memory else 0)))
     fixes = ()
     if chosen is None and suggest_fixes and estimator is None:
-        fixes = tuple(suggest(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp))
+        fixes = tuple(suggest(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp, pp))
     return Plan(profile, cluster, spec, tuple(order), chosen, method, fixes)
 
 
-def _fits_with(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp=None) -> Candidate | None:
+def _fits_with(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp=None,
+               pp=None) -> Candidate | None:
     try:
         check_job(profile, spec)
     except HybridError:
         return None
-    todo = enumerate_candidates(cat, profile, spec, cluster, names, None, search_checkpointing, tp=tp)
-    return choose([judge(s, profile, sp, cluster, n, None, efficiency, t) for s, n, sp, t in todo])
+    todo = enumerate_candidates(cat, profile, spec, cluster, names, None, search_checkpointing, tp=tp, pp=pp)
+    return choose([judge(s, profile, sp, cluster, n, None, efficiency, t, p, sc) for s, n, sp, t, p, sc in todo])
 
 
 def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[str, Strategy],
             names: list[str], search_checkpointing: bool, efficiency: float = EFFICIENCY,
-            tp: int | None = None) -> list[str]:
+            tp: int | None = None, pp: int | None = None) -> list[str]:
     """The smallest change along each axis that makes some candidate fit."""
     out = []
+    if pp is not None:      # pp was pinned: would another degree fit?
+        for p in pp_degrees(cluster):
+            c = p > pp and p <= profile.num_blocks and _fits_with(profile, spec, cluster, cat, names, True,
+                                                                  efficiency, tp, p)
+            if c:
+                out.append(f"--pp {p} ({c.label}: {fmt_bytes(c.memory.total)})")
+                break
     if tp is not None:      # tp was pinned: would another degree fit?
         for t in tp_degrees(profile, cluster.gpus_per_node):
             c = t > tp and _fits_with(profile, spec, cluster, cat, names, True, efficiency, t)

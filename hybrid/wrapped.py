@@ -12,6 +12,10 @@ user's point of view; which library call does it is the engine's business (backe
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
 
 from .backends.base import Engine, call_with_batch
 from .errors import HybridError
@@ -128,17 +132,54 @@ class Wrapped:
             with self._guard("step"):
                 result = self.engine.step(sync, None if self._clipped else self.max_grad_norm)
             if sync:
-                if result.norm is not None:
-                    self._norm = result.norm
-                self.optimizer_steps += 1
-                self.skipped_steps += result.skipped
-                if self.scheduler is not None and not result.skipped:
-                    self.scheduler.step()
-                from .mesh import note_step
-                note_step(self.optimizer_steps)
+                self._after_step(result)
         self._backward_done = False
         self._clipped = False
         self._micro = (self._micro + 1) % self.gradient_accumulation
+
+    def train_step(self, batch, loss_fn=None) -> float:
+        """One optimizer step: forward and backward of every micro-batch, clipping, the optimizer
+        and scheduler step. `batch` is this data-parallel rank's share of the step:
+        gradient_accumulation x micro_batch sequences, a tensor of token ids or a dict with
+        `input_ids` (and `labels`, default: the ids; the loss shifts them). The loss is the
+        model's own (labels=) or loss_fn(logits, labels). Returns the step's mean loss over its
+        micro-batches and the data-parallel ranks, the same float on every rank. The one loop
+        that works for every layout, pipelines included."""
+        if self._micro != 0:
+            raise HybridError(f"train_step() in the middle of an accumulation window (micro-batch {self._micro} of "
+                              f"{self.gradient_accumulation}): finish the window with step() first")
+        ids, labels = _ids_and_labels(batch)
+        ga = self.gradient_accumulation
+        if ids.dim() < 2 or ids.shape[0] % ga:
+            raise HybridError(f"train_step needs a batch of gradient_accumulation ({ga}) x micro_batch sequences "
+                              f"(batch, seq); got shape {tuple(ids.shape)}")
+        if getattr(self.engine, "pipelined", False):
+            with self._guard("train_step"):
+                local, result = self.engine.train_step(ids, labels, loss_fn, self.max_grad_norm)
+            self._after_step(result)
+            return _mean_over_ranks(local, self.parallel.pp)
+        losses = []
+        for mb_ids, mb_labels in zip(ids.chunk(ga), labels.chunk(ga)):
+            if loss_fn is None:
+                loss = self({"input_ids": mb_ids, "labels": mb_labels}).loss
+            else:
+                out = self(mb_ids)
+                loss = loss_fn(getattr(out, "logits", out), mb_labels)
+            self.backward(loss)
+            self.step()
+            self.zero_grad()
+            losses.append(loss.detach().float())
+        return _mean_over_ranks(torch.stack(losses).mean(), 1)
+
+    def _after_step(self, result) -> None:
+        if result.norm is not None:
+            self._norm = result.norm
+        self.optimizer_steps += 1
+        self.skipped_steps += result.skipped
+        if self.scheduler is not None and not result.skipped:
+            self.scheduler.step()
+        from .mesh import note_step
+        note_step(self.optimizer_steps)
 
     def zero_grad(self) -> None:
         """Clear gradients after an optimizer step; inside a window it keeps them (accumulating)."""
@@ -210,3 +251,26 @@ class Wrapped:
         return (f"Wrapped({self.strategy.name}, shard_size={self.chosen.shard_size}, "
                 f"world={self.runtime.world_size}, device={self.runtime.device}, "
                 f"gradient_accumulation={self.gradient_accumulation})")
+
+
+def _ids_and_labels(batch):
+    if isinstance(batch, torch.Tensor):
+        return batch, batch
+    if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
+        ids = batch["input_ids"]
+        return ids, batch.get("labels", ids)
+    raise HybridError(f"train_step takes a tensor of token ids or a dict with 'input_ids' (and 'labels'); got "
+                      f"{type(batch).__name__}")
+
+
+def _mean_over_ranks(local: torch.Tensor, pp: int) -> float:
+    """The mean over data-parallel ranks of a per-rank loss held by one rank per pipeline (the
+    last stage; zero elsewhere): a sum over the world divided by the ranks that hold one
+    (tensor-parallel ranks hold the same value, so they count as one each)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return float(local)
+    t = local.detach().float().reshape(()).clone()
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t)
+    return float(t) / (dist.get_world_size() // pp)

@@ -47,7 +47,8 @@ def test_plan_json_contract(capsys):
     doc = json.loads(out)
     check_contract(doc)
     assert doc["model"] == "llama2-7b" and doc["params"] == 6_738_415_616 and doc["world_size"] == 64
-    ddp = next(s for s in doc["strategies"] if s["name"] == "ddp" and s["parallel"]["tp"] == 1)
+    ddp = next(s for s in doc["strategies"] if s["name"] == "ddp" and s["parallel"]["tp"] == 1
+               and s["parallel"]["pp"] == 1)
     assert not ddp["fits"] and "needs" in ddp["reason"]
     chosen = next(s for s in doc["strategies"] if s["name"] == doc["chosen"])
     assert chosen["fits"]

@@ -24,7 +24,7 @@ def test_gpt2_on_one_a100_node_is_plain_ddp():
 
 def test_llama2_7b_on_8x8_h100_shards_inside_a_node():
     p = plan(resolve_model("llama2-7b").profile, TrainSpec(1, 4096), H100_64, search_checkpointing=True)
-    ddp = [c for c in p.candidates if c.name == "ddp" and c.tp == 1]
+    ddp = [c for c in p.candidates if c.name == "ddp" and c.tp == 1 and c.pp == 1]
     assert ddp and not any(c.fits for c in ddp)                 # plain DDP cannot fit
     assert p.chosen.strategy.family != "ddp" and 1 < p.chosen.shard_size <= 8
 
@@ -33,7 +33,8 @@ def test_llama2_70b_shards_across_nodes_or_fully():
     p = plan(resolve_model("llama2-70b").profile, TrainSpec(1, 4096), H100_64, search_checkpointing=True)
     c = p.chosen
     assert c.shard_size > 8 or c.shard_size == 64
-    assert not any(x.fits for x in p.candidates if x.spec.activation_checkpointing == "none" and x.tp == 1)
+    assert not any(x.fits for x in p.candidates if x.spec.activation_checkpointing == "none" and x.tp == 1
+                   and x.pp == 1)
     assert c.spec.activation_checkpointing != "none"           # checkpointing was needed
 
 

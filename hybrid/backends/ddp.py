@@ -77,6 +77,24 @@ def _replicate_over_tp(strategy, model, optimizer_factory, mesh, spec, runtime):
     return FSDPEngine(model, model, optimizer, make_scaler(spec, runtime.device.type, sharded=True), tp=tp)
 
 
+def wrap_stage(strategy, stage, mesh, spec, runtime, options=None):
+    """One pipeline stage replicated over the stage's dp_replicate ranks. torch's DDP under a
+    pipeline schedule breaks its reducer's bucket rebuild (several micro-batches' backward in one
+    iteration: 'rebuilt parameter indices size is not same as original model parameters size'),
+    and its bf16-mixed is autocast around a forward the schedule does not call; so replication
+    runs through FSDP2 on the (dp_replicate, dp_shard=1) mesh, as over tp groups: whole parameters
+    on every replica, one all-reduce of the gradients per step, MixedPrecisionPolicy for bf16."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    materialize(stage, runtime.device)
+    stage.to(device=runtime.device, dtype=torch.bfloat16 if spec.precision == "bf16" else None)
+    tp = prepare(stage, mesh, spec)
+    low = compute_dtype(spec)
+    mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
+    fully_shard(stage, mesh=mesh["dp_replicate", "dp_shard"], reshard_after_forward=False, mp_policy=mp)
+    return stage, tp
+
+
 class _EmulatedDDP(torch.nn.Module):
     """DDP's memory behaviour without its C++ reducer, which reads tensor data and so cannot run
     on fake tensors: the same gradient buckets, allocated at wrap time, with each gradient a view

@@ -80,4 +80,18 @@ def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: Loop
     return FSDPEngine(model, model, optimizer, make_scaler(spec, runtime.device.type, sharded=True), tp=tp)
 
 
+def wrap_stage(strategy, stage, mesh, spec, runtime, options=None):
+    """One pipeline stage sharded as apply() shards a model (its blocks, then the stage as the
+    root unit), over the stage's data-parallel ranks. Returns (module, TensorParallel or None)."""
+    kwargs = fsdp_kwargs(strategy, mesh, spec, runtime)
+    if spec.precision == "bf16" and any(p.dtype != torch.bfloat16 for p in stage.parameters()):
+        stage.to(torch.bfloat16)
+    tp = prepare(stage, mesh, spec)
+    for block in shardable_blocks(stage):
+        fully_shard(block, **kwargs)
+    fully_shard(stage, **kwargs)
+    materialize(stage, "cpu" if strategy.offload_params else runtime.device)
+    return stage, tp
+
+
 traced_apply = apply   # FSDP2 runs as it is under fake tensors and a fake process group

@@ -74,6 +74,8 @@ class Family:
         raise NotImplementedError
 
     supports_tp: bool = True
+    supports_pp: bool = True
+    """Whether the family's wrapper runs on pipeline stages (torch.distributed.pipelining)."""
     """Whether the family runs over tensor-parallel groups (tp > 1)."""
 
     def check_tp(self, s, tp: int) -> None:

@@ -89,6 +89,9 @@ class DeepSpeedFamily(Family):
     emits = "deepspeed"
     keeps_master_copy = True
     supports_tp = False
+    supports_pp = False
+    """DeepSpeed's own PipelineModule engine is a different runtime (its own schedules and
+    checkpoints): not driven from here, so ZeRO candidates have pp 1."""
     """DeepSpeed's AutoTP training path (0.16+) composes with ZeRO 1/2 only, on CUDA, and shards
     by its own module rules: not driven from here (the plan says "not applicable with tp > 1")."""
 

@@ -53,13 +53,23 @@ class FSDPFamily(Family):
         # block's reduce-scatter input in the reduce dtype (its grads themselves: unit_grads)
         lay.buffers_mid = c * (root + head + gathered_blocks) + rb * unit
         lay.buffers_end = c * (2 * root) + rb * root
-        if spec.gradient_accumulation > 1:
+        staged = p.stage is not None and p.stage.pp > 1
+        if spec.gradient_accumulation > 1 or staged:
             # FSDP2's no-sync (set_requires_gradient_sync(False)) keeps every unsharded gradient, in
-            # the compute dtype, from the window's first backward to its last reduce-scatter
+            # the compute dtype, from the window's first backward to its last reduce-scatter; a
+            # pipeline stage always runs so (torch.distributed.pipelining's backward_maybe_with_nosync),
+            # reducing once in perform_reduce_grad after the last micro-batch
             lay.grads_start += P * c
             lay.grads_end += P * c
             lay.notes.append(f"gradient accumulation: unsharded {('bf16' if c == 2 else 'fp32')} gradients are kept "
                              "between micro-batches (reduce-scatter once per window)")
+        if staged:
+            # ... and with set_reshard_after_backward(False): a block's parameters stay gathered
+            # from its backward to the end of the step
+            lay.buffers_mid = c * (root + head + p.num_blocks * unit) + rb * unit
+            lay.buffers_end = c * (root + p.num_blocks * unit) + rb * root
+            lay.notes.append("pipeline stage: FSDP keeps the stage's parameters gathered after their backward "
+                             "until the step's reduce-scatter (torch.distributed.pipelining)")
         return lay
 
 

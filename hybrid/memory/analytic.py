@@ -71,6 +71,8 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
                                   autocast_cache=int(act.autocast_cache / tp), layers=act.layers)
             notes.append(f"tensor parallel {tp}: matrices, embedding and head split {tp} ways; sequence-parallel "
                          "activations; vocab-parallel logits")
+        if profile.stage is not None:
+            act = _stage_activations(act, profile.stage)
     elif profile.activation_bytes_per_sample is not None:
         # probed in fp32; convolution and norm outputs follow the compute dtype (bf16 under
         # autocast too, where no fp32 residual stream exists)
@@ -84,6 +86,7 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
         notes.append("activations unknown: the model is a bare parameter count (model states only)")
         act = ActivationTerms(0, 0, 0, 0, 0, 0)
     acts = act.layers * act.per_layer
+    recv = _receive_buffers(profile, spec, tp)
     unit = profile.block_params if profile.num_blocks else profile.largest_layer_params
     unit_grads = (2 if lay.autocast else spec.bytes.compute) * unit
     moments = {
@@ -97,6 +100,8 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
         "step": dict(grads=lay.grads_end + lay.grads_step, activations=0, temporaries=lay.scratch,
                      buffers=lay.buffers_step),
     }
+    for parts in moments.values():
+        parts["buffers"] += recv
     phase, parts = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     tensors = lay.params + lay.optimizer + sum(parts.values())
     overhead = overhead_bytes(cluster, tensors)
@@ -107,3 +112,24 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
         temporaries=int(parts["temporaries"]), buffers=int(parts["buffers"]), overhead=int(overhead),
         cpu=int(lay.cpu), phase=phase, notes=tuple(notes),
         model_states=int(lay.params + lay.optimizer + lay.grads_end + lay.grads_step))
+
+
+def _stage_activations(act: ActivationTerms, st) -> ActivationTerms:
+    """A pipeline rank keeps the activations of its in-flight micro-batches (per the schedule,
+    hybrid/pipeline.py) for its blocks only; the logits and loss only on the last stage."""
+    return ActivationTerms(per_layer=act.per_layer, recompute=act.recompute,
+                           head_forward=act.head_forward if st.last else 0,
+                           head_backward=act.head_backward if st.last else 0,
+                           autocast_cache=act.autocast_cache, layers=st.in_flight_layers)
+
+
+def _receive_buffers(profile: ModelProfile, spec: TrainSpec, tp: int) -> int:
+    """torch.distributed.pipelining allocates, once, a receive buffer per micro-batch for the
+    stage's input activation (all but the first stage) and for its output's gradient (all but the
+    last): b x s x h each in the compute dtype (a tp rank's sequence-parallel share)."""
+    st = profile.stage
+    if st is None or st.pp == 1:
+        return 0
+    m = spec.gradient_accumulation
+    count = m * ((not st.first) + (not st.last))
+    return int(count * spec.bytes.compute * spec.tokens * st.boundary_elements / tp)

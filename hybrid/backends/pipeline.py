@@ -1,0 +1,273 @@
+"""Pipeline parallelism with torch.distributed.pipelining: the model's blocks cut into stages
+(hybrid.pipeline.PipelineLayout, chosen by the planner), each stage wrapped by the data-parallel
+family over the stage's (dp_replicate, dp_shard) ranks with tensor parallelism inside, and one
+of torch's schedules (GPipe, 1F1B, interleaved 1F1B) running the micro-batches of a step.
+
+Order, as torchtitan applies it: split into stages (the model's own module names kept), then per
+stage tensor parallelism, activation checkpointing and FSDP2/DDP. A tied embedding and head on
+the first and last stage are one Parameter in the model and two copies here: their gradients are
+summed across the two ranks before every step, so the copies stay equal.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..errors import HybridError
+from ..models import causal_lm_loss, pipeline_stage
+from ..profile import names_by_param
+from .base import Engine, StepResult
+
+SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+
+
+class PipelineEngine(Engine):
+    """One optimizer step at a time through train_step; forward/backward per micro-batch do not
+    exist under a pipeline (the schedule interleaves them across ranks)."""
+
+    family = "pipeline"
+    pipelined = True
+
+    def __init__(self, model, chunks, stages, layout, mesh, optimizer, tied_group, renames, tp):
+        container = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
+        super().__init__(model, None, optimizer, None, tp)
+        self.chunks, self.stages, self.layout, self.mesh = chunks, stages, layout, mesh
+        self.container = container
+        self.pp_size = layout.pp
+        self.pp_rank = mesh["pp"].get_local_rank()
+        self.tied_group = tied_group          # (group, [param in this rank's chunks]) or None
+        self.renames = renames                # optimizer-state FQN -> the model's canonical name
+        self.is_first = any(s.is_first for s in stages)
+        self.is_last = any(s.is_last for s in stages)
+        self._schedules: dict = {}
+
+    # --- the loop ------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        raise HybridError("a pipeline runs whole optimizer steps: use loss = w.train_step(batch) (the batch of "
+                          "gradient_accumulation x micro_batch sequences) instead of w(batch) / backward / step")
+
+    def backward(self, loss, accumulation=1, sync=True):
+        self.forward()
+
+    def _schedule(self, loss_fn):
+        from torch.distributed import pipelining
+        key = id(loss_fn)
+        if key not in self._schedules:
+            cls = getattr(pipelining, SCHEDULE_CLASSES[self.layout.schedule])
+            fn = _LossFn(loss_fn)
+            if self.layout.virtual == 1:
+                self._schedules[key] = cls(self.stages[0], n_microbatches=self.layout.micro_batches, loss_fn=fn)
+            else:
+                self._schedules[key] = cls(self.stages, n_microbatches=self.layout.micro_batches, loss_fn=fn)
+        return self._schedules[key]
+
+    def train_step(self, input_ids, labels, loss_fn, max_norm) -> tuple[torch.Tensor, StepResult]:
+        """Every micro-batch forward and backward through the schedule, the tied gradients summed,
+        clipping, the optimizer step. Returns (this rank's mean micro-batch loss on the last stage,
+        else zero; the step result)."""
+        schedule = self._schedule(loss_fn)
+        losses: list = []
+        args = (input_ids.to(self.stages[0].device),) if self.is_first else ()
+        kwargs = {}
+        if self.is_last:
+            kwargs = {"target": labels.to(self.stages[0].device), "losses": losses}
+        with self._tp_context():
+            schedule.step(*args, **kwargs)
+        self._sum_tied_grads()
+        result = super().step(True, max_norm)
+        self.zero_grad()
+        local = torch.stack([x.detach().float() for x in losses]).mean() if losses else torch.zeros(())
+        return local, result
+
+    def _sum_tied_grads(self) -> None:
+        if self.tied_group is None:
+            return
+        group, params = self.tied_group
+        for p in params:
+            if p.grad is not None:
+                dist.all_reduce(getattr(p.grad, "_local_tensor", p.grad), group=group)
+
+    def _grad_params(self):
+        return [p for c in self.chunks for p in c.parameters() if p.grad is not None]
+
+    def total_norm(self) -> torch.Tensor:
+        """Every stage's gradients, each counted once: a rank's share divided by the ranks of its
+        stage that hold a replica, the tied head's copy left out on the last stage, one
+        all-reduce over the world."""
+        skip = {id(p) for p in self.tied_group[1]} if self.tied_group is not None and not self.is_first else set()
+        stage_world = dist.get_world_size() // self.pp_size
+        total = torch.zeros((), dtype=torch.float32)
+        for p in self._grad_params():
+            if id(p) in skip:
+                continue
+            g = p.grad
+            if hasattr(g, "_local_tensor"):
+                mesh = g.device_mesh
+                copies = (stage_world // mesh.size()) * math.prod(
+                    mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate())
+                local = g._local_tensor
+            else:
+                copies, local = stage_world, g
+            total = total + (torch.linalg.vector_norm(local, 2.0, dtype=torch.float32) ** 2 / copies).cpu()
+        total = total.to(self.stages[0].device)
+        dist.all_reduce(total)
+        return total.sqrt()
+
+    # --- state ---------------------------------------------------------------------------------
+    def full_state_dict(self):
+        """Every stage's unsharded state, gathered to every rank (a collective)."""
+        mine = {}
+        for c in self.chunks:
+            for k, v in c.state_dict().items():
+                full = v.full_tensor() if hasattr(v, "full_tensor") else v
+                mine[_strip(k)] = full.detach().to("cpu", copy=True)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        out = {}
+        for part in gathered:
+            out.update(part)
+        return {k: out[k] for k in self.model.state_dict() if k in out}
+
+    def checkpoint_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        from .base import _OPTIONS
+        model = {}
+        for c in self.chunks:
+            model.update(get_model_state_dict(c, options=_OPTIONS()))
+        optim = get_optimizer_state_dict(self.container, self.optimizer, options=_OPTIONS())
+        return {"model": model, "optim": {self._rename(k): v for k, v in optim.items()}}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        from .base import _OPTIONS
+        for c in self.chunks:
+            mine = {k for k in get_model_state_dict_keys(c)}
+            set_model_state_dict(c, {k: v for k, v in state["model"].items() if k in mine}, options=_OPTIONS())
+        back = {v: k for k, v in self.renames.items()}
+        optim = {}
+        for k, v in state["optim"].items():
+            optim[_rename_key(k, back)] = v
+        set_optimizer_state_dict(self.container, self.optimizer, optim, options=_OPTIONS())
+
+    def _rename(self, key: str) -> str:
+        return _rename_key(key, self.renames)
+
+    def tensor_roles(self):
+        params = [p for c in self.chunks for p in c.parameters()]
+        from .base import optimizer_tensors
+        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
+                "optimizer": optimizer_tensors(self.optimizer, params)}
+
+
+class _LossFn:
+    """The last stage's loss: the user's loss_fn(logits, labels), else the causal-LM loss the
+    models compute from `labels` (next-token cross entropy in fp32, mean over tokens)."""
+
+    def __init__(self, fn):
+        self.fn = fn or causal_lm_loss
+
+    def __call__(self, output, target):
+        logits = getattr(output, "logits", output)
+        if hasattr(logits, "full_tensor"):
+            logits = logits.full_tensor()
+        return self.fn(logits, target)
+
+
+def get_model_state_dict_keys(module) -> list[str]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from .base import _OPTIONS
+    return list(get_model_state_dict(module, options=_OPTIONS()).keys())
+
+
+def _strip(key: str) -> str:
+    """A wrapper's prefix off a state-dict key (DDP's `module.`)."""
+    return key[len("module."):] if key.startswith("module.") else key
+
+
+def _rename_key(key: str, names: dict[str, str]) -> str:
+    """A flattened optimizer-state key ('state.<fqn>.<k>' / 'param_groups.<fqn>.<k>') with its
+    parameter name replaced per `names` (container prefixes '<i>.' included)."""
+    for head in ("state.", "param_groups."):
+        if key.startswith(head):
+            rest = key[len(head):]
+            for old, new in names.items():
+                if rest.startswith(old + "."):
+                    return head + new + rest[len(old):]
+    return key
+
+
+def _tied_group(tied, chunks, layout, mesh, pp_rank):
+    """The process group joining the first and last stage's ranks of this rank's (dp, tp)
+    coordinates, and this rank's copies of the tied parameters (`tied`: groups of names that
+    shared one Parameter before the stages were wrapped); None when nothing is tied. Every rank
+    creates every pair's group (new_group is collective)."""
+    if not tied or layout.pp == 1:
+        return None
+    ranks = mesh.mesh                                     # (pp, dp_replicate, dp_shard, tp) tensor of ranks
+    me = dist.get_rank()
+    mine = None
+    for coord in torch.cartesian_prod(*[torch.arange(n) for n in ranks.shape[1:]]).reshape(-1, 3).tolist():
+        r0, r1 = int(ranks[(0, *coord)]), int(ranks[(-1, *coord)])
+        g = mesh["pp"].get_group() if layout.pp == 2 and me in (r0, r1) else None
+        if layout.pp > 2:
+            g = dist.new_group([r0, r1])
+        if me in (r0, r1):
+            mine = g
+    if pp_rank not in (0, layout.pp - 1):
+        return None
+    alias = {n for names in tied for n in names}
+    params = [p for c in chunks for n, p in c.named_parameters(remove_duplicate=False) if _strip(n) in alias]
+    return (mine, params) if params else None
+
+
+def apply_pipeline(strategy, model, optimizer_factory, mesh, spec, runtime, layout, options=None) -> PipelineEngine:
+    """Cut `model` into this rank's stages, wrap each with the family over the stage's ranks,
+    and build the schedule's stages (torch.distributed.pipelining.PipelineStage)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    family_runtime = strategy.family_obj.runtime()
+    if not hasattr(family_runtime, "wrap_stage"):
+        raise HybridError(f"{strategy.name}: {strategy.family} strategies do not run pipeline stages; use an fsdp or "
+                          "ddp strategy with pp")
+    if spec.precision == "fp16-mixed":
+        raise HybridError("fp16-mixed loss scaling is not wired through pipeline schedules; use bf16-mixed or fp32 "
+                          "with pp > 1")
+    pp_rank = mesh["pp"].get_local_rank()
+    tied = [names for names in names_by_param(model).values() if len(names) > 1]
+    canonical = {n: names[0] for names in tied for n in names[1:]}
+    chunks, stages, renames, tp = [], [], {}, None
+    local = layout.rank_stages(pp_rank)
+    for k, index in enumerate(local):
+        lo, hi = layout.stage_range(index)
+        chunk = pipeline_stage(model, lo, hi, first=index == 0, last=index == layout.stages - 1)
+        prefix = "" if len(local) == 1 else f"{k}."
+        for n, _ in chunk.named_parameters(remove_duplicate=False):
+            if n in canonical:
+                renames[prefix + n] = canonical[n]
+        wrapped, tp = family_runtime.wrap_stage(strategy, chunk, mesh, spec, runtime, options)
+        chunks.append(wrapped)
+        stages.append(PipelineStage(wrapped, index, layout.stages, runtime.device, group=mesh["pp"].get_group()))
+    _free_others(model, chunks)
+    params = [p for c in chunks for p in c.parameters() if p.requires_grad]
+    optimizer = optimizer_factory(params)
+    return PipelineEngine(model, chunks, stages, layout, mesh, optimizer,
+                          _tied_group(tied, chunks, layout, mesh, pp_rank), renames, tp)
+
+
+def _free_others(model, chunks) -> None:
+    """Parameters of the blocks other ranks run move to the meta device: the model object keeps
+    every name and shape (checkpoints describe the whole model) and no memory for them."""
+    held = {id(m) for c in chunks for m in c.modules()}
+    kept = {id(q) for c in chunks for q in c.parameters()}
+    for m in model.modules():
+        if id(m) in held:
+            continue
+        for name, p in list(m._parameters.items()):
+            if p is not None and p.device.type != "meta" and id(p) not in kept:
+                m._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
