@@ -132,6 +132,23 @@ def _estimator(args, src, cluster):
                 "factory": "the factory's model"}[result.implementation]
         note = f"{args.method} on {impl} ({result.implementation})"
         return dataclasses.replace(result.memory, notes=result.memory.notes + (note,))
+
+    def stage(strategy, spec, n, tp, layout, rank):
+        """The busiest pipeline rank, traced in a fresh process (a fake process group per rank)."""
+        import multiprocessing as mp
+
+        from .memory.traced import traced_stage_in_process
+        print(f"hybrid: tracing {strategy.name} pp rank {rank} of {layout.pp} ...", end="", file=sys.stderr, flush=True)
+        ctx = mp.get_context("spawn")
+        with ctx.Pool(1) as pool:
+            result = pool.apply(traced_stage_in_process, (src.ref, strategy.name, args.strategies_dir, spec, cluster,
+                                                          n if strategy.shard_is_free else None, tp, layout, rank))
+        print(f" {result.seconds:.1f}s", file=sys.stderr, flush=True)
+        note = f"traced pp rank {rank} (the busiest) on hybrid's own implementation"
+        return dataclasses.replace(result.memory, notes=result.memory.notes + (note,))
+
+    if args.method == "traced":
+        estimator.stage = stage
     return estimator
 
 
@@ -146,16 +163,21 @@ def _plan(args, strategies=None, search=False):
     cat = load_catalogue(args.strategies_dir)
     for name in strategies or ():
         get_strategy(name, cat)
+    traced_stages = args.method == "traced" and (args.pp or 1) > 1    # a pinned pipeline: any tp
     tp = args.tp if args.tp is not None else (None if search else 1)
-    if tp != 1 and args.method != "analytic":
+    if tp != 1 and args.method != "analytic" and not traced_stages:
         if args.tp is not None:
-            raise HybridError(f"--method {args.method} runs tp 1 only for now; use --method analytic for --tp {args.tp}")
+            raise HybridError(f"--method {args.method} runs tp 1 only for now (traced: with --pp); use --method "
+                              f"analytic for --tp {args.tp}")
+        tp = 1
+    if traced_stages and tp is None:
         tp = 1
     pp = args.pp if args.pp is not None else (None if search else 1)
     if pp != 1 and args.method != "analytic":
-        if args.pp is not None:
-            raise HybridError(f"--method {args.method} runs pp 1 only for now; use --method analytic for --pp {args.pp}")
-        pp = 1
+        if args.pp is not None and args.method != "traced":
+            raise HybridError(f"--method {args.method} runs pp 1 only; use --method traced or analytic for "
+                              f"--pp {args.pp}")
+        pp = args.pp or 1            # traced: a pinned pp only (its busiest rank traced per candidate)
     return plan(src.profile, spec, cluster, cat, args.shard_size, strategies=strategies, tp=tp, pp=pp,
                 schedule=args.schedule,
                 estimator=_estimator(args, src, cluster), method=args.method,

@@ -218,17 +218,21 @@ class DecoderStage(nn.Module):
         if last:
             self.norm, self.lm_head = model.norm, model.lm_head
         self._attention = model.blocks[0].attn.attention
+        self.tp_mesh = None
+        """Set by tensor parallelism: the residual stream (between blocks, and across the stage
+        boundary) is then this rank's sequence shard, as sequence parallelism keeps it."""
         if model.config.style == "llama":
             self.register_buffer("inv_freq", model.inv_freq, persistent=False)
 
     def forward(self, x):
         cfg = self.config
+        b, s = x.shape[0], x.shape[1]
         if self.first:
-            s = x.shape[1]
             x = self.embed(x)
             if self.pos_embed is not None:
                 x = x + self.pos_embed(torch.arange(s, device=x.device))
-        b, s = x.shape[0], x.shape[1]
+        elif self.tp_mesh is not None:          # this rank's sequence shard of the residual stream
+            s *= self.tp_mesh.size()
         rope = None
         if cfg.style == "llama":
             t = torch.arange(s, device=x.device, dtype=torch.float32)

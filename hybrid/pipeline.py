@@ -40,6 +40,25 @@ def in_flight(schedule: str, pp: int, m: int, rank: int, virtual: int = 1) -> in
     return min(warmup + 1, m * virtual)
 
 
+def rank_actions(schedule: str, pp: int, m: int, rank: int) -> list[tuple[str, int]]:
+    """The order rank `rank` runs its micro-batches' forward ("F") and backward ("B") in, for the
+    single-chunk schedules (the order torch's ScheduleGPipe and Schedule1F1B follow)."""
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    if schedule != "1f1b":
+        raise HybridError(f"rank_actions covers gpipe and 1f1b, not {schedule!r}")
+    warmup = min(pp - 1 - rank, m)
+    out = [("F", i) for i in range(warmup)]
+    f, b = warmup, 0
+    while b < m:
+        if f < m:
+            out.append(("F", f))
+            f += 1
+        out.append(("B", b))
+        b += 1
+    return out
+
+
 def bubble(schedule: str, pp: int, m: int, virtual: int = 1) -> float:
     """Idle fraction of a step: (pp - 1) slots of a micro-batch's stage time out of m + pp - 1
     (interleaved: chunk slots, v times more of them for the same bubble)."""

@@ -164,6 +164,9 @@ def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: C
             m = estimate(strategy, profile, spec, cluster, n, tp)
         if estimator is not None and tp == 1 and pp == 1:
             m = estimator(strategy, spec, n)
+        elif estimator is not None and pp > 1 and hasattr(estimator, "stage"):
+            busiest = max(range(pp), key=lambda r: stages[r].total)
+            m = estimator.stage(strategy, spec, n, tp, layout, busiest)
     except NotApplicable as e:
         return Candidate(strategy, dims, spec, None, False, f"not applicable: {e}")
     cost = step_cost(strategy, profile, spec, cluster, n, efficiency, tp, layout)
@@ -314,6 +317,8 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
                                 search_shards=search_shards and estimator is None,
                                 tp=tp if tp is not None or estimator is None else 1,
                                 pp=pp if pp is not None or estimator is None else 1, schedule=schedule)
+    if estimator is not None and (pp or 1) > 1:         # a traced pipeline: its families and schedules
+        todo = [t for t in todo if t[0].family_obj.supports_pp and (schedule or t[5]) != "interleaved"]
     cands = [judge(s, profile, sp, cluster, n, estimator, efficiency, t, p, sc) for s, n, sp, t, p, sc in todo]
     chosen = choose(cands)
     order = sorted(cands, key=lambda c: (not c.fits, c.memory is None,

@@ -70,6 +70,8 @@ def ranking_table(cands: list[Candidate], chosen: Candidate | None = None) -> st
             continue
         cost = c.cost
         note = c.memory.describe_largest() if c.fits else c.reason
+        if c.fits and c.pipeline is not None:
+            note += f"; bubble {c.pipeline.bubble:.0%}"
         lines.append(f"{mark}{c.label:<{w}}{c.shard_size:>6}{fmt_bytes(c.memory.total):>11}"
                      f"{_fits(c):>6}{cost.seconds:>9.3f}{cost.tokens_per_s_per_gpu:>11,.0f}"
                      f"{cost.mfu:>7.1%}  {note}")

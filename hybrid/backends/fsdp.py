@@ -29,11 +29,14 @@ class FSDPEngine(Engine):
 
     def tensor_roles(self):
         roles = super().tensor_roles()
-        # the unsharded (all-gathered) parameters: communication buffers, freed and re-made per use
-        roles["buffers"] = [t for m in self.model.modules() if isinstance(m, FSDPModule)
-                            for group in _param_groups(m) for fp in group.fsdp_params
-                            for t in fp.all_gather_outputs]
+        roles["buffers"] = gathered_params(self.model)
         return roles
+
+
+def gathered_params(model) -> list:
+    """The unsharded (all-gathered) parameters: communication buffers, freed and re-made per use."""
+    return [t for m in model.modules() if isinstance(m, FSDPModule)
+            for group in _param_groups(m) for fp in group.fsdp_params for t in fp.all_gather_outputs]
 
 
 def _param_groups(module):

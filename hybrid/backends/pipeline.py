@@ -79,7 +79,7 @@ class PipelineEngine(Engine):
         self._sum_tied_grads()
         result = super().step(True, max_norm)
         self.zero_grad()
-        local = torch.stack([x.detach().float() for x in losses]).mean() if losses else torch.zeros(())
+        local = (torch.stack([_plain(x).detach().float() for x in losses]).mean() if losses else torch.zeros(()))
         return local, result
 
     def _sum_tied_grads(self) -> None:
@@ -172,10 +172,12 @@ class _LossFn:
         self.fn = fn or causal_lm_loss
 
     def __call__(self, output, target):
-        logits = getattr(output, "logits", output)
-        if hasattr(logits, "full_tensor"):
-            logits = logits.full_tensor()
-        return self.fn(logits, target)
+        return self.fn(getattr(output, "logits", output), target)     # vocab shards: under loss_parallel
+
+
+def _plain(t):
+    """A loss computed on vocab shards is a replicated DTensor."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def get_model_state_dict_keys(module) -> list[str]:

@@ -36,14 +36,19 @@ class TensorParallel:
         return loss_parallel()
 
 
-def _our_plan(model, cfg):
+def _our_plan(model, cfg, blocks=None, first=True, last=True):
+    """blocks: the block indices present (a pipeline stage's), default all; first/last: whether
+    the embedding / the final norm and head are present."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel)
-    plan = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
-    for i in range(cfg.layers):
+    plan = {}
+    if first:
+        plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if last:
+        plan["norm"] = SequenceParallel()
+        plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    for i in (range(cfg.layers) if blocks is None else blocks):
         b = f"blocks.{i}"
         plan.update({
             f"{b}.norm1": SequenceParallel(), f"{b}.norm2": SequenceParallel(),
@@ -102,8 +107,17 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> TensorParallel:
     """Shard the model's matrices over `tp_mesh` in place; a tied embedding/head stays tied."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from ..models import Decoder
+    from ..models import Decoder, DecoderStage
     tp = tp_mesh.size()
+    if isinstance(model, DecoderStage):
+        # a pipeline stage of our decoder: its blocks (and embedding / head); the residual stream
+        # crosses the stage boundary as this rank's sequence shard, a plain tensor
+        if model.config.style != "llama":
+            raise HybridError("tensor parallelism needs separate q/k/v projections; gpt2 fuses them: use tp=1")
+        plan, loss_parallel = _our_plan(model, model.config, [int(k) for k in model.blocks], model.first, model.last)
+        parallelize_module(model, tp_mesh, plan)
+        model.tp_mesh = tp_mesh
+        return TensorParallel(tp, loss_parallel and model.last)
     check_tensor_parallel(model, tp)
     tied = isinstance(model, Decoder) and model.lm_head.weight is model.embed.weight
     plan, loss_parallel = _our_plan(model, model.config) if isinstance(model, Decoder) else _hf_plan(model)

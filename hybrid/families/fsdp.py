@@ -34,7 +34,9 @@ class FSDPFamily(Family):
         P = p.trainable_params
         unit = p.block_params if p.num_blocks else p.params
         root = p.root_params if p.num_blocks else 0
-        head = (p.decoder.vocab * p.decoder.hidden) if p.decoder else root
+        # the head's (or embedding's) unsharded gradient: its tensor-parallel share, none on a
+        # middle pipeline stage (the root holds it, as tp_share and stage_share count it)
+        head = min(p.decoder.vocab * p.decoder.hidden, root) if p.decoder else root
         lay = Layout()
         sharded = dict(params=p.params * b.param / n, optimizer=optimizer_elements(p, spec) * b.state / n,
                        grads=P * b.grad / n, scratch=scratch_elements(p, spec) * b.state / n)
@@ -54,20 +56,28 @@ class FSDPFamily(Family):
         lay.buffers_mid = c * (root + head + gathered_blocks) + rb * unit
         lay.buffers_end = c * (2 * root) + rb * root
         staged = p.stage is not None and p.stage.pp > 1
-        if spec.gradient_accumulation > 1 or staged:
-            # FSDP2's no-sync (set_requires_gradient_sync(False)) keeps every unsharded gradient, in
-            # the compute dtype, from the window's first backward to its last reduce-scatter; a
-            # pipeline stage always runs so (torch.distributed.pipelining's backward_maybe_with_nosync),
-            # reducing once in perform_reduce_grad after the last micro-batch
-            lay.grads_start += P * c
-            lay.grads_end += P * c
-            lay.notes.append(f"gradient accumulation: unsharded {('bf16' if c == 2 else 'fp32')} gradients are kept "
+        if staged:
+            # a pipeline stage reduce-scatters once, after its last micro-batch (perform_reduce_grad):
+            # until then only the accumulated unsharded gradients exist, then only the shards
+            acc = P * rb
+            lay.grads_step = lay.grads_end - acc
+            lay.grads_start = lay.grads_end = acc
+        if spec.gradient_accumulation > 1 and not staged:
+            # FSDP2's no-sync (set_requires_gradient_sync(False)) keeps every unsharded gradient
+            # from the window's first backward to its last reduce-scatter, upcast to the reduce
+            # dtype to accumulate (FSDPParam.to_accumulated_grad_if_needed: fp32 under bf16-mixed);
+            # a pipeline stage always runs so (torch.distributed.pipelining's
+            # backward_maybe_with_nosync), reducing once in perform_reduce_grad after the last
+            # micro-batch
+            lay.grads_start += P * rb
+            lay.grads_end += P * rb
+            lay.notes.append(f"gradient accumulation: unsharded {('bf16' if rb == 2 else 'fp32')} gradients are kept "
                              "between micro-batches (reduce-scatter once per window)")
         if staged:
             # ... and with set_reshard_after_backward(False): a block's parameters stay gathered
-            # from its backward to the end of the step
-            lay.buffers_mid = c * (root + head + p.num_blocks * unit) + rb * unit
-            lay.buffers_end = c * (root + p.num_blocks * unit) + rb * root
+            # from its backward until its next forward reshards them; all the blocks' at the end
+            # of a backward (the stage root's are resharded: traced)
+            lay.buffers_end = c * p.num_blocks * unit
             lay.notes.append("pipeline stage: FSDP keeps the stage's parameters gathered after their backward "
                              "until the step's reduce-scatter (torch.distributed.pipelining)")
         return lay

@@ -20,7 +20,7 @@ from ..profile import ModelProfile, tp_share
 from ..spec import TrainSpec
 from .activations import ActivationTerms, activation_terms
 from .breakdown import MemoryBreakdown, overhead_bytes
-from .layout import FP32, NotApplicable
+from .layout import FP32, NotApplicable, reduce_bytes
 
 __all__ = ["NotApplicable", "check_job", "estimate", "layout_of"]
 
@@ -100,6 +100,26 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
         "step": dict(grads=lay.grads_end + lay.grads_step, activations=0, temporaries=lay.scratch,
                      buffers=lay.buffers_step),
     }
+    st = profile.stage
+    staged = st is not None and st.pp > 1
+    ends = [act.recompute + unit_grads] if staged else []      # a stage's backward ends in its first block
+    if tp > 1 and profile.decoder is not None and (st is None or st.first):
+        # DTensor's embedding backward (vocab-sharded weight, replicated ids) makes the whole
+        # vocab x hidden gradient, not the shard (seen in the traced runs); where FSDP accumulates
+        # unsharded gradients, its reduce-dtype copy is whole too and stays until the step (grads
+        # count only the shard's)
+        full = whole.decoder.vocab * whole.decoder.hidden
+        ends.append(full * spec.bytes.compute)
+        if spec.gradient_accumulation > 1 or staged:
+            extra = full * reduce_bytes(spec) * (1 - 1 / tp)
+            for name in ("loss", "blocks", "grads"):
+                moments[name]["grads"] += extra
+    moments["grads"]["temporaries"] += max(ends, default=0)
+    if staged:
+        # ... while its other in-flight micro-batches keep their activations (1F1B: in-flight - 1
+        # of them), with every gradient (and, under FSDP, every block's parameters gathered since
+        # that backward) present
+        moments["grads"]["activations"] = act.per_layer * (st.in_flight_layers - st.blocks)
     for parts in moments.values():
         parts["buffers"] += recv
     phase, parts = max(moments.items(), key=lambda kv: sum(kv[1].values()))

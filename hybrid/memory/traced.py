@@ -174,3 +174,113 @@ def _account(tracker, strategy: Strategy, source: ModelSource, spec: TrainSpec, 
     else:
         parts, phase = tracker.peak_breakdown(), tracker.peak_phase
     return MemoryBreakdown.from_tensors(parts, cluster, cpu=int(cpu), phase=phase, notes=tuple(notes))
+
+
+def traced_stage_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cluster,
+                          shard_size: int | None, tp: int, layout, pp_rank: int, steps: int = 2) -> Traced:
+    """One pipeline rank of the real job on fake tensors: its stage cut from the model and
+    wrapped as the runtime wraps it (backends/pipeline.py: the family's wrap_stage over the
+    stage's ranks of a fake process group of the whole world), its micro-batches run in the
+    schedule's order (pipeline.rank_actions) with the backward and the step-end reduction of
+    torch.distributed.pipelining's own PipelineStage, the received activations and gradients in
+    per-micro-batch receive buffers as that library allocates them. gpipe and 1f1b."""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.pipelining import PipelineStage
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ..auto import prepare_for_training
+    from ..backends.fsdp import gathered_params
+    from ..backends.base import optimizer_tensors
+    from ..mesh import Runtime, build_mesh
+    from ..models import causal_lm_loss, pipeline_stage
+    from ..parallel import ParallelDims
+    from ..pipeline import rank_actions, stage_cluster
+    from ..profile import stage_share
+    from .tracker import MemoryTracker
+
+    check_traceable(source)
+    if dist.is_initialized():
+        raise HybridError("a traced estimate starts its own fake process group; run it outside a "
+                          "distributed job (e.g. from the CLI)")
+    if layout.virtual != 1:
+        raise HybridError("a traced pipeline estimate runs gpipe and 1f1b; use --method analytic for interleaved")
+    stage_cl = stage_cluster(cluster, layout.pp)
+    n = strategy.shard_size(stage_cl, shard_size, tp)
+    layout_of(strategy, stage_share(source.profile, layout, pp_rank), spec, stage_cl, n)   # NotApplicable first
+    d = source.profile.decoder
+    m, world = layout.micro_batches, cluster.world_size
+    start = time.perf_counter()
+    dist.init_process_group("fake", store=FakeStore(), rank=pp_rank * (world // layout.pp), world_size=world)
+    try:
+        runtime = Runtime(torch.device("cpu"), "fake", world, dist.get_rank(), cluster.gpus_per_node)
+        dims = ParallelDims(dp_replicate=stage_cl.world_size // tp // n, dp_shard=n, tp=tp, pp=layout.pp)
+        mesh = build_mesh(dims, runtime, cluster.gpus_per_node)
+        dtype = torch.bfloat16 if spec.precision == "bf16" else None
+        index = layout.rank_stages(pp_rank)[0]
+        first, last = index == 0, index == layout.stages - 1
+        with FakeTensorMode(allow_non_fake_inputs=True), _unpacked_batches(), _real_mesh_arithmetic():
+            # the whole model on fake tensors, outside the tracker: only what the stage's wrapping
+            # allocates (its sharded parameters) and the steps count
+            model, impl = source.build(device="cpu", attention=spec.attention, prefer_hf=False, dtype=dtype)
+            prepare_for_training(model)
+            lo, hi = layout.stage_range(index)
+            chunk = pipeline_stage(model, lo, hi, first, last)
+            del model
+            tracker = MemoryTracker()
+            with tracker:
+                chunk, tp_state = strategy.family_obj.runtime().wrap_stage(strategy, chunk, mesh, spec, runtime)
+                tp_context = tp_state.context if tp_state is not None else contextlib.nullcontext
+                stage = PipelineStage(chunk, index, layout.stages, torch.device("cpu"), group=mesh["pp"].get_group())
+                optimizer = optimizer_factory(spec)([p for p in chunk.parameters() if p.requires_grad])
+                tracker.relabel(list(chunk.parameters()), "params")
+                tracker.reset_peak()
+                act = spec.bytes.compute
+                low = {2: torch.bfloat16, 4: torch.float32}[act]
+                boundary = (spec.micro_batch, spec.seq_len // tp, d.hidden)      # a tp rank's sequence shard
+                recv = [torch.empty(boundary, dtype=low) for _ in range(m)] if not first else []
+                grads_in = [torch.empty(boundary, dtype=low) for _ in range(m)] if not last else []
+                tracker.relabel(recv + grads_in, "buffers")
+                ids = torch.randint(0, d.vocab, (spec.micro_batch, spec.seq_len))
+                for _ in range(steps):
+                    live = {}
+                    for kind, mb in rank_actions(layout.schedule, layout.pp, m, pp_rank):
+                        if kind == "F":
+                            tracker.phase = "forward"
+                            x = ids if first else recv[mb].detach().requires_grad_(True)
+                            with tp_context():
+                                out = chunk(x)
+                                if last:
+                                    tracker.phase = "loss"
+                                    out = causal_lm_loss(out, ids)
+                            live[mb] = (x, out)
+                        else:
+                            tracker.phase = "blocks"
+                            x, out = live.pop(mb)
+                            with tp_context():
+                                stage.backward_maybe_with_nosync(
+                                    "full", {"stage_output": out, "output_grads": None if last else grads_in[mb],
+                                             "input_values": [] if first else [x]}, last_backward=mb == m - 1)
+                            del x, out
+                    stage.perform_reduce_grad(m)
+                    params = list(chunk.parameters())
+                    tracker.relabel([p.grad for p in params if p.grad is not None], "grads")
+                    tracker.phase = "step"
+                    optimizer.step()
+                    tracker.relabel(optimizer_tensors(optimizer, params), "optimizer")
+                    tracker.relabel(gathered_params(chunk), "buffers")
+                    optimizer.zero_grad(set_to_none=True)
+    finally:
+        dist.destroy_process_group()
+    memory = MemoryBreakdown.from_tensors(tracker.peak_breakdown(), cluster, phase=tracker.peak_phase)
+    return Traced(memory, impl, time.perf_counter() - start)
+
+
+def traced_stage_in_process(ref: str, strategy_name: str, strategies_dir, spec: TrainSpec, cluster: Cluster,
+                            shard_size, tp: int, layout, rank: int) -> Traced:
+    """traced_stage_estimate from picklable arguments (for a fresh process per rank)."""
+    from ..catalogue import load_catalogue
+    from ..profile import resolve_model
+    return traced_stage_estimate(resolve_model(ref), load_catalogue(tuple(strategies_dir or ())).get(strategy_name),
+                                 spec, cluster, shard_size, tp, layout, rank)
