@@ -89,14 +89,21 @@ def torchtitan_toml(c: Candidate, p: Plan) -> str:
              f"data_parallel_shard_degree = {d.dp_shard}",
              f"fsdp_reshard_after_forward = \"{'default' if s.reshard_after_forward else 'never'}\"",
              f"tensor_parallel_degree = {d.tp}",
-             f"pipeline_parallel_degree = {d.pp}",
-             "", "[activation_checkpoint]", f"mode = \"{ac}\""]
+             f"pipeline_parallel_degree = {d.pp}"]
+    if c.pipeline is not None:
+        # torchtitan's schedule names (torch.distributed.pipelining class names without "Schedule");
+        # its micro-batch is a slice of local_batch_size
+        name = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}[c.pipeline.schedule]
+        lines += [f"pipeline_parallel_schedule = \"{name}\"",
+                  f"pipeline_parallel_microbatch_size = {c.spec.micro_batch}"]
+    lines += ["", "[activation_checkpoint]", f"mode = \"{ac}\""]
     if ac == "selective":
         lines += ["# hybrid's selective keeps every matmul and attention output; torchtitan's op-level",
                   "# policy keeps every second matmul output, so it holds somewhat less than the estimate",
                   "selective_ac_option = \"op\""]
     mixed = {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}.get(c.spec.precision)
-    lines += ["", "[training]", f"local_batch_size = {c.spec.micro_batch}",
+    local = c.spec.micro_batch * (c.pipeline.micro_batches if c.pipeline is not None else 1)
+    lines += ["", "[training]", f"local_batch_size = {local}",
               f"global_batch_size = {c.spec.micro_batch * c.spec.gradient_accumulation * d.dp_size}",
               f"seq_len = {c.spec.seq_len}"]
     if mixed:
@@ -128,6 +135,9 @@ def accelerate_yaml(c: Candidate, p: Plan, profile: ModelProfile) -> str:
     import yaml
 
     spec, d = c.spec, c.parallel
+    if c.pipeline is not None:
+        raise HybridError(f"{c.label}: Accelerate has no pipeline stages for FSDP or DeepSpeed plans; emit a pp 1 "
+                          "layout (--pp 1) or use --emit torchtitan")
     keys, notes = c.strategy.family_obj.accelerate(c, _layer_class(profile))
     cfg = {"compute_environment": "LOCAL_MACHINE", "distributed_type": keys.pop("distributed_type"),
            "mixed_precision": _MIXED.get(spec.precision, "no"),

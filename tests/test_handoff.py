@@ -120,3 +120,12 @@ def test_auto_wrap_takes_the_job_file_and_arguments_win(tmp_path, caplog):
     bad.write_text("seq_len: 16\nmicro_bacth: 2\n")
     with pytest.raises(Exception, match=r"bad.yaml:2: unknown key 'micro_bacth'"):
         auto_wrap(build_decoder(TINY, seed=0), config=str(bad))
+
+
+def test_torchtitan_toml_carries_the_pipeline(capsys):
+    out, _ = _run(capsys, "plan", "llama3.1-405b", "--nodes", "16", "--seq-len", "8192", "--gradient-accumulation",
+                  "32", "--strategy", "fsdp-grad-op", "--emit", "torchtitan")
+    par = tomllib.loads(out)["parallelism"]
+    assert (par["pipeline_parallel_degree"], par["tensor_parallel_degree"]) == (16, 8)
+    assert par["pipeline_parallel_schedule"] == "Interleaved1F1B"
+    assert tomllib.loads(out)["training"]["local_batch_size"] == 32
