@@ -190,3 +190,18 @@ def in_flight_run(schedule):
 def test_in_flight_micro_batches_match_saved_tensor_hooks(schedule):
     res = run_ranks(2, in_flight_run, schedule)
     assert [r["measured"] for r in res] == [r["predicted"] for r in res], res
+
+
+def train_pp_tp(_):
+    from hybrid import auto_wrap
+    w = auto_wrap(tiny(), optimizer=adamw, scheduler=warmup, strategy="fsdp", pp=2, tp=2, schedule="1f1b",
+                  gradient_accumulation=GA, max_grad_norm=CLIP, precision="fp32", micro_batch=MB, seq_len=SEQ,
+                  verbose=False)
+    losses = [w.train_step(ids) for ids in batches(1)]
+    return {"tiny/pp2xtp2": {"state": w.state_dict(), "losses": losses, "layout": w.parallel.describe()}}
+
+
+def test_pp2_by_tp2_on_four_ranks_sequence_shards_cross_the_stage_boundary():
+    res = run_ranks(4, train_pp_tp, None, local_world=4)
+    assert res[0]["tiny/pp2xtp2"]["layout"] == "pp 2 x tp 2"
+    check(res, [("tiny",)], 1)
