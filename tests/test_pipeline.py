@@ -8,15 +8,9 @@ from tests.test_backends import TINY
 
 pytestmark = pytest.mark.gloo
 
-MB, SEQ, GA, STEPS, CLIP = 1, 16, 4, 3, 0.05
+from tests.test_loop import CLIP, MB, SEQ, STEPS, adamw, warmup  # noqa: F401 (the same loop as test_loop)
 
-
-def adamw(ps):
-    return torch.optim.AdamW(ps, lr=3e-3)
-
-
-def warmup(opt):
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / 4)
+GA = 4
 
 
 def batches(dp, steps=STEPS, seed=7):

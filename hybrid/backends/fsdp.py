@@ -68,33 +68,34 @@ def fsdp_kwargs(strategy, mesh, spec, runtime) -> dict:
                 offload_policy=offload)
 
 
-def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: LoopOptions | None = None) -> FSDPEngine:
+def _shard(strategy, module, mesh, spec, runtime, outputs: bool = False):
+    """fully_shard the blocks, then the module as the root unit (after tensor parallelism and
+    checkpointing); outputs: carry plain output objects past FSDP's hooks. Returns the
+    TensorParallel record (or None)."""
     kwargs = fsdp_kwargs(strategy, mesh, spec, runtime)
-    if spec.precision == "bf16" and any(p.dtype != torch.bfloat16 for p in model.parameters()):
-        model.to(torch.bfloat16)
-    tp = prepare(model, mesh, spec)
-    for block in shardable_blocks(model):
+    if spec.precision == "bf16" and any(p.dtype != torch.bfloat16 for p in module.parameters()):
+        module.to(torch.bfloat16)
+    tp = prepare(module, mesh, spec)
+    for block in shardable_blocks(module):
         fully_shard(block, **kwargs)
-    unpack = carry_plain_outputs(model)
-    fully_shard(model, **kwargs)
-    model.register_forward_hook(unpack)                 # after FSDP's hook
-    materialize(model, "cpu" if strategy.offload_params else runtime.device)   # meta-built: shards only
+    unpack = carry_plain_outputs(module) if outputs else None
+    fully_shard(module, **kwargs)
+    if unpack is not None:
+        module.register_forward_hook(unpack)            # after FSDP's hook
+    materialize(module, "cpu" if strategy.offload_params else runtime.device)   # meta-built: shards only
+    return tp
+
+
+def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: LoopOptions | None = None) -> FSDPEngine:
+    tp = _shard(strategy, model, mesh, spec, runtime, outputs=True)
     optimizer = optimizer_factory([p for p in model.parameters() if p.requires_grad])
     return FSDPEngine(model, model, optimizer, make_scaler(spec, runtime.device.type, sharded=True), tp=tp)
 
 
 def wrap_stage(strategy, stage, mesh, spec, runtime, options=None):
-    """One pipeline stage sharded as apply() shards a model (its blocks, then the stage as the
-    root unit), over the stage's data-parallel ranks. Returns (module, TensorParallel or None)."""
-    kwargs = fsdp_kwargs(strategy, mesh, spec, runtime)
-    if spec.precision == "bf16" and any(p.dtype != torch.bfloat16 for p in stage.parameters()):
-        stage.to(torch.bfloat16)
-    tp = prepare(stage, mesh, spec)
-    for block in shardable_blocks(stage):
-        fully_shard(block, **kwargs)
-    fully_shard(stage, **kwargs)
-    materialize(stage, "cpu" if strategy.offload_params else runtime.device)
-    return stage, tp
+    """One pipeline stage sharded as apply() shards a model, over the stage's data-parallel
+    ranks (a stage returns plain tensors). Returns (module, TensorParallel or None)."""
+    return stage, _shard(strategy, stage, mesh, spec, runtime)
 
 
 traced_apply = apply   # FSDP2 runs as it is under fake tensors and a fake process group
