@@ -93,7 +93,8 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
     strategy    "auto" (the fastest candidate that fits), or a catalogue name to force
     precision   fp32 | bf16-mixed | fp16-mixed | bf16 (default bf16-mixed where the GPU supports
                 it, fp16-mixed on GPUs without bf16, fp32 on CPU ranks)
-    activation_checkpointing  none | selective | full; default: the planner chooses
+    activation_checkpointing  none | selective | op | full | layer:N; default: the planner
+                chooses among none, selective and full
     cluster     the cluster spec to plan against (default: detected; must match the world size)
     gpu_memory  override the per-GPU capacity (e.g. "8GiB") for planning
     scheduler   callable(optimizer) -> LR scheduler, stepped after every optimizer step

@@ -31,7 +31,8 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
                    help="micro-batches per optimizer step (default 1); global batch = micro-batch x this x data-parallel ranks")
     t.add_argument("--optimizer", default="adamw", help="adamw | sgd | adafactor (default adamw)")
     t.add_argument("--activation-checkpointing", default=None,
-                   help="none | selective | full (default: " + ("the planner tries all three" if search else "none") + ")")
+                   help="none | selective | op | full | layer:N (default: " +
+                        ("the planner tries none, selective and full" if search else "none") + ")")
     t.add_argument("--attention", default="sdpa", help="sdpa (flash) | eager (default sdpa)")
     t.add_argument("--shard-size", type=int, help="ranks per shard group for hsdp (default: every valid size)")
     t.add_argument("--tp", type=int, help="tensor-parallel degree inside a node (default: plan tries 1, 2, 4, 8 "

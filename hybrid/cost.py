@@ -107,6 +107,29 @@ def _busiest_rank(profile: ModelProfile, layout, seq_len: int) -> ModelProfile:
     return max(shares, key=lambda p: model_flops_per_token(p, seq_len))
 
 
+def recompute_fraction(profile: ModelProfile, spec: TrainSpec) -> float:
+    """Extra compute of the partial checkpointing modes, as a fraction of the step (full
+    checkpointing's extra forward is in model_flops_per_token): selective recomputes pointwise ops
+    (SELECTIVE_RECOMPUTE); op also the matmuls it does not keep (llama: k, o and up of q, k, v, o,
+    gate, up, down; gpt2: all four); layer:N one forward of every N-th block. A forward is a third
+    of the step's FLOPs."""
+    from .memory.activations import checkpointed_blocks
+    from .spec import layer_every
+    mode, d = spec.activation_checkpointing, profile.decoder
+    if mode == "selective":
+        return SELECTIVE_RECOMPUTE
+    if mode == "op":
+        if d is None:
+            return SELECTIVE_RECOMPUTE
+        h, kv, f = d.hidden, d.kv_dim, d.ffn
+        redone = (kv + h + f) / (2 * h + 2 * kv + 3 * f) if d.style == "llama" else 1.0
+        return SELECTIVE_RECOMPUTE + redone / 3
+    every = layer_every(mode)
+    if every is not None and d is not None:
+        return checkpointed_blocks(d.layers, every) / d.layers / 3
+    return 0.0
+
+
 def p2p_seconds(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, tp: int, layout) -> float:
     """Exposed point-to-point time of one step: per micro-batch and boundary the b x s x h
     activation forward and its gradient backward (a tp rank sends its 1/tp share), over the NIC
@@ -151,8 +174,7 @@ def step_cost(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluste
     # 312 TFLOP/s; H100 SXM: 495 vs 989); V100/T4 have no TF32, an upper bound there
     peak = g.bf16_flops * (0.5 if spec.precision == "fp32" else 1.0)
     compute = flops / (peak * efficiency)
-    if spec.activation_checkpointing == "selective":
-        compute *= 1 + SELECTIVE_RECOMPUTE
+    compute *= 1 + recompute_fraction(stage, spec)
     fwd_c, bwd_c = compute / 3, 2 * compute / 3       # backward costs twice the forward
     if recompute:
         fwd_c, bwd_c = compute / 4, 3 * compute / 4

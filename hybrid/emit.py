@@ -96,11 +96,14 @@ def torchtitan_toml(c: Candidate, p: Plan) -> str:
         name = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}[c.pipeline.schedule]
         lines += [f"pipeline_parallel_schedule = \"{name}\"",
                   f"pipeline_parallel_microbatch_size = {c.spec.micro_batch}"]
-    lines += ["", "[activation_checkpoint]", f"mode = \"{ac}\""]
-    if ac == "selective":
-        lines += ["# hybrid's selective keeps every matmul and attention output; torchtitan's op-level",
-                  "# policy keeps every second matmul output, so it holds somewhat less than the estimate",
-                  "selective_ac_option = \"op\""]
+    if ac in ("none", "full"):
+        lines += ["", "[activation_checkpoint]", f"mode = \"{ac}\""]
+    else:                                   # torchtitan's selective: per-op ("op") or every N-th layer
+        option = "op" if ac in ("op", "selective") else ac.split(":", 1)[1]
+        lines += ["", "[activation_checkpoint]", "mode = \"selective\"", f"selective_ac_option = \"{option}\""]
+        if ac == "selective":
+            lines += ["# hybrid's selective keeps every matmul and attention output; torchtitan's op policy",
+                      "# (hybrid's `op`) keeps every second matmul output, so it holds less than this estimate"]
     mixed = {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}.get(c.spec.precision)
     local = c.spec.micro_batch * (c.pipeline.micro_batches if c.pipeline is not None else 1)
     lines += ["", "[training]", f"local_batch_size = {local}",

@@ -25,6 +25,12 @@ from .units import fmt_bytes
 TIE = 0.02
 """Predicted step times within 2% are a tie, broken by simplicity (the cost model is not finer)."""
 CKPT_ORDER = {"none": 0, "selective": 1, "full": 2}
+"""The modes the planner searches, simplest first (op and layer:N when asked for)."""
+
+
+def ckpt_rank(mode: str) -> float:
+    """Simplicity of a checkpointing mode for tie-breaks: none < layer:N < op = selective < full."""
+    return CKPT_ORDER.get(mode, 0.5 if mode.startswith("layer:") else 1)
 MAX_PP = 64
 """The deepest pipeline the planner tries unpinned (Llama 3 405B trained with 16 stages)."""
 
@@ -73,7 +79,7 @@ class Candidate:
                 + ("" if ckpt == "none" else f"+ac:{ckpt}"))
 
     def simplicity(self) -> tuple:
-        return (self.strategy.rank(), CKPT_ORDER[self.spec.activation_checkpointing], self.pp, self.tp,
+        return (self.strategy.rank(), ckpt_rank(self.spec.activation_checkpointing), self.pp, self.tp,
                 -self.shard_size)
 
     def to_dict(self) -> dict:

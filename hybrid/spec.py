@@ -8,7 +8,8 @@ from .errors import HybridError
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16"]
 Optimizer = Literal["adamw", "sgd", "adafactor"]
-Checkpointing = Literal["none", "selective", "full"]
+Checkpointing = Literal["none", "selective", "op", "full"]
+"""Plus "layer:N" (full recomputation of every N-th block), checked by checkpointing()."""
 Attention = Literal["sdpa", "eager"]
 
 _ALIASES = {"flash": "sdpa", "bf16_mixed": "bf16-mixed", "mixed": "bf16-mixed", "adam": "adamw",
@@ -24,6 +25,27 @@ def choice(kind: str, value: str, allowed) -> str:
     if v not in options:
         raise HybridError(f"unknown {kind} {value!r}. Available: {', '.join(options)}")
     return v
+
+
+def checkpointing(value) -> str:
+    """none | selective | op | full | layer:N (N a positive integer), normalised."""
+    v = str(value).strip().lower()
+    if v.startswith("layer:"):
+        n = v.split(":", 1)[1]
+        if not n.isdigit() or int(n) < 1:
+            raise HybridError(f"activation checkpointing {value!r}: layer:N needs a positive integer N (full "
+                              "recomputation of every N-th block), e.g. layer:2")
+        return f"layer:{int(n)}"
+    try:
+        return choice("activation checkpointing", v, Checkpointing)
+    except HybridError:
+        raise HybridError(f"unknown activation checkpointing {value!r}. Available: none, selective, op, full, "
+                          "layer:N") from None
+
+
+def layer_every(mode: str) -> int | None:
+    """N of a layer:N checkpointing mode, else None."""
+    return int(mode.split(":", 1)[1]) if mode.startswith("layer:") else None
 
 
 DEFAULT_SEQ_LEN = 4096
@@ -73,8 +95,10 @@ class TrainSpec:
     """adamw (2 states per parameter), sgd with momentum (1 state), adafactor (factored second
     moment: one row and one column vector per matrix, no first moment)."""
     activation_checkpointing: Checkpointing = "none"
-    """none; selective (keep matmul/attention outputs, recompute the rest); full (keep only each
-    block's input and recompute the block in backward)."""
+    """none; selective (keep matmul/attention outputs, recompute the rest); op (torchtitan's per-op
+    policy: keep every second matmul output, counted per block from the first, and the attention
+    output); full (keep only each block's input and recompute the block in backward); layer:N
+    (full recomputation of every N-th block, blocks 0, N, 2N...; the others keep everything)."""
     attention: Attention = "sdpa"
     """sdpa (fused/flash kernels: no s x s score matrix kept) or eager (softmax scores kept)."""
     gradient_accumulation: int = 1
@@ -88,8 +112,7 @@ class TrainSpec:
                 raise HybridError(f"{attr.replace('_', '-')} must be a positive integer, got {v!r}")
         object.__setattr__(self, "precision", choice("precision", self.precision, Precision))
         object.__setattr__(self, "optimizer", choice("optimizer", self.optimizer, Optimizer))
-        object.__setattr__(self, "activation_checkpointing",
-                           choice("activation checkpointing", self.activation_checkpointing, Checkpointing))
+        object.__setattr__(self, "activation_checkpointing", checkpointing(self.activation_checkpointing))
         object.__setattr__(self, "attention", choice("attention", self.attention, Attention))
 
     @property

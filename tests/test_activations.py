@@ -60,3 +60,35 @@ def test_layer_formula_matches_autograd(regime, attention, impl):
     spec = TrainSpec(1, S, precision=precision, attention=attention)
     expected = _layer_full(cfg, spec, spec.bytes.compute, autocast) * 2 * S
     assert measured == pytest.approx(expected, rel=0.02)
+
+
+def live_after_forward(model, blocks, b: int, dtype) -> int:
+    """Bytes alive after the blocks' forward (what they keep for backward, the input included,
+    the last output excluded), counted storage by storage by the project's dispatch tracker."""
+    from hybrid.memory.tracker import MemoryTracker
+    tracker = MemoryTracker()
+    with tracker:
+        x = torch.randn(b, S, model.config.hidden, dtype=dtype, requires_grad=True)
+        rope, mask = model._rope(S, x.dtype, "cpu"), model._mask(b, S, "cpu")
+        y = x
+        for block in blocks:
+            y = block(y, rope, mask)
+        live = tracker.current - y.untyped_storage().nbytes()
+    return live
+
+
+@pytest.mark.parametrize("mode", ["op", "layer:2", "full", "selective"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_checkpointing_policies_keep_what_the_formulas_say(mode, dtype):
+    """torchtitan's per-op policy and layer:N (every N-th block fully recomputed), as the
+    backends apply them, keep what hybrid.memory.activations counts."""
+    from hybrid.backends.base import apply_activation_checkpointing
+    from hybrid.memory.activations import activation_terms
+    cfg = DecoderConfig("llama", 300, 64, 4, 4, 176, 128, kv_heads=2)
+    model = build_decoder(cfg, device="cpu", dtype=dtype)
+    assert apply_activation_checkpointing(model, mode) == (2 if mode == "layer:2" else 4)
+    measured = (live_after_forward(model, list(model.blocks), 3, dtype)
+                - live_after_forward(model, list(model.blocks), 1, dtype))
+    spec = TrainSpec(2, S, precision="fp32" if dtype == torch.float32 else "bf16", activation_checkpointing=mode)
+    terms = activation_terms(cfg, spec, autocast=False)
+    assert measured == pytest.approx(terms.per_layer * terms.layers, rel=0.02)

@@ -336,14 +336,40 @@ def prepare(model: nn.Module, mesh, spec):
     return tp
 
 
+def _op_context():
+    """torchtitan's per-op selective policy, fresh per checkpointed call (its matmul counter
+    restarts in every block): keep the outputs of the 1st, 3rd, 5th... aten.mm and of attention,
+    recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    attention = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, op, *args, **kwargs):
+        if op is aten.mm.default:
+            key = "recompute" if ctx.is_recompute else "forward"
+            counts[key] += 1
+            keep = counts[key] % 2 == 1
+        else:
+            keep = op in attention
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+    return create_selective_checkpoint_contexts(policy)
+
+
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
-    """Recompute each block in backward: 'full' keeps only the block input, 'selective' keeps
-    matmul and attention outputs too. The block's forward is replaced on the instance, so module
-    and parameter names stay exactly the user's (checkpoints stay portable)."""
+    """Recompute blocks in backward: 'full' keeps only each block's input, 'selective' keeps
+    matmul and attention outputs too, 'op' keeps every second matmul output and attention's
+    (torchtitan's per-op policy), 'layer:N' recomputes every N-th block fully (blocks 0, N,
+    2N...). The block's forward is replaced on the instance, so module and parameter names stay
+    exactly the user's (checkpoints stay portable). Returns the number of checkpointed blocks."""
     if mode == "none":
         return 0
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+    from ..spec import layer_every
     blocks = find_blocks(model)[1]
     if not blocks:
         raise HybridError(f"activation checkpointing {mode!r} needs repeated blocks to recompute, and "
@@ -351,8 +377,13 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
     if mode == "selective":
         policy = _selective_policy()
         context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    elif mode == "op":
+        context_fn = _op_context
     else:
         from torch.utils.checkpoint import noop_context_fn as context_fn
+    every = layer_every(mode)
+    if every is not None:
+        blocks = [b for i, b in enumerate(blocks) if i % every == 0]
     for block in blocks:
         inner = block.forward
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..presets import DecoderConfig
-from ..spec import TrainSpec
+from ..spec import TrainSpec, layer_every
 
 # fp32 bytes: RMSNorm's upcast copy, softmax/log-softmax outputs, logsumexp, norm statistics.
 F32 = 4
@@ -86,6 +86,22 @@ def _layer_selective(d: DecoderConfig, c: int, autocast: bool) -> float:
     return block_input + linears + mm * h + F32 * a       # + attention output and logsumexp
 
 
+def _layer_op(d: DecoderConfig, c: int, autocast: bool) -> float:
+    """Bytes per token under torchtitan's per-op policy: the block input, the outputs of the 1st,
+    3rd, 5th... aten.mm of the block (llama: q, v, gate, down; gpt2's biased linears run addmm,
+    which the policy does not keep) and the attention output with its logsumexp."""
+    h, kv, f, a = d.hidden, d.kv_dim, d.ffn, d.heads
+    mm = 2 if autocast else c
+    block_input = (F32 if autocast else c) * h
+    kept = (h + kv + f + h) if d.style == "llama" else 0
+    return block_input + mm * kept + mm * h + F32 * a
+
+
+def checkpointed_blocks(layers: int, every: int) -> int:
+    """Blocks layer:N recomputes: indices 0, N, 2N... (torchtitan's ac_freq)."""
+    return -(-layers // every)
+
+
 def activation_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> ActivationTerms:
     c = spec.bytes.compute
     T = spec.micro_batch * spec.seq_len
@@ -96,9 +112,17 @@ def activation_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> Activ
     elif ckpt == "full":
         per_layer = (F32 if autocast else c) * d.hidden * T   # the block input
         recompute = full
-    else:
+    elif ckpt == "selective":
         per_layer = _layer_selective(d, c, autocast) * T
         recompute = full - per_layer
+    elif ckpt == "op":
+        per_layer = _layer_op(d, c, autocast) * T
+        recompute = full - per_layer
+    else:                                   # layer:N: the blocks' average
+        k = checkpointed_blocks(d.layers, layer_every(ckpt))
+        kept = (F32 if autocast else c) * d.hidden * T
+        per_layer = (k * kept + (d.layers - k) * full) / d.layers
+        recompute = full
     logits = (2 if autocast else c) * d.vocab * T
     # log_softmax keeps its fp32 output; the fp32 upcast of bf16 logits is transient.
     head_fwd = logits + F32 * d.vocab * T + (2 * F32 * d.hidden if d.style == "llama" else c * d.hidden) * T
