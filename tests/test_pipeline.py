@@ -102,12 +102,13 @@ def test_pp2_by_dp2_on_four_ranks():
     check(res, runs, 2)
 
 
-def run_and_save(path, pp, strategy, ga, steps_before, steps_after, load=False):
+def run_and_save(path, pp, strategy, ga, steps_before, steps_after, load=False, model="tiny", schedule=None):
     """Train on the shared global batches (dp x ga x MB sequences per step): `steps_before`
     steps (or load `path`), save after them, then `steps_after` more; returns final state and losses."""
     from hybrid import auto_wrap
-    w = auto_wrap(tiny(), optimizer=adamw, scheduler=warmup, strategy=strategy, pp=pp, gradient_accumulation=ga,
-                  max_grad_norm=CLIP, precision="fp32", micro_batch=MB, seq_len=SEQ, verbose=False)
+    w = auto_wrap(MODELS[model](), optimizer=adamw, scheduler=warmup, strategy=strategy, pp=pp,
+                  gradient_accumulation=ga, schedule=schedule if pp > 1 else None, max_grad_norm=CLIP,
+                  precision="fp32", micro_batch=MB, seq_len=SEQ, verbose=False)
     dp, rank = w.dp_size, w.dp_rank
     rows = dp * ga * MB
     g = torch.Generator().manual_seed(7)
@@ -199,3 +200,12 @@ def test_pp2_by_tp2_on_four_ranks_sequence_shards_cross_the_stage_boundary():
     res = run_ranks(4, train_pp_tp, None, local_world=4)
     assert res[0]["tiny/pp2xtp2"]["layout"] == "pp 2 x tp 2"
     check(res, [("tiny",)], 1)
+
+
+def test_interleaved_checkpoint_resumes_under_fsdp(tmp_path):
+    path = str(tmp_path / "ckpt")
+    full = run_ranks(2, run_and_save, path, 2, "fsdp", 2, 2, 2, False, "tiny4", "interleaved")[0]
+    assert full["layout"] == "pp 2"
+    dp2 = run_ranks(2, run_and_save, path, 1, "fsdp", 1, 2, 2, True, "tiny4")[0]
+    assert max(abs(a - b) for a, b in zip(dp2["losses"], full["losses"][2:])) < 1e-5, dp2["losses"]
+    assert max((dp2["state"][k] - full["state"][k]).abs().max().item() for k in full["state"]) < 1e-5

@@ -39,36 +39,30 @@ class PipelineEngine(Engine):
         self.pp_size = layout.pp
         self.pp_rank = mesh["pp"].get_local_rank()
         self.tied_group = tied_group          # (group, [param in this rank's chunks]) or None
-        self.renames = renames                # optimizer-state FQN -> the model's canonical name
+        self.renames = renames                # optimizer-state FQN -> the model's own (canonical) name
         self.is_first = any(s.is_first for s in stages)
         self.is_last = any(s.is_last for s in stages)
-        self._schedules: dict = {}
+        self._loss = _LossFn()
+        self._schedule = None
 
     # --- the loop ------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        raise HybridError("a pipeline runs whole optimizer steps: use loss = w.train_step(batch) (the batch of "
-                          "gradient_accumulation x micro_batch sequences) instead of w(batch) / backward / step")
+        raise HybridError(_WHOLE_STEPS)
 
     def backward(self, loss, accumulation=1, sync=True):
-        self.forward()
-
-    def _schedule(self, loss_fn):
-        from torch.distributed import pipelining
-        key = id(loss_fn)
-        if key not in self._schedules:
-            cls = getattr(pipelining, SCHEDULE_CLASSES[self.layout.schedule])
-            fn = _LossFn(loss_fn)
-            if self.layout.virtual == 1:
-                self._schedules[key] = cls(self.stages[0], n_microbatches=self.layout.micro_batches, loss_fn=fn)
-            else:
-                self._schedules[key] = cls(self.stages, n_microbatches=self.layout.micro_batches, loss_fn=fn)
-        return self._schedules[key]
+        raise HybridError(_WHOLE_STEPS)
 
     def train_step(self, input_ids, labels, loss_fn, max_norm) -> tuple[torch.Tensor, StepResult]:
         """Every micro-batch forward and backward through the schedule, the tied gradients summed,
         clipping, the optimizer step. Returns (this rank's mean micro-batch loss on the last stage,
         else zero; the step result)."""
-        schedule = self._schedule(loss_fn)
+        if self._schedule is None:
+            from torch.distributed import pipelining
+            cls = getattr(pipelining, SCHEDULE_CLASSES[self.layout.schedule])
+            stages = self.stages[0] if self.layout.virtual == 1 else self.stages
+            self._schedule = cls(stages, n_microbatches=self.layout.micro_batches, loss_fn=self._loss)
+        self._loss.fn = loss_fn or causal_lm_loss
+        schedule = self._schedule
         losses: list = []
         args = (input_ids.to(self.stages[0].device),) if self.is_first else ()
         kwargs = {}
@@ -164,12 +158,15 @@ class PipelineEngine(Engine):
                 "optimizer": optimizer_tensors(self.optimizer, params)}
 
 
+_WHOLE_STEPS = ("a pipeline runs whole optimizer steps: use loss = w.train_step(batch) (the batch of "
+                "gradient_accumulation x micro_batch sequences) instead of w(batch) / backward / step")
+
+
 class _LossFn:
     """The last stage's loss: the user's loss_fn(logits, labels), else the causal-LM loss the
     models compute from `labels` (next-token cross entropy in fp32, mean over tokens)."""
 
-    def __init__(self, fn):
-        self.fn = fn or causal_lm_loss
+    fn = staticmethod(causal_lm_loss)
 
     def __call__(self, output, target):
         return self.fn(getattr(output, "logits", output), target)     # vocab shards: under loss_parallel
@@ -197,10 +194,8 @@ def _rename_key(key: str, names: dict[str, str]) -> str:
     parameter name replaced per `names` (container prefixes '<i>.' included)."""
     for head in ("state.", "param_groups."):
         if key.startswith(head):
-            rest = key[len(head):]
-            for old, new in names.items():
-                if rest.startswith(old + "."):
-                    return head + new + rest[len(old):]
+            fqn, _, field = key[len(head):].rpartition(".")       # state fields have no dots
+            return f"{head}{names.get(fqn, fqn)}.{field}"
     return key
 
 
@@ -248,10 +243,10 @@ def apply_pipeline(strategy, model, optimizer_factory, mesh, spec, runtime, layo
     for k, index in enumerate(local):
         lo, hi = layout.stage_range(index)
         chunk = pipeline_stage(model, lo, hi, first=index == 0, last=index == layout.stages - 1)
-        prefix = "" if len(local) == 1 else f"{k}."
+        prefix = "" if len(local) == 1 else f"{k}."          # interleaved: the container's index
         for n, _ in chunk.named_parameters(remove_duplicate=False):
-            if n in canonical:
-                renames[prefix + n] = canonical[n]
+            if prefix or n in canonical:
+                renames[prefix + n] = canonical.get(n, n)
         wrapped, tp = family_runtime.wrap_stage(strategy, chunk, mesh, spec, runtime, options)
         chunks.append(wrapped)
         stages.append(PipelineStage(wrapped, index, layout.stages, runtime.device, group=mesh["pp"].get_group()))
