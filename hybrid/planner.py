@@ -15,8 +15,8 @@ from .cluster import GPUS, Cluster
 from .cost import EFFICIENCY, StepCost, step_cost
 from .errors import HybridError
 from .memory.analytic import NotApplicable, check_job, estimate
-from .pipeline import VIRTUAL, PipelineLayout, balanced_split, even_split, pp_degrees, schedules_for, stage_cluster
 from .memory.breakdown import MemoryBreakdown
+from .pipeline import VIRTUAL, PipelineLayout, balanced_split, even_split, pp_degrees, schedules_for, stage_cluster
 from .profile import ModelProfile, stage_share, tp_degrees
 from .report import format_plan
 from .spec import TrainSpec
@@ -26,13 +26,13 @@ TIE = 0.02
 """Predicted step times within 2% are a tie, broken by simplicity (the cost model is not finer)."""
 CKPT_ORDER = {"none": 0, "selective": 1, "full": 2}
 """The modes the planner searches, simplest first (op and layer:N when asked for)."""
+MAX_PP = 64
+"""The deepest pipeline the planner tries unpinned (Llama 3 405B trained with 16 stages)."""
 
 
 def ckpt_rank(mode: str) -> float:
     """Simplicity of a checkpointing mode for tie-breaks: none < layer:N < op = selective < full."""
     return CKPT_ORDER.get(mode, 0.5 if mode.startswith("layer:") else 1)
-MAX_PP = 64
-"""The deepest pipeline the planner tries unpinned (Llama 3 405B trained with 16 stages)."""
 
 
 @dataclass(frozen=True)
