@@ -50,7 +50,10 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
     model (profile.tp_share) and every per-layer and head activation term is split tp ways
     (sequence parallelism and vocab-parallel logits, Korthikanti et al. arXiv 2205.05198), except
     the two all-gathered block inputs the column-wise matmuls keep whole (what DTensor's
-    ColwiseParallel saves for backward)."""
+    ColwiseParallel saves for backward). A pipeline rank's share (profile.stage, from
+    stage_share) keeps its in-flight micro-batches' activations, the logits only on the last
+    stage, the receive buffers, and the moment its backward ends with the other micro-batches
+    still in flight."""
     check_job(profile, spec)
     n = strategy.shard_size(cluster, shard_size, tp)
     if tp > 1:
