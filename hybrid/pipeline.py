@@ -104,7 +104,7 @@ class PipelineLayout:
 
     def in_flight_layers(self, rank: int) -> int:
         """Block activations `rank` holds at its peak: in-flight (chunk-)micro-batches x blocks
-        per stage (interleaved chunks are of equal size)."""
+        per stage (interleaved: its larger chunk's, when the blocks do not split evenly)."""
         return self.in_flight(rank) * max(self.blocks[s] for s in self.rank_stages(rank))
 
     @property
