@@ -167,25 +167,10 @@ class Decoder(nn.Module):
             self.inv_freq.copy_(self._inv_freq())
 
     def _rope(self, s: int, dtype: torch.dtype, device):
-        if self.pos_embed is not None:
-            return None
-        t = torch.arange(s, device=device, dtype=torch.float32)
-        freqs = torch.outer(t, self.inv_freq.to(device))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return None if self.pos_embed is not None else rope_tables(self.inv_freq, s, dtype, device)
 
     def _mask(self, b: int, s: int, device):
-        """The (b, 1, s, s) boolean mask of allowed positions, made once per forward as transformers
-        does, or None for the mask-free causal path. Eager attention always needs one; so does a
-        sliding window (Mistral: i-window < j <= i) once the sequence reaches the window."""
-        w = self.config.sliding_window
-        if self.blocks[0].attn.attention == "sdpa" and (w is None or s < w):
-            return None
-        i = torch.arange(s, device=device)
-        allowed = i[None, :] <= i[:, None]
-        if w is not None:
-            allowed = allowed & (i[None, :] > i[:, None] - w)
-        return allowed.expand(b, 1, s, s)
+        return causal_mask(self.blocks[0].attn.attention, self.config.sliding_window, b, s, device)
 
     def forward(self, input_ids, labels=None):
         s = input_ids.shape[1]
@@ -199,6 +184,27 @@ class Decoder(nn.Module):
         logits = self.lm_head(self.norm(x))
         loss = None if labels is None else causal_lm_loss(logits, labels)
         return CausalLMOutput(loss=loss, logits=logits)
+
+
+def rope_tables(inv_freq, s: int, dtype: torch.dtype, device):
+    """Rotary cos/sin tables for positions 0..s-1."""
+    t = torch.arange(s, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq.to(device))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def causal_mask(attention: str, window: int | None, b: int, s: int, device):
+    """The (b, 1, s, s) boolean mask of allowed positions, made once per forward as transformers
+    does, or None for the mask-free causal path. Eager attention always needs one; so does a
+    sliding window (Mistral: i-window < j <= i) once the sequence reaches the window."""
+    if attention == "sdpa" and (window is None or s < window):
+        return None
+    i = torch.arange(s, device=device)
+    allowed = i[None, :] <= i[:, None]
+    if window is not None:
+        allowed = allowed & (i[None, :] > i[:, None] - window)
+    return allowed.expand(b, 1, s, s)
 
 
 class DecoderStage(nn.Module):
@@ -233,20 +239,8 @@ class DecoderStage(nn.Module):
                 x = x + self.pos_embed(torch.arange(s, device=x.device))
         elif self.tp_mesh is not None:          # this rank's sequence shard of the residual stream
             s *= self.tp_mesh.size()
-        rope = None
-        if cfg.style == "llama":
-            t = torch.arange(s, device=x.device, dtype=torch.float32)
-            freqs = torch.outer(t, self.inv_freq.to(x.device))
-            emb = torch.cat((freqs, freqs), dim=-1)
-            rope = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        mask = None
-        w = cfg.sliding_window
-        if self._attention != "sdpa" or (w is not None and s >= w):
-            i = torch.arange(s, device=x.device)
-            allowed = i[None, :] <= i[:, None]
-            if w is not None:
-                allowed = allowed & (i[None, :] > i[:, None] - w)
-            mask = allowed.expand(b, 1, s, s)
+        rope = rope_tables(self.inv_freq, s, x.dtype, x.device) if cfg.style == "llama" else None
+        mask = causal_mask(self._attention, cfg.sliding_window, b, s, x.device)
         for block in self.blocks.values():
             x = block(x, rope, mask)
         return self.lm_head(self.norm(x)) if self.last else x
