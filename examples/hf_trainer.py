@@ -63,6 +63,11 @@ class Tokens(torch.utils.data.Dataset):
 def plan_and_emit(args) -> tuple[dict, object]:
     """The DeepSpeed config (Trainer form) of the plan for this machine's ranks, and the candidate."""
     os.makedirs(args.out, exist_ok=True)
+    ours = {"config.json", "ds.json"}
+    foreign = [f for f in os.listdir(args.out) if f not in ours and not f.startswith("config.json.")]
+    if foreign:                             # every rank sees the same folder and stops alike
+        sys.exit(f"hf_trainer: --out {args.out} holds files this example did not write ({', '.join(sorted(foreign))}); "
+                 "give an empty or new folder")
     config_path = os.path.join(args.out, "config.json")
     tmp = f"{config_path}.{os.environ.get('RANK', '0')}.tmp"      # every rank writes the same bytes
     with open(tmp, "w") as f:

@@ -137,13 +137,19 @@ def _estimator(args, src, cluster):
     def stage(strategy, spec, n, tp, layout, rank):
         """The busiest pipeline rank, traced in a fresh process (a fake process group per rank)."""
         import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+        from concurrent.futures.process import BrokenProcessPool
 
         from .memory.traced import traced_stage_in_process
         print(f"hybrid: tracing {strategy.name} pp rank {rank} of {layout.pp} ...", end="", file=sys.stderr, flush=True)
-        ctx = mp.get_context("spawn")
-        with ctx.Pool(1) as pool:
-            result = pool.apply(traced_stage_in_process, (src.ref, strategy.name, args.strategies_dir, spec, cluster,
-                                                          n if strategy.shard_is_free else None, tp, layout, rank))
+        # a worker that dies (out of memory) breaks the pool instead of leaving us waiting
+        with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+            try:
+                result = pool.submit(traced_stage_in_process, src.ref, strategy.name, args.strategies_dir, spec,
+                                     cluster, n if strategy.shard_is_free else None, tp, layout, rank).result()
+            except BrokenProcessPool:
+                raise HybridError(f"tracing pp rank {rank} died (killed, e.g. out of host memory); use --method "
+                                  "analytic") from None
         print(f" {result.seconds:.1f}s", file=sys.stderr, flush=True)
         note = f"traced pp rank {rank} (the busiest) on hybrid's own implementation"
         return dataclasses.replace(result.memory, notes=result.memory.notes + (note,))

@@ -209,3 +209,20 @@ def test_interleaved_checkpoint_resumes_under_fsdp(tmp_path):
     dp2 = run_ranks(2, run_and_save, path, 1, "fsdp", 1, 2, 2, True, "tiny4")[0]
     assert max(abs(a - b) for a, b in zip(dp2["losses"], full["losses"][2:])) < 1e-5, dp2["losses"]
     assert max((dp2["state"][k] - full["state"][k]).abs().max().item() for k in full["state"]) < 1e-5
+
+
+def train_plain(strategies):
+    """w.train_step without a pipeline: the same loop on every backend."""
+    from hybrid import auto_wrap
+    out = {}
+    for strategy in strategies:
+        w = auto_wrap(tiny(), optimizer=adamw, scheduler=warmup, strategy=strategy, gradient_accumulation=GA,
+                      max_grad_norm=CLIP, precision="fp32", micro_batch=MB, seq_len=SEQ, verbose=False)
+        losses = [w.train_step(ids[w.dp_rank * GA * MB:(w.dp_rank + 1) * GA * MB]) for ids in batches(w.dp_size)]
+        out[f"tiny/{strategy}"] = {"state": w.state_dict(), "losses": losses}
+    return out
+
+
+def test_train_step_is_the_same_loop_on_ddp_fsdp_and_zero():
+    res = run_ranks(2, train_plain, ["ddp", "fsdp", "zero2"])
+    check(res, [("tiny",)], 2)

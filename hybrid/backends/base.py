@@ -28,6 +28,8 @@ class Engine(ABC):
     context decides whether backward reduces, clipping and loss scaling act on .grad."""
 
     family: str = ""
+    pp_size: int = 1
+    """Pipeline stages: each holds different parameters, so norms add across them."""
     owns_accumulation: bool = False
     """True when the library counts micro-batches itself (DeepSpeed): step() runs every micro-batch."""
 
@@ -81,29 +83,36 @@ class Engine(ABC):
         summed as local shards' squares over the world in one all-reduce, each divided by how many
         ranks hold a replica of it (its Replicate mesh dimensions, and every rank outside its mesh:
         a tensor sharded over dp_shard alone is replicated across tp and dp_replicate), so nothing
-        counts twice."""
+        counts twice. Under a pipeline the replicas are the ranks of one stage, and a parameter
+        two stages hold (a tied head's copy, _norm_skip) is left out on one of them."""
         import math
 
         import torch.distributed as dist
-        grads = [p.grad for p in self._grad_params()]
-        if not grads:
-            return torch.zeros(())
+        skip = self._norm_skip()
+        grads = [p.grad for p in self._grad_params() if id(p) not in skip]
         sharded = [g for g in grads if hasattr(g, "_local_tensor")]
-        if not sharded:
+        if self.pp_size == 1 and not grads:
+            return torch.zeros(())
+        if self.pp_size == 1 and not sharded:
             return torch.nn.utils.get_total_norm(grads, 2.0)
-        total = None
+        stage_world = dist.get_world_size() // self.pp_size
+        device = grads[0].device if grads else ("cuda" if dist.get_backend() == "nccl" else "cpu")
+        total = torch.zeros((), dtype=torch.float32, device=device)
         for g in grads:
             if hasattr(g, "_local_tensor"):
                 mesh = g.device_mesh
-                copies = (dist.get_world_size() // mesh.size()) * math.prod(
+                copies = (stage_world // mesh.size()) * math.prod(
                     mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate())
                 local = g._local_tensor
             else:
-                copies, local = dist.get_world_size(), g
-            sq = torch.linalg.vector_norm(local, 2.0, dtype=torch.float32) ** 2 / copies
-            total = sq if total is None else total + sq
+                copies, local = stage_world, g
+            total = total + torch.linalg.vector_norm(local, 2.0, dtype=torch.float32) ** 2 / copies
         dist.all_reduce(total)
         return total.sqrt()
+
+    def _norm_skip(self) -> set[int]:
+        """ids of parameters this rank leaves out of the global norm (counted on another rank)."""
+        return set()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         self._unscale()
@@ -428,6 +437,12 @@ def call_with_batch(fn, args, kwargs):
     if len(args) == 1 and not kwargs and isinstance(args[0], Mapping):
         return fn(**args[0])
     return fn(*args, **kwargs)
+
+
+def full_state(module) -> dict[str, torch.Tensor]:
+    """The module's state with every DTensor gathered whole, as CPU copies (a collective)."""
+    return to_cpu_state((k, v.full_tensor() if hasattr(v, "full_tensor") else v)
+                        for k, v in module.state_dict().items())
 
 
 def to_cpu_state(items) -> dict[str, torch.Tensor]:

@@ -6,8 +6,8 @@ import contextlib
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from .base import (Engine, LoopOptions, carry_plain_outputs, compute_dtype, make_scaler, materialize, prepare,
-                   shardable_blocks)
+from .base import (Engine, LoopOptions, carry_plain_outputs, compute_dtype, full_state, make_scaler, materialize,
+                   prepare, shardable_blocks)
 
 
 class FSDPEngine(Engine):
@@ -21,11 +21,7 @@ class FSDPEngine(Engine):
         return contextlib.nullcontext()
 
     def full_state_dict(self):
-        out = {}
-        for k, v in self.model.state_dict().items():
-            full = v.full_tensor() if hasattr(v, "full_tensor") else v
-            out[k] = full.detach().to("cpu", copy=True)
-        return out
+        return full_state(self.model)
 
     def tensor_roles(self):
         roles = super().tensor_roles()

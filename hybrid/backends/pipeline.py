@@ -10,8 +10,6 @@ summed across the two ranks before every step, so the copies stay equal.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -19,7 +17,7 @@ import torch.nn as nn
 from ..errors import HybridError
 from ..models import causal_lm_loss, pipeline_stage
 from ..profile import names_by_param
-from .base import Engine, StepResult
+from .base import Engine, StepResult, full_state
 
 SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
 
@@ -87,37 +85,18 @@ class PipelineEngine(Engine):
     def _grad_params(self):
         return [p for c in self.chunks for p in c.parameters() if p.grad is not None]
 
-    def total_norm(self) -> torch.Tensor:
-        """Every stage's gradients, each counted once: a rank's share divided by the ranks of its
-        stage that hold a replica, the tied head's copy left out on the last stage, one
-        all-reduce over the world."""
-        skip = {id(p) for p in self.tied_group[1]} if self.tied_group is not None and not self.is_first else set()
-        stage_world = dist.get_world_size() // self.pp_size
-        total = torch.zeros((), dtype=torch.float32)
-        for p in self._grad_params():
-            if id(p) in skip:
-                continue
-            g = p.grad
-            if hasattr(g, "_local_tensor"):
-                mesh = g.device_mesh
-                copies = (stage_world // mesh.size()) * math.prod(
-                    mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate())
-                local = g._local_tensor
-            else:
-                copies, local = stage_world, g
-            total = total + (torch.linalg.vector_norm(local, 2.0, dtype=torch.float32) ** 2 / copies).cpu()
-        total = total.to(self.stages[0].device)
-        dist.all_reduce(total)
-        return total.sqrt()
+    def _norm_skip(self) -> set[int]:
+        """The tied head's copy on the last stage: the first stage counts it."""
+        if self.tied_group is None or self.is_first:
+            return set()
+        return {id(p) for p in self.tied_group[1]}
 
     # --- state ---------------------------------------------------------------------------------
     def full_state_dict(self):
         """Every stage's unsharded state, gathered to every rank (a collective)."""
         mine = {}
         for c in self.chunks:
-            for k, v in c.state_dict().items():
-                full = v.full_tensor() if hasattr(v, "full_tensor") else v
-                mine[_strip(k)] = full.detach().to("cpu", copy=True)
+            mine.update(full_state(c))
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         out = {}
@@ -136,11 +115,12 @@ class PipelineEngine(Engine):
         return {"model": model, "optim": {self._rename(k): v for k, v in optim.items()}}
 
     def load_checkpoint_state(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (get_model_state_dict, set_model_state_dict,
+                                                             set_optimizer_state_dict)
 
         from .base import _OPTIONS
         for c in self.chunks:
-            mine = {k for k in get_model_state_dict_keys(c)}
+            mine = get_model_state_dict(c, options=_OPTIONS())
             set_model_state_dict(c, {k: v for k, v in state["model"].items() if k in mine}, options=_OPTIONS())
         back = {v: k for k, v in self.renames.items()}
         optim = {}
@@ -177,18 +157,6 @@ def _plain(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def get_model_state_dict_keys(module) -> list[str]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    from .base import _OPTIONS
-    return list(get_model_state_dict(module, options=_OPTIONS()).keys())
-
-
-def _strip(key: str) -> str:
-    """A wrapper's prefix off a state-dict key (DDP's `module.`)."""
-    return key[len("module."):] if key.startswith("module.") else key
-
-
 def _rename_key(key: str, names: dict[str, str]) -> str:
     """A flattened optimizer-state key ('state.<fqn>.<k>' / 'param_groups.<fqn>.<k>') with its
     parameter name replaced per `names` (container prefixes '<i>.' included)."""
@@ -219,7 +187,7 @@ def _tied_group(tied, chunks, layout, mesh, pp_rank):
     if pp_rank not in (0, layout.pp - 1):
         return None
     alias = {n for names in tied for n in names}
-    params = [p for c in chunks for n, p in c.named_parameters(remove_duplicate=False) if _strip(n) in alias]
+    params = [p for c in chunks for n, p in c.named_parameters(remove_duplicate=False) if n in alias]
     return (mine, params) if params else None
 
 
