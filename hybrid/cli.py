@@ -22,6 +22,12 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
                    "without CUDA: this machine's CPU)")
     g.add_argument("--gpu-memory", help="override the GPU's memory, e.g. 80GiB or 40GB")
     g.add_argument("--host-memory", help="override a node's host memory (offload), e.g. 1TiB")
+    g.add_argument("--expandable-segments", choices=("on", "off"), default=None,
+                   help="the CUDA allocator setting the job runs with (default: on, as auto_wrap sets it, unless "
+                        "PYTORCH_CUDA_ALLOC_CONF here says otherwise); decides reserved over allocated")
+    g.add_argument("--headroom", type=float, default=None,
+                   help="reserved memory over allocated, as a fraction (default: calibrated on public runs, "
+                        "0.11 with expandable segments, 0.28 without)")
     t = p.add_argument_group("training step")
     t.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per step (default 1)")
     t.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's maximum, at most 4096)")
@@ -50,7 +56,8 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
                    help="what traced/measured runs for a preset: auto (transformers when installed, else "
                         "ours) | transformers | hybrid")
     o.add_argument("--efficiency", type=float, default=None,
-                   help="fraction of peak FLOP/s the cost model assumes (default 0.45)")
+                   help="fraction of peak FLOP/s the cost model assumes (default: the GPU's figure, calibrated "
+                        "on public runs: a100 0.65, h100 0.50; 0.45 for GPUs without public runs)")
     o.add_argument("--strategies-dir", action="append", default=[], help="extra catalogue directory (repeatable)")
     o.add_argument("--json", action="store_true", help="print the JSON contract instead of a table")
     o.add_argument("--config", help="job file (YAML) with any of these options as keys; flags override it")
@@ -71,10 +78,11 @@ def _job(args):
         # measured on CPU ranks: this machine's CPU, 2 ranks unless told, no CUDA context
         from .cluster import cpu_spec
         per_node = args.gpus_per_node or 2
-        cluster = Cluster.build(args.nodes, per_node, cpu_spec(args.nodes * per_node), args.gpu_memory, args.host_memory)
+        cluster = Cluster.build(args.nodes, per_node, cpu_spec(args.nodes * per_node), args.gpu_memory, args.host_memory,
+                                args.headroom, _on_off(args.expandable_segments))
     else:
         cluster = Cluster.build(args.nodes, args.gpus_per_node or 8, args.gpu or "h100-80gb", args.gpu_memory,
-                                args.host_memory)
+                                args.host_memory, args.headroom, _on_off(args.expandable_segments))
     seq = args.seq_len if args.seq_len is not None else default_seq_len(src.profile.max_positions)
     precision = args.precision or ("bf16-mixed" if cluster.gpu.bf16 or not cluster.gpu.is_cuda else "fp16-mixed")
     if "bf16" in str(precision).lower() and cluster.gpu.is_cuda and not cluster.gpu.bf16:
@@ -93,6 +101,12 @@ def _job(args):
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise HybridError(f"--efficiency must be in (0, 1], got {args.efficiency}")
     return src, cluster, spec
+
+
+def _on_off(value: str | None) -> bool | None:
+    if value in (None, "on", "off"):
+        return None if value is None else value == "on"
+    raise HybridError(f"expandable_segments must be on or off, got {value!r}")
 
 
 def _cuda() -> bool:
@@ -122,13 +136,14 @@ def _estimator(args, src, cluster):
             raise HybridError("--implementation transformers needs transformers: pip install 'hybrid[hf]'") from None
     prefer_hf = args.implementation != "hybrid"
     verb = "tracing" if args.method == "traced" else "measuring"
+    progress = Progress(verb)
 
     def estimator(strategy, spec, n):
         if args.method == "measured":
             check_host_memory(src, strategy, spec, cluster, n if strategy.shard_is_free else None)
-        print(f"hybrid: {verb} {strategy.name} (shard {n}) ...", end="", file=sys.stderr, flush=True)
+        progress.begin(f"{strategy.name} (shard {n})")
         result = run(src, strategy, spec, cluster, n if strategy.shard_is_free else None, prefer_hf=prefer_hf)
-        print(f" {result.seconds:.1f}s ({result.implementation})", file=sys.stderr, flush=True)
+        progress.end(f"{result.seconds:.1f}s ({result.implementation})")
         impl = {"transformers": "the transformers model", "hybrid": "hybrid's own implementation",
                 "factory": "the factory's model"}[result.implementation]
         note = f"{args.method} on {impl} ({result.implementation})"
@@ -141,7 +156,7 @@ def _estimator(args, src, cluster):
         from concurrent.futures.process import BrokenProcessPool
 
         from .memory.traced import traced_stage_in_process
-        print(f"hybrid: tracing {strategy.name} pp rank {rank} of {layout.pp} ...", end="", file=sys.stderr, flush=True)
+        progress.begin(f"{strategy.name} pp rank {rank} of {layout.pp}")
         # a worker that dies (out of memory) breaks the pool instead of leaving us waiting
         with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
             try:
@@ -150,20 +165,43 @@ def _estimator(args, src, cluster):
             except BrokenProcessPool:
                 raise HybridError(f"tracing pp rank {rank} died (killed, e.g. out of host memory); use --method "
                                   "analytic") from None
-        print(f" {result.seconds:.1f}s", file=sys.stderr, flush=True)
+        progress.end(f"{result.seconds:.1f}s")
         note = f"traced pp rank {rank} (the busiest) on hybrid's own implementation"
         return dataclasses.replace(result.memory, notes=result.memory.notes + (note,))
 
     if args.method == "traced":
         estimator.stage = stage
+    estimator.expect = progress.expect
     return estimator
+
+
+class Progress:
+    """One stderr line per candidate with a bar of how many are done: `hybrid: [####------] 4/10
+    tracing fsdp (shard 64) ... 1.2s`, begun when the candidate starts and ended when it is done."""
+
+    WIDTH = 20
+
+    def __init__(self, verb: str):
+        self.verb, self.total, self.done = verb, 0, 0
+
+    def expect(self, total: int) -> None:
+        self.total, self.done = total, 0
+
+    def begin(self, what: str) -> None:
+        self.done += 1
+        total = max(self.total, self.done)
+        filled = self.WIDTH * self.done // total
+        print(f"hybrid: [{'#' * filled}{'-' * (self.WIDTH - filled)}] {self.done}/{total} {self.verb} {what} ...",
+              end="", file=sys.stderr, flush=True)
+
+    def end(self, result: str) -> None:
+        print(f" {result}", file=sys.stderr, flush=True)
 
 
 def _plan(args, strategies=None, search=False):
     """search: let the planner try every shard size and checkpointing setting (plan); else one
     candidate per strategy at its default shard size and the given checkpointing."""
     from .catalogue import get_strategy, load_catalogue
-    from .cost import EFFICIENCY
     from .planner import plan
 
     src, cluster, spec = _job(args)
@@ -189,7 +227,7 @@ def _plan(args, strategies=None, search=False):
                 schedule=args.schedule,
                 estimator=_estimator(args, src, cluster), method=args.method,
                 search_checkpointing=search and args.activation_checkpointing is None and args.method == "analytic",
-                efficiency=args.efficiency or EFFICIENCY, search_shards=search), src
+                efficiency=args.efficiency, search_shards=search), src
 
 
 def cmd_estimate(args) -> int:

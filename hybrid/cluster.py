@@ -9,6 +9,18 @@ from .units import GiB, MiB, fmt_bytes, parse_bytes
 
 GB = 1e9
 
+DEFAULT_EFFICIENCY = 0.45
+"""Achievable fraction of dense peak FLOP/s for GPUs the public-runs corpus has no points for:
+published MFU of 40-50% for 7B-70B dense training (Megatron-LM, arXiv 2104.04473, Table 1)."""
+
+# Calibrated by `benchmarks/public_runs.py --calibrate` on benchmarks/public_runs.yaml (the
+# median of the efficiencies that reproduce each point's published tokens/s, per GPU type).
+# A100 40/80 GB share a chip, as H100 80 GB and H200 do; h100-96gb is the 500 W Grand Teton part
+# whose peak torchtitan does not know ("between SXM and NVL"): its factor absorbs that.
+A100_EFFICIENCY = 0.65
+H100_EFFICIENCY = 0.50
+H100_96GB_EFFICIENCY = 0.41
+
 
 @dataclass(frozen=True)
 class GPUSpec:
@@ -39,6 +51,11 @@ class GPUSpec:
     comm_overlap: float = 1.0
     """Fraction of a phase's compute that collectives can hide behind: 1.0 on GPUs (NCCL runs on
     its own streams), 0 for CPU ranks on gloo (they share the cores that compute)."""
+    efficiency: float = DEFAULT_EFFICIENCY
+    """Fraction of the dense peak a well-tuned eager transformer step reaches on this GPU: the
+    cost model's one speed factor. Calibrated on the public runs in benchmarks/public_runs.yaml
+    where the corpus has points for the GPU (`benchmarks/public_runs.py --calibrate` fits it:
+    one number per GPU type, no per-run factors); DEFAULT_EFFICIENCY elsewhere."""
 
     def __post_init__(self):
         if self.memory_bytes <= 0:
@@ -54,10 +71,18 @@ class GPUSpec:
 GPUS: dict[str, GPUSpec] = {
     g.name: g
     for g in (
-        GPUSpec("a100-40gb", 40960 * MiB, 312e12, 300 * GB, 25 * GB, mem_bw=1.56e12, host_memory_bytes=1024 * GiB),
-        GPUSpec("a100-80gb", 81920 * MiB, 312e12, 300 * GB, 25 * GB, mem_bw=2.04e12, host_memory_bytes=1024 * GiB),
-        GPUSpec("h100-80gb", 81559 * MiB, 989e12, 450 * GB, 50 * GB, mem_bw=3.35e12, host_memory_bytes=2048 * GiB),
-        GPUSpec("h200-141gb", 143771 * MiB, 989e12, 450 * GB, 50 * GB, mem_bw=4.8e12, host_memory_bytes=2048 * GiB),
+        GPUSpec("a100-40gb", 40960 * MiB, 312e12, 300 * GB, 25 * GB, mem_bw=1.56e12, host_memory_bytes=1024 * GiB,
+                efficiency=A100_EFFICIENCY),
+        GPUSpec("a100-80gb", 81920 * MiB, 312e12, 300 * GB, 25 * GB, mem_bw=2.04e12, host_memory_bytes=1024 * GiB,
+                efficiency=A100_EFFICIENCY),
+        GPUSpec("h100-80gb", 81559 * MiB, 989e12, 450 * GB, 50 * GB, mem_bw=3.35e12, host_memory_bytes=2048 * GiB,
+                efficiency=H100_EFFICIENCY),
+        # Meta's Grand Teton H100: 96 GB HBM2e at 2.4 TB/s, 500 W; torch reports 95.0396 GiB
+        # (torchtitan PR #165). Peak: the SXM datasheet figure, as torchtitan's MFU uses.
+        GPUSpec("h100-96gb", 97321 * MiB, 989e12, 450 * GB, 50 * GB, mem_bw=2.4e12, host_memory_bytes=2048 * GiB,
+                efficiency=H100_96GB_EFFICIENCY),
+        GPUSpec("h200-141gb", 143771 * MiB, 989e12, 450 * GB, 50 * GB, mem_bw=4.8e12, host_memory_bytes=2048 * GiB,
+                efficiency=H100_EFFICIENCY),
         GPUSpec("l40s-48gb", 46068 * MiB, 362e12, 32 * GB, 6.25 * GB, mem_bw=0.86e12, host_memory_bytes=1024 * GiB),
         # GPUs without bf16 or with less memory (datasheets: V100 SXM2 125 TFLOP/s fp16 tensor,
         # 900 GB/s HBM2, NVLink2 300 GB/s bidirectional; DGX-1: 4 x 100 Gb/s EDR for 8 GPUs, 512 GB;
@@ -94,12 +119,22 @@ class Cluster:
     """Accelerators (ranks) per machine; shard groups never straddle a node unless they span whole nodes."""
     gpu: GPUSpec = field(default_factory=lambda: GPUS["h100-80gb"])
     """The accelerator model (capacity, speed, links)."""
+    expandable_segments: bool = True
+    """Whether torch's caching allocator runs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    (auto_wrap sets it on CUDA unless the user set PYTORCH_CUDA_ALLOC_CONF): it decides how far
+    reserved memory exceeds allocated (hybrid/memory/breakdown.py)."""
+    headroom: float | None = None
+    """Reserved over allocated, as a fraction of allocated (`--headroom`); None = the calibrated
+    figure for the allocator setting."""
 
     def __post_init__(self):
         for attr in ("nodes", "gpus_per_node"):
             v = getattr(self, attr)
             if not isinstance(v, int) or v < 1:
                 raise HybridError(f"{attr} must be a positive integer, got {v!r}")
+        if self.headroom is not None and not 0 <= self.headroom <= 4:
+            raise HybridError(f"headroom must be a fraction of allocated memory in [0, 4], got {self.headroom!r} "
+                              "(0.1 = reserved is 10% above allocated)")
 
     @property
     def world_size(self) -> int:
@@ -115,18 +150,38 @@ class Cluster:
 
     @classmethod
     def build(cls, nodes: int = 1, gpus_per_node: int = 8, gpu: str | GPUSpec = "h100-80gb",
-              gpu_memory: str | int | None = None, host_memory: str | int | None = None) -> "Cluster":
-        """The boundary constructor: names and memory strings in, validated Cluster out."""
+              gpu_memory: str | int | None = None, host_memory: str | int | None = None,
+              headroom: float | None = None, expandable_segments: bool | None = None) -> "Cluster":
+        """The boundary constructor: names and memory strings in, validated Cluster out.
+        `expandable_segments` None: what auto_wrap will run with (allocator_expandable())."""
         spec = get_gpu(gpu) if isinstance(gpu, str) else gpu
         if gpu_memory is not None:
             spec = replace(spec, memory_bytes=parse_bytes(gpu_memory))
         if host_memory is not None:
             spec = replace(spec, host_memory_bytes=parse_bytes(host_memory))
-        return cls(nodes=nodes, gpus_per_node=gpus_per_node, gpu=spec)
+        if expandable_segments is None:
+            expandable_segments = allocator_expandable()
+        return cls(nodes=nodes, gpus_per_node=gpus_per_node, gpu=spec, expandable_segments=expandable_segments,
+                   headroom=headroom)
 
     def describe(self) -> str:
         return (f"{self.nodes} node(s) x {self.gpus_per_node} {self.gpu.name} "
                 f"({fmt_bytes(self.gpu.memory_bytes)} each, world size {self.world_size})")
+
+
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+"""The variables torch's CUDA caching allocator reads its settings from (the second is the newer,
+device-generic name)."""
+
+
+def allocator_expandable(environ=os.environ) -> bool:
+    """Whether the CUDA allocator will use expandable segments: the user's setting where one of
+    ALLOC_CONF_VARS is set, else True, because auto_wrap sets it (hybrid/auto.py)."""
+    conf = next((environ[v] for v in ALLOC_CONF_VARS if v in environ), None)
+    if conf is None:
+        return True
+    opts = dict(kv.split(":", 1) for kv in conf.replace(" ", "").split(",") if ":" in kv)
+    return opts.get("expandable_segments", "False").lower() == "true"
 
 
 def detect(gpu_memory: str | int | None = None) -> Cluster:
@@ -149,7 +204,7 @@ def detect(gpu_memory: str | int | None = None) -> Cluster:
         spec = cpu_spec(local)
     if gpu_memory is not None:
         spec = replace(spec, memory_bytes=parse_bytes(gpu_memory))
-    return Cluster(nodes=world // local, gpus_per_node=local, gpu=spec)
+    return Cluster(nodes=world // local, gpus_per_node=local, gpu=spec, expandable_segments=allocator_expandable())
 
 
 def cpu_spec(local_ranks: int) -> GPUSpec:

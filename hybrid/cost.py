@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .catalogue import Strategy
-from .cluster import Cluster
+from .cluster import DEFAULT_EFFICIENCY, Cluster
 from .links import Links
 from .memory.layout import optimizer_elements
 from .profile import ModelProfile, tp_share
@@ -45,10 +45,10 @@ from .spec import TrainSpec
 SELECTIVE_RECOMPUTE = 0.05
 """Extra step time of selective checkpointing: norms and pointwise ops recomputed in backward are
 memory-bound, a few percent of the step (Korthikanti et al. 2022, Table 4: 2.7-4% for theirs)."""
-EFFICIENCY = 0.45
-"""Fraction of dense peak FLOP/s a well-tuned transformer step reaches. Assumption calibrated on
-published MFU of 40-50% for 7B-70B dense training on A100/H100 (Megatron-LM, arXiv 2104.04473,
-Table 1; torchtitan's Llama 3 8B/70B benchmarks); `--efficiency` overrides it."""
+EFFICIENCY = DEFAULT_EFFICIENCY
+"""Kept for callers of the old name: the fallback for GPUs without a calibrated figure. Each GPU's
+own is `GPUSpec.efficiency` (hybrid/cluster.py), calibrated on benchmarks/public_runs.yaml;
+`--efficiency` overrides it."""
 
 
 @dataclass(frozen=True)
@@ -148,13 +148,14 @@ def p2p_seconds(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, tp: in
 
 
 def step_cost(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
-              shard_size: int, efficiency: float = EFFICIENCY, tp: int = 1, layout=None) -> StepCost:
+              shard_size: int, efficiency: float | None = None, tp: int = 1, layout=None) -> StepCost:
     """With tp > 1 each rank computes 1/tp of the FLOPs, the families' data-parallel traffic is
     priced on the rank's tensor-parallel share over groups of tp groups (a cluster whose 'GPUs' are
     tp groups), and the tp collectives are added, unhidden. With a pipeline layout (pp > 1) the
     busiest rank's share of the model and the stage's ranks take their place, and the bubble and
     point-to-point sends are added."""
     pp = layout.pp if layout is not None else 1
+    efficiency = efficiency or cluster.gpu.efficiency
     whole = profile
     p2p = p2p_seconds(profile, spec, cluster, tp, layout)
     if pp > 1:

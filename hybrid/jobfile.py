@@ -18,14 +18,15 @@ import yaml
 from .catalogue import key_lines
 from .errors import HybridError
 
-JOB_KEYS = ("model", "params", "nodes", "gpus_per_node", "gpu", "gpu_memory", "host_memory", "micro_batch",
+JOB_KEYS = ("model", "params", "nodes", "gpus_per_node", "gpu", "gpu_memory", "host_memory", "expandable_segments",
+            "headroom", "micro_batch",
             "seq_len", "gradient_accumulation", "precision", "optimizer", "activation_checkpointing", "attention",
             "shard_size", "tp", "pp", "schedule", "method", "implementation", "efficiency", "strategies_dir",
             "strategy")
 """What a job file may hold: the model, the cluster, the training step and the method (not output
 switches such as --json or --emit)."""
 _NUMBERS = {"nodes": int, "gpus_per_node": int, "micro_batch": int, "seq_len": int, "gradient_accumulation": int,
-            "shard_size": int, "tp": int, "pp": int, "efficiency": float}
+            "shard_size": int, "tp": int, "pp": int, "efficiency": float, "headroom": float}
 """Job keys that hold numbers (the CLI's option types); the rest are strings."""
 
 
@@ -96,7 +97,10 @@ def wrap_options(path: str) -> tuple[dict, object, list[str]]:
     if job.get("strategies_dir"):
         kwargs["strategies_dir"] = tuple(job["strategies_dir"])
     cluster = None
-    if any(job.get(k) is not None for k in ("nodes", "gpus_per_node", "gpu", "host_memory")):
+    if any(job.get(k) is not None for k in ("nodes", "gpus_per_node", "gpu", "host_memory", "headroom",
+                                            "expandable_segments")):
+        es = job.get("expandable_segments")
         cluster = Cluster.build(job.get("nodes") or 1, job.get("gpus_per_node") or 8, job.get("gpu") or "h100-80gb",
-                                job.get("gpu_memory"), job.get("host_memory"))
+                                job.get("gpu_memory"), job.get("host_memory"), job.get("headroom"),
+                                None if es is None else es == "on")
     return kwargs, cluster, [k for k in _PLAN_ONLY if k in job]

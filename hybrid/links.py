@@ -1,9 +1,16 @@
 """How long collectives and host transfers take on a cluster's links (pure).
 
 Ring collectives (Patarasuk & Yuan 2009; NCCL's ring): all-reduce moves 2(n-1)/n x S bytes per
-GPU, all-gather and reduce-scatter (n-1)/n x S each, at the bandwidth of the slowest link the ring
-crosses (NVLink inside a node, the NIC across nodes), plus a latency of alpha x log2(n) per
-collective (NCCL's tree/ring start-up).
+GPU, all-gather and reduce-scatter (n-1)/n x S each, at the group's bus bandwidth, plus a latency
+of alpha x log2(n) per collective (NCCL's tree/ring start-up).
+
+Bus bandwidth: NVLink inside a node. A group spanning nodes with k of its ranks on each node runs
+k rings side by side (NCCL's channels, one per NIC on rail-optimised clusters), each crossing a
+node boundary through a different NIC, while the rest of every ring rides NVLink; so each rank's
+share moves at min(NVLink, k x NIC). With k = 8 that is 8 x 25 GB/s = 200 GB/s on HDR A100 nodes
+and 8 x 50 = 400 GB/s on NDR H100 nodes, the order of the multi-node all-reduce bus bandwidth
+nccl-tests reports on DGX A100/H100 clusters. A group with one rank per node (replicas) has one
+NIC per ring: k = 1.
 """
 from __future__ import annotations
 
@@ -40,9 +47,12 @@ class Links:
         self.c = cluster
 
     def bw(self, n: int) -> float:
-        """A group of n consecutive ranks stays inside a node if n <= GPUs per node."""
+        """A group of n consecutive ranks stays inside a node if n <= GPUs per node; else it spans
+        whole nodes with all of each node's ranks in it (bus bandwidth: the module docstring)."""
         g = self.c.gpu
-        return g.intra_node_bw if n <= self.c.gpus_per_node else g.inter_node_bw
+        if n <= self.c.gpus_per_node:
+            return g.intra_node_bw
+        return min(g.intra_node_bw, self.c.gpus_per_node * g.inter_node_bw)
 
     def latency(self, n: int) -> float:
         if n <= 1:

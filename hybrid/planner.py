@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from .catalogue import Strategy, load_catalogue
 from .parallel import ParallelDims, valid_shard_sizes
 from .cluster import GPUS, Cluster
-from .cost import EFFICIENCY, StepCost, step_cost
+from .cost import StepCost, step_cost
 from .errors import HybridError
 from .memory.analytic import NotApplicable, check_job, estimate
 from .memory.breakdown import MemoryBreakdown
@@ -89,6 +89,8 @@ class Candidate:
             "parallel": self.parallel.to_dict(),
             "activation_checkpointing": self.spec.activation_checkpointing,
             "per_gpu": m.to_dict() if m else None,
+            "allocated_bytes": m.allocated if m else None,
+            "reserved_bytes": m.reserved if m else None,
             "per_cpu": {"total": m.cpu if m else 0},
             "model_states": m.model_states if m else None,
             "phase": m.phase if m else None,
@@ -148,7 +150,7 @@ class Plan:
 
 
 def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
-          shard_size: int | None = None, estimator=None, efficiency: float = EFFICIENCY, tp: int = 1,
+          shard_size: int | None = None, estimator=None, efficiency: float | None = None, tp: int = 1,
           pp: int = 1, schedule: str | None = None) -> Candidate:
     """Estimate one candidate and say whether and why it fits. `estimator(strategy, spec, n)`
     replaces the analytic memory model (traced, measured) for tp 1; the analytic one still rules
@@ -286,7 +288,7 @@ def choose(cands) -> Candidate | None:
 def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
          catalogue: dict[str, Strategy] | None = None, shard_size: int | None = None,
          strategies: list[str] | None = None, estimator=None, method: str = "analytic",
-         search_checkpointing: bool = False, efficiency: float = EFFICIENCY,
+         search_checkpointing: bool = False, efficiency: float | None = None,
          suggest_fixes: bool = True, search_shards: bool = True, tp: int | None = None,
          pp: int | None = None, schedule: str | None = None) -> Plan:
     """Judge every candidate and choose. With search_checkpointing the planner also tries each
@@ -325,6 +327,8 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
                                 pp=pp if pp is not None or estimator is None else 1, schedule=schedule)
     if estimator is not None and (pp or 1) > 1:         # a traced pipeline: its families and schedules
         todo = [t for t in todo if t[0].family_obj.supports_pp and (schedule or t[5]) != "interleaved"]
+    if hasattr(estimator, "expect"):                    # how many candidates it will see (progress)
+        estimator.expect(len(todo))
     cands = [judge(s, profile, sp, cluster, n, estimator, efficiency, t, p, sc) for s, n, sp, t, p, sc in todo]
     chosen = choose(cands)
     order = sorted(cands, key=lambda c: (not c.fits, c.memory is None,
@@ -346,7 +350,7 @@ def _fits_with(profile, spec, cluster, cat, names, search_checkpointing, efficie
 
 
 def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[str, Strategy],
-            names: list[str], search_checkpointing: bool, efficiency: float = EFFICIENCY,
+            names: list[str], search_checkpointing: bool, efficiency: float | None = None,
             tp: int | None = None, pp: int | None = None) -> list[str]:
     """The smallest change along each axis that makes some candidate fit."""
     out = []

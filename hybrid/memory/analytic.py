@@ -133,7 +133,7 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
         activations=(None if profile.decoder is None and profile.activation_bytes_per_sample is None
                      else int(parts["activations"])),
         temporaries=int(parts["temporaries"]), buffers=int(parts["buffers"]), overhead=int(overhead),
-        cpu=int(lay.cpu), phase=phase, notes=tuple(notes),
+        context=cluster.gpu.cuda_context_bytes, cpu=int(lay.cpu), phase=phase, notes=tuple(notes),
         model_states=int(lay.params + lay.optimizer + lay.grads_end + lay.grads_step))
 
 

@@ -5,15 +5,30 @@ from dataclasses import dataclass, field
 
 from ..units import fmt_bytes
 
-ALLOCATOR_HEADROOM = 0.05
-"""Caching-allocator slack over live tensors (block rounding, fragmentation): reserved exceeds
-allocated by a few percent in steady-state training. Assumption (5%) until measured on a GPU:
-benchmarks/gpu_memory_check.py measures it where a GPU is lent."""
+ALLOCATOR_HEADROOM = 0.28
+"""Reserved over allocated with torch's default caching allocator (no expandable segments), as a
+fraction of allocated: block rounding and fragmentation by transient buffers of varying size.
+Calibrated on published pairs of peak active and peak reserved (benchmarks/public_runs.yaml:
+torchtitan PR #165, FSDP2 on Llama-2-7B shape, 8 H100: 22.73 -> 31.02 GiB with full AC (+36%),
+49.54 -> 59.41 GiB with per-op SAC (+20%); the mean is taken)."""
+EXPANDABLE_HEADROOM = 0.11
+"""The same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which maps physical pages into
+one growing segment per stream, so freed space is reused whatever the request size. Calibrated on
+torchtitan's December 2024 Llama 3.1 8B runs (expandable segments set by its launcher), where only
+reserved is published: the median of published reserved / our allocated, minus one
+(`benchmarks/public_runs.py --calibrate`)."""
+
+
+def headroom(cluster) -> float:
+    """Reserved over allocated for this cluster's allocator setting, or its `--headroom`."""
+    if cluster.headroom is not None:
+        return cluster.headroom
+    return EXPANDABLE_HEADROOM if cluster.expandable_segments else ALLOCATOR_HEADROOM
 
 
 def overhead_bytes(cluster, tensors: float) -> float:
     """The runtime's share on top of live tensors: CUDA context and workspaces, allocator slack."""
-    return cluster.gpu.cuda_context_bytes + ALLOCATOR_HEADROOM * tensors
+    return cluster.gpu.cuda_context_bytes + headroom(cluster) * tensors
 
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries", "buffers", "overhead")
@@ -42,6 +57,8 @@ class MemoryBreakdown:
     model_states: int = 0
     """Parameters + gradients + optimizer state at their largest (all gradients present), whatever
     the moment of the peak: the figure the ZeRO paper tabulates."""
+    context: int = 0
+    """The CUDA context and library workspaces inside `overhead` (the rest is allocator slack)."""
     phase: str = ""
     """When the peak happens: forward, backward, step."""
     notes: tuple[str, ...] = field(default=())
@@ -53,7 +70,18 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> int:
+        """What the process takes on the device: reserved memory plus the CUDA context."""
         return self.tensors + self.overhead
+
+    @property
+    def allocated(self) -> int:
+        """Predicted torch.cuda.max_memory_allocated: the live tensors at the peak."""
+        return self.tensors
+
+    @property
+    def reserved(self) -> int:
+        """Predicted torch.cuda.max_memory_reserved: allocated plus the allocator's slack."""
+        return self.total - self.context
 
     @property
     def largest(self) -> str:
@@ -70,7 +98,7 @@ class MemoryBreakdown:
         same way the analytic model does."""
         tensors = sum(v for v in parts.values() if v)
         return cls(**{c: int(parts[c]) for c in CATEGORIES if c != "overhead"},
-                   overhead=int(overhead_bytes(cluster, tensors)), **kw)
+                   overhead=int(overhead_bytes(cluster, tensors)), context=cluster.gpu.cuda_context_bytes, **kw)
 
     def describe_largest(self) -> str:
         c = self.largest

@@ -1,0 +1,229 @@
+"""Replay public GPU training runs (benchmarks/public_runs.yaml) through hybrid's estimator and
+cost model, and print predicted vs published with the error.
+
+    .venv/bin/python benchmarks/public_runs.py              # table -> benchmarks/results/public_runs.md (~5 s)
+    .venv/bin/python benchmarks/public_runs.py --calibrate  # also fit the per-GPU efficiency and the
+                                                            # expandable-segments headroom, and say
+                                                            # what hybrid/cluster.py and
+                                                            # hybrid/memory/breakdown.py hold
+
+Memory: allocated (torch.cuda.max_memory_allocated) is the estimate's live tensors; reserved
+(max_memory_reserved) adds the allocator headroom for the run's allocator setting. A run that
+fits is one whose predicted total (reserved + CUDA context) is within the GPU; OOM otherwise.
+Speed: tokens/s per GPU from the cost model at the GPU's catalogue efficiency. The efficiency is
+fitted on these same points, so the table's speed errors are in-sample; the leave-one-out column
+refits each GPU's figure without the point itself, which is the error to expect on a new run.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import yaml  # noqa: E402
+
+from hybrid.catalogue import load_catalogue  # noqa: E402
+from hybrid.cluster import GB, Cluster, get_gpu  # noqa: E402
+from hybrid.cost import model_flops_per_token, step_cost  # noqa: E402
+from hybrid.planner import judge  # noqa: E402
+from hybrid.presets import DecoderConfig, get_preset  # noqa: E402
+from hybrid.profile import profile_decoder  # noqa: E402
+from hybrid.spec import TrainSpec  # noqa: E402
+from hybrid.units import GiB  # noqa: E402
+
+HERE = Path(__file__).parent
+CORPUS = HERE / "public_runs.yaml"
+OUT = HERE / "results" / "public_runs.md"
+
+
+def model_of(m) -> tuple[str, DecoderConfig]:
+    if isinstance(m, str):
+        return m, get_preset(m)
+    d = dict(m)
+    arch = d.pop("arch")
+    name = f"{arch} h{d['hidden']} L{d['layers']}"
+    if arch == "gpt2":       # MPT / GPT-2 layout: 4h GELU MLP, learned positions, tied head
+        return name, DecoderConfig("gpt2", d["vocab"], d["hidden"], d["layers"], d["heads"], 4 * d["hidden"],
+                                   d["max_positions"], tied=True, hf_model_type="gpt2", gelu="tanh")
+    return name, DecoderConfig("llama", d["vocab"], d["hidden"], d["layers"], d["heads"], d["ffn"],
+                               d["max_positions"], kv_heads=d.get("kv_heads"), hf_model_type="llama")
+
+
+class Point:
+    """One corpus entry, resolved into hybrid's objects."""
+
+    def __init__(self, raw: dict):
+        self.raw = raw
+        self.id = raw["id"]
+        self.measured = raw["measured"]
+        self.assumed = raw.get("assumed", {})
+        self.model_name, cfg = model_of(raw["model"])
+        self.profile = profile_decoder(cfg, self.model_name)
+        gpu = get_gpu(raw["gpu"])
+        if "network_gbps_per_gpu" in raw:
+            gpu = replace(gpu, inter_node_bw=raw["network_gbps_per_gpu"] * GB / 8)
+        self.cluster = Cluster(nodes=raw["nodes"], gpus_per_node=raw["gpus_per_node"], gpu=gpu,
+                               expandable_segments=raw.get("expandable_segments", False))
+        self.spec = TrainSpec(micro_batch=raw["micro_batch"], seq_len=raw["seq_len"],
+                              precision=raw.get("precision", "bf16-mixed"),
+                              activation_checkpointing=raw["activation_checkpointing"],
+                              gradient_accumulation=raw.get("gradient_accumulation", 1))
+        # a framework that reduce-scatters every micro-batch holds one micro-batch's gradients
+        self.memory_spec = (replace(self.spec, gradient_accumulation=1)
+                            if raw.get("grad_sync") == "every_micro_batch" else self.spec)
+        self.strategy = load_catalogue()[raw["strategy"]]
+        self.tp, self.pp = raw.get("tp", 1), raw.get("pp", 1)
+        self.schedule = raw.get("schedule")
+        self.shard = raw.get("shard_size")
+
+    @property
+    def published_tps(self) -> float | None:
+        m = self.measured
+        if "tokens_per_s_per_gpu" in m:
+            return m["tokens_per_s_per_gpu"]
+        if "tflops_per_gpu" in m:
+            return m["tflops_per_gpu"] * 1e12 / model_flops_per_token(self.profile, self.spec.seq_len)
+        return None
+
+    def candidate(self, efficiency=None):
+        """The estimate (at memory_spec) with the cost of the published step (at spec)."""
+        c = judge(self.strategy, self.profile, self.memory_spec, self.cluster, self.shard, None, efficiency,
+                  self.tp, self.pp, self.schedule)
+        if self.memory_spec is self.spec or c.memory is None:
+            return c
+        return replace(c, cost=step_cost(self.strategy, self.profile, self.spec, self.cluster, c.shard_size,
+                                         efficiency, self.tp, c.pipeline))
+
+    def tokens_per_s(self, efficiency: float, cand) -> float:
+        layout = cand.pipeline
+        return step_cost(self.strategy, self.profile, self.spec, self.cluster, cand.shard_size, efficiency,
+                         self.tp, layout).tokens_per_s_per_gpu
+
+    def efficiency_to_match(self, cand) -> float:
+        """The efficiency at which the cost model gives the published tokens/s (bisection: tokens/s
+        rises with efficiency)."""
+        lo, hi, want = 0.01, 1.0, self.published_tps
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if self.tokens_per_s(mid, cand) < want else (lo, mid)
+        return (lo + hi) / 2
+
+
+def load(path=CORPUS) -> tuple[dict, list[Point]]:
+    data = yaml.safe_load(Path(path).read_text())
+    return data["sources"], [Point(p) for p in data["points"]]
+
+
+def pct(pred: float, pub: float) -> str:
+    return f"{100 * (pred - pub) / pub:+.1f}%"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calibrate", action="store_true", help="fit and print the per-GPU efficiency and headroom")
+    ap.add_argument("--corpus", default=str(CORPUS))
+    args = ap.parse_args(argv)
+    sources, points = load(args.corpus)
+    cands = {p.id: p.candidate() for p in points}
+
+    # efficiency that reproduces each point, per GPU type; leave-one-out figure per point
+    need = {p.id: p.efficiency_to_match(cands[p.id]) for p in points
+            if p.published_tps and p.raw.get("calibrate", True)}
+    by_gpu: dict[str, list[str]] = {}
+    for p in points:
+        if p.id in need:
+            by_gpu.setdefault(p.cluster.gpu.name, []).append(p.id)
+
+    def loo(p: Point) -> float | None:
+        others = [need[i] for i in by_gpu[p.cluster.gpu.name] if i != p.id]
+        return p.tokens_per_s(statistics.median(others), cands[p.id]) if others else None
+
+    rows = ["| point | model | GPUs | layout | allocated pred / pub | reserved pred / pub | fits pred / pub "
+            "| tokens/s pred / pub | leave-one-out |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    mem_err, res_err, tps_err, loo_err, verdicts = [], [], [], [], []
+    for p in points:
+        c, m = cands[p.id], cands[p.id].memory
+        meas = p.measured
+        cl = p.cluster
+        alloc = res = fits = tps = lo = ""
+        if "allocated_gib" in meas:
+            mem_err.append((m.allocated / GiB - meas["allocated_gib"]) / meas["allocated_gib"])
+            alloc = f"{m.allocated / GiB:.1f} / {meas['allocated_gib']:.1f} ({pct(m.allocated / GiB, meas['allocated_gib'])})"
+        if "reserved_gib" in meas:
+            res_err.append((m.reserved / GiB - meas["reserved_gib"]) / meas["reserved_gib"])
+            res = f"{m.reserved / GiB:.1f} / {meas['reserved_gib']:.1f} ({pct(m.reserved / GiB, meas['reserved_gib'])})"
+        if "fits" in meas:
+            judged = "activation_checkpointing" not in p.assumed or "fits verdict" not in str(p.assumed)
+            mark = "" if judged else " (not judged)"
+            if judged:
+                verdicts.append(c.fits == meas["fits"])
+            fits = (f"{'fits' if c.fits else 'OOM'} ({m.total / GiB:.1f}; alloc {m.allocated / GiB:.1f}) / "
+                    f"{'fits' if meas['fits'] else 'OOM'}{mark}")
+        if p.published_tps:
+            pred = c.cost.tokens_per_s_per_gpu
+            tps_err.append((pred - p.published_tps) / p.published_tps)
+            tps = f"{pred:,.0f} / {p.published_tps:,.0f} ({pct(pred, p.published_tps)})"
+            lv = loo(p) if p.id in need else None
+            if lv is not None:
+                loo_err.append((lv - p.published_tps) / p.published_tps)
+                lo = pct(lv, p.published_tps)
+        layout = c.label if hasattr(c, "label") else c.name
+        rows.append(f"| {p.id} | {p.model_name} | {cl.world_size} x {cl.gpu.name} | {layout} | {alloc} | {res} "
+                    f"| {fits} | {tps} | {lo} |")
+
+    def summary(name, errs):
+        if not errs:
+            return f"- {name}: no points"
+        a = sorted(abs(e) for e in errs)
+        return (f"- {name}: {len(errs)} points, median |error| {100 * statistics.median(a):.1f}%, "
+                f"max {100 * a[-1]:.1f}%, within 10%: {sum(x <= 0.10 for x in a)}, within 15%: "
+                f"{sum(x <= 0.15 for x in a)}")
+
+    lines = ["# Public GPU runs replayed through hybrid", "",
+             f"`.venv/bin/python benchmarks/public_runs.py`: {len(points)} points from {len(sources)} sources "
+             "(benchmarks/public_runs.yaml, each with its URL and the words it quotes).", "",
+             "Memory in GiB. The fits column gives the predicted total (reserved + CUDA context, what the "
+             "verdict compares with the GPU) and the allocated part. Speed in tokens/s per GPU at the GPU's "
+             "catalogue efficiency, which is fitted on these points (in-sample); the leave-one-out column "
+             "refits it without the point.", "",
+             *rows, "",
+             "## Summary", "",
+             summary("allocated", mem_err), summary("reserved", res_err),
+             f"- fits/OOM verdicts: {sum(verdicts)} of {len(verdicts)} reproduced",
+             summary("tokens/s (in-sample)", tps_err), summary("tokens/s (leave-one-out)", loo_err), "",
+             "## Sources", "",
+             *[f"- **{k}**: [{v['title']}]({v['url']}). {v.get('hardware', '')} {v.get('allocator', '')}".rstrip()
+               for k, v in sources.items()]]
+    if args.calibrate:
+        lines += ["", "## Calibration", "",
+                  "Efficiency that reproduces each point's tokens/s, and the median per GPU type (what "
+                  "hybrid/cluster.py holds):", ""]
+        for gpu, ids in by_gpu.items():
+            vals = [need[i] for i in ids]
+            lines.append(f"- {gpu}: median {statistics.median(vals):.3f} "
+                         f"(catalogue {get_gpu(gpu).efficiency}); points " +
+                         ", ".join(f"{i} {need[i]:.3f}" for i in ids))
+        pairs = [(p.measured["allocated_gib"], p.measured["reserved_gib"]) for p in points
+                 if {"allocated_gib", "reserved_gib"} <= set(p.measured) and not p.cluster.expandable_segments]
+        if pairs:
+            lines.append("- headroom without expandable segments (published reserved / allocated - 1): "
+                         + ", ".join(f"{r / a - 1:.3f}" for a, r in pairs)
+                         + f"; mean {statistics.mean(r / a - 1 for a, r in pairs):.3f}")
+        es = [p.measured["reserved_gib"] * GiB / cands[p.id].memory.allocated - 1 for p in points
+              if "reserved_gib" in p.measured and p.cluster.expandable_segments]
+        if es:
+            lines.append("- headroom with expandable segments (published reserved / our allocated - 1): "
+                         + ", ".join(f"{x:.3f}" for x in es) + f"; median {statistics.median(es):.3f}")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    OUT.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

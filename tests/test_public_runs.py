@@ -1,0 +1,92 @@
+"""The allocator model, the bus bandwidth of groups across nodes, and the public-runs corpus
+replay (benchmarks/public_runs.py): what the calibrated figures are calibrated on."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybrid.cli import main
+from hybrid.cluster import Cluster, allocator_expandable, get_gpu
+from hybrid.links import Links
+from hybrid.memory.breakdown import ALLOCATOR_HEADROOM, EXPANDABLE_HEADROOM
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def test_expandable_segments_follow_the_users_allocator_setting():
+    assert allocator_expandable({}) is True                         # auto_wrap will set it
+    assert allocator_expandable({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) is True
+    assert allocator_expandable({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}) is False
+    assert allocator_expandable({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}) is False
+
+
+def test_auto_wrap_sets_expandable_segments_only_where_nobody_did(monkeypatch):
+    import torch
+    from hybrid.auto import enable_expandable_segments
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    env = {}
+    assert enable_expandable_segments(env) and env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    mine = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    assert not enable_expandable_segments(mine) and mine == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not enable_expandable_segments(env := {}) and env == {}  # CPU ranks: nothing to set
+
+
+def _row(capsys, *flags):
+    assert main(["estimate", "llama2-7b", "--nodes", "8", "--strategy", "fsdp", "--json", *flags]) == 0
+    return json.loads(capsys.readouterr().out)["strategies"][0]
+
+
+def test_json_rows_separate_allocated_reserved_and_the_context(capsys):
+    ctx = get_gpu("h100-80gb").cuda_context_bytes
+    for flags, h in ((("--expandable-segments", "on"), EXPANDABLE_HEADROOM),
+                     (("--expandable-segments", "off"), ALLOCATOR_HEADROOM), (("--headroom", "0.5"), 0.5)):
+        r = _row(capsys, *flags)
+        alloc, res = r["allocated_bytes"], r["reserved_bytes"]
+        assert res == pytest.approx(alloc * (1 + h), abs=2)
+        assert r["per_gpu"]["total"] == pytest.approx(res + ctx, abs=2)       # total = reserved + context
+
+
+def test_bad_headroom_is_one_line(capsys):
+    assert main(["estimate", "llama2-7b", "--strategy", "fsdp", "--headroom", "-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "headroom" in err[0] and "-1" in err[0]
+
+
+def test_groups_across_nodes_ride_one_nic_per_local_rank():
+    h100 = Cluster.build(8, 8, "h100-80gb")
+    links = Links(h100)
+    assert links.bw(8) == h100.gpu.intra_node_bw
+    assert links.bw(64) == min(h100.gpu.intra_node_bw, 8 * h100.gpu.inter_node_bw)   # 8 NICs side by side
+    assert links.across_replicas("all_reduce", 1e9, 8) > links.collective("all_reduce", 1e9, 64)
+
+
+def test_the_corpus_replays_with_its_sources():
+    import public_runs
+    sources, points = public_runs.load()
+    assert len(points) >= 15 and len({p.raw["source"] for p in points}) >= 5
+    for p in points:
+        assert p.raw["source"] in sources and p.raw["quote"]
+    by_id = {p.id: p for p in points}
+    # the two published active/reserved pairs: allocated within 5%, reserved within 11%
+    for pid in ("tt165-fsdp2-full-ac", "tt165-fsdp2-op-sac"):
+        p = by_id[pid]
+        m = p.candidate().memory
+        assert m.allocated / 2**30 == pytest.approx(p.measured["allocated_gib"], rel=0.05)
+        assert m.reserved / 2**30 == pytest.approx(p.measured["reserved_gib"], rel=0.11)
+    # the published OOMs are OOM
+    for pid in ("tt-docs-llama2-70b-op-b2", "tt-docs-405b-fsdp-oom"):
+        assert not by_id[pid].candidate().fits
+
+
+def test_public_runs_script_runs(tmp_path, monkeypatch):
+    import public_runs
+    monkeypatch.setattr(public_runs, "OUT", tmp_path / "out.md")
+    assert public_runs.main(["--calibrate"]) == 0
+    text = (tmp_path / "out.md").read_text()
+    assert "fits/OOM verdicts" in text and "leave-one-out" in text and "## Calibration" in text
