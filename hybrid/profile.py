@@ -10,7 +10,7 @@ import importlib
 import json
 import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from .errors import HybridError
@@ -271,6 +271,15 @@ class ModelSource:
     """build(device='meta', attention='sdpa', prefer_hf=False, dtype=None) -> (module, implementation)."""
     ref: str | None = None
     """The MODEL string it was resolved from (to resolve it again in another process)."""
+    decoder_cfg: DecoderConfig | None = None
+    """The decoder shape `build` builds from, when it builds from one (presets, decoder config.json):
+    then the same model with fewer blocks can be built (`with_layers`)."""
+
+    def with_layers(self, layers: int) -> "ModelSource":
+        """The same model with `layers` blocks (everything else identical)."""
+        cfg = replace(self.decoder_cfg, layers=layers)
+        return ModelSource(profile_decoder(cfg, f"{self.profile.name} ({layers} blocks)", self.profile.source),
+                           _decoder_builder(cfg), None, cfg)
 
 
 def resolve_model(spec: str | None = None, params: str | int | None = None) -> ModelSource:
@@ -283,7 +292,7 @@ def resolve_model(spec: str | None = None, params: str | int | None = None) -> M
                           f"or pass --params. Presets: {', '.join(PRESETS)}")
     if spec.lower() in PRESETS:
         cfg = PRESETS[spec.lower()]
-        return ModelSource(profile_decoder(cfg, spec.lower()), _decoder_builder(cfg), spec)
+        return ModelSource(profile_decoder(cfg, spec.lower()), _decoder_builder(cfg), spec, cfg)
     path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
     if path.endswith(".json"):
         return _from_config_json(path)
@@ -351,7 +360,7 @@ def _from_config_json(path: str) -> ModelSource:
     name = cfg.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path))) or path
     dec = from_hf_config(cfg)
     if dec is not None:
-        return ModelSource(profile_decoder(dec, name, source="hf-config"), _decoder_builder(dec), path)
+        return ModelSource(profile_decoder(dec, name, source="hf-config"), _decoder_builder(dec), path, dec)
 
     def build(device="meta", attention="sdpa", prefer_hf=True, dtype=None):
         import torch

@@ -94,3 +94,29 @@ def test_traced_within_5_percent_of_measured(strategy):
     m = measured_estimate(src, CAT[strategy], spec, cl)
     t = traced_estimate(src, CAT[strategy], spec, cl)
     assert t.memory.tensors == pytest.approx(m.memory.tensors, rel=0.05)
+
+
+@pytest.mark.parametrize("strategy,spec,tp", [
+    ("fsdp", TrainSpec(2, 64, activation_checkpointing="full"), 1),
+    ("ddp", TrainSpec(2, 64), 1),
+    ("hsdp", TrainSpec(1, 64, activation_checkpointing="selective", gradient_accumulation=2), 1),
+    ("fsdp-grad-op", TrainSpec(1, 64, activation_checkpointing="op"), 2),
+])
+def test_fast_trace_is_the_full_trace(strategy, spec, tp):
+    """Traced with 3 and 4 blocks and extrapolated, a 7-block model's peak is the full trace's, by
+    category (the README's benchmark shows the same on Llama-2-7B and -70B)."""
+    src = resolve_model("tiny-llama").with_layers(7)
+    cl = Cluster.build(1, 4, "h100-80gb")
+    fast = traced_estimate(src, CAT[strategy], spec, cl, tp=tp)
+    full = traced_estimate(src, CAT[strategy], spec, cl, tp=tp, fast=False)
+    assert any("extrapolated to 7" in n for n in fast.memory.notes)
+    assert fast.memory.tensors == pytest.approx(full.memory.tensors, rel=0.005)
+    for c in ("params", "grads", "optimizer", "activations"):
+        assert getattr(fast.memory, c) == pytest.approx(getattr(full.memory, c), rel=0.01, abs=4096), c
+
+
+def test_fast_trace_leaves_mixed_blocks_to_the_full_trace():
+    src = resolve_model("tiny-llama").with_layers(7)
+    t = traced_estimate(src, CAT["fsdp"], TrainSpec(1, 64, activation_checkpointing="layer:2"),
+                        Cluster.build(1, 4, "h100-80gb"))
+    assert not any("extrapolated" in n for n in t.memory.notes)

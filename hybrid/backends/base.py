@@ -139,6 +139,13 @@ class Engine(ABC):
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def zero_grads(self) -> None:
+        """Give every trainable parameter a zero gradient where its backward would put one (the
+        traced estimate's way to create optimizer state without a training step)."""
+        for p in self.model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+
     def translate_error(self, e: BaseException) -> HybridError | None:
         """A library error a user can cause, as one line naming the fix (None: not ours)."""
         return None

@@ -38,6 +38,11 @@ class DDPEngine(Engine):
     def full_state_dict(self):
         return to_cpu_state(self.model.state_dict().items())
 
+    def zero_grads(self):
+        if isinstance(self.runner, _EmulatedDDP):
+            self.runner.attach_grads()           # gradients live in the buckets
+        super().zero_grads()
+
 
 def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: LoopOptions | None = None) -> DDPEngine:
     options = options or LoopOptions()
@@ -123,11 +128,14 @@ class _EmulatedDDP(torch.nn.Module):
             self.slots.append((p, flat, offset))
             offset += p.numel()
 
-    def forward(self, *args, **kwargs):
+    def attach_grads(self):
         if self.view:                            # the reducer hands autograd bucket views as .grad
             for p, flat, off in self.slots:
                 if p.grad is None:
                     p.grad = flat[off:off + p.numel()].view_as(p).zero_()
+
+    def forward(self, *args, **kwargs):
+        self.attach_grads()
         return self.module(*args, **kwargs)
 
 

@@ -72,6 +72,8 @@ class MemoryTracker(TorchDispatchMode):
         self._reset_clock = 0
         self._phase = "setup"
         self.phases: list[tuple[int, str]] = [(0, "setup")]   # (clock, phase) at each change
+        self._position = "pre"
+        self.positions: list[tuple[int, str]] = [(0, "pre")]  # (clock, position) at each change
         self._orig_resize = None
 
     @property
@@ -83,6 +85,19 @@ class MemoryTracker(TorchDispatchMode):
         if value != self._phase:
             self._phase = value
             self.phases.append((self.clock, value))
+            self.position = "pre"
+
+    @property
+    def position(self) -> str:
+        """Where in the phase the step is, by blocks in the order the phase runs them: pre (before
+        the first block), first, mid, last (the block running), post (after the last block)."""
+        return self._position
+
+    @position.setter
+    def position(self, value: str) -> None:
+        if value != self._position:
+            self._position = value
+            self.positions.append((self.clock, value))
 
     # --- bookkeeping -------------------------------------------------------------------------
     def _default_label(self, op) -> str:
@@ -228,6 +243,42 @@ class MemoryTracker(TorchDispatchMode):
             total = sum(parts.values())
             if total > best[0]:
                 best = (total, parts, phases[pi][1])
+        return best
+
+    def moments(self) -> dict[tuple[str, str], tuple[int, dict[str, int]]]:
+        """The largest live bytes (and their breakdown) at each moment of the step since
+        reset_peak: (phase, position) -> (bytes, {category: bytes}). For a stack of identical
+        blocks each moment holds a + L x b bytes of every category (L blocks), and within a phase
+        memory is linear in the block index, so its maximum is at these moments: two traces with
+        different block counts give every moment for any L (traced.py: extrapolate)."""
+        events = []
+        for r in self.records:
+            events.append((r.born, r.nbytes, r.owner.label))
+            if r.died is not None:
+                events.append((r.died, -r.nbytes, r.owner.label))
+        events.sort(key=lambda e: e[0])
+        marks = sorted([(c, 0, p) for c, p in self.phases] + [(c, 1, p) for c, p in self.positions])
+        running: dict[str, int] = defaultdict(int)
+        best: dict[tuple[str, str], tuple[int, dict[str, int]]] = {}
+        phase, position, mi, i = "setup", "pre", 0, 0
+        while i < len(events):
+            t = events[i][0]
+            while i < len(events) and events[i][0] == t:
+                running[events[i][2]] += events[i][1]
+                i += 1
+            while mi < len(marks) and marks[mi][0] <= t:
+                if marks[mi][1] == 0:
+                    phase = marks[mi][2]
+                else:
+                    position = marks[mi][2]
+                mi += 1
+            if t < self._reset_clock:
+                continue
+            parts = {c: running.get(c, 0) for c in CATEGORIES if c != "overhead"}
+            total = sum(parts.values())
+            key = (phase, position)
+            if total > best.get(key, (-1,))[0]:
+                best[key] = (total, parts)
         return best
 
     def largest_at(self, time: int, n: int = 10) -> list[tuple[int, str, str, str]]:
