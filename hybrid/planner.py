@@ -182,6 +182,8 @@ def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: C
     fits = m.total <= cap and m.cpu <= host
     if m.total > cap:
         why = f"needs {fmt_bytes(m.total)} > {fmt_bytes(cap)}: {m.describe_largest()}"
+        if m.allocated + m.context <= cap:
+            why += f" (live tensors {fmt_bytes(m.allocated)} fit; the allocator's headroom does not)"
     elif m.cpu > host:
         why = (f"needs {fmt_bytes(m.cpu)} of host memory per rank > {fmt_bytes(host)} "
                f"({fmt_bytes(cluster.gpu.host_memory_bytes)} per node / {cluster.gpus_per_node} ranks)")

@@ -90,3 +90,13 @@ def test_public_runs_script_runs(tmp_path, monkeypatch):
     assert public_runs.main(["--calibrate"]) == 0
     text = (tmp_path / "out.md").read_text()
     assert "fits/OOM verdicts" in text and "leave-one-out" in text and "## Calibration" in text
+
+
+def test_a_miss_by_the_headroom_alone_says_so(capsys):
+    r = _row(capsys)
+    ctx = get_gpu("h100-80gb").cuda_context_bytes
+    between = (r["allocated_bytes"] + ctx + r["per_gpu"]["total"]) // 2     # live tensors fit, reserved not
+    r = _row(capsys, "--gpu-memory", str(between))
+    assert not r["fits"] and "live tensors" in r["reason"] and "headroom does not" in r["reason"]
+    r = _row(capsys, "--gpu-memory", str(r["allocated_bytes"] // 2))
+    assert not r["fits"] and "live tensors" not in r["reason"]
