@@ -8,20 +8,24 @@ Bus bandwidth: NVLink inside a node. A group spanning nodes with k of its ranks 
 k rings side by side (NCCL's channels, one per NIC on rail-optimised clusters), each crossing a
 node boundary through a different NIC, while the rest of every ring rides NVLink; so each rank's
 share moves at min(NVLink, k x NIC). With k = 8 that is 8 x 25 GB/s = 200 GB/s on HDR A100 nodes
-and 8 x 50 = 400 GB/s on NDR H100 nodes, the order of the multi-node all-reduce bus bandwidth
-nccl-tests reports on DGX A100/H100 clusters. A group with one rank per node (replicas) has one
-NIC per ring: k = 1.
+and 8 x 50 = 400 GB/s on NDR H100 nodes. Measured: a 1 GB all-reduce over 2 H100 nodes took
+0.27 s with 1 GPU per node, 0.13 s with 2 and 0.067 s with 4 (NVIDIA/nccl issue #1250): the time
+halves with each doubling of the ranks per node, as k NICs side by side predict. A group with one
+rank per node (replicas) has one NIC per ring: k = 1. The public-runs corpus
+(benchmarks/public_runs.py) found this: priced at one NIC, FSDP over 64-128 A100s could not reach
+the published tokens/s at any efficiency.
 """
 from __future__ import annotations
 
 import math
 
 LATENCY_INTRA = 10e-6
-"""Seconds per log2(n) step of a collective inside a node. Assumption: the order of NCCL's
-small-message all-reduce latency over NVLink (nccl-tests report ~10-20 us for 8 GPUs)."""
+"""Seconds per log2(n) step of a collective inside a node: the order of NCCL's small-message
+all-reduce latency over NVLink (nccl-tests on 8 x H100: ~6 us for 2 GPUs with NVLS, NVIDIA/nccl
+issue #1259; ~25 us for 4 GPUs without, NVIDIA/nccl-tests issue #128)."""
 LATENCY_INTER = 25e-6
-"""... across nodes. Assumption: a few times the NVLink latency (InfiniBand/RoCE round trips of a
-few us per hop plus NCCL's protocol steps)."""
+"""... across nodes: an 8-byte all-reduce between 2 A100 nodes on HDR InfiniBand takes ~19-20 us
+(nccl-tests, NVIDIA/nccl-tests issue #150)."""
 PCIE_BW = 25e9
 """Host<->GPU bytes/s per direction: PCIe Gen4 x16 is 32 GB/s raw, ~25 GB/s sustained (NVIDIA's
 bandwidthTest on A100/H100 hosts); Gen5 about twice."""
