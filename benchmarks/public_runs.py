@@ -87,6 +87,10 @@ class Point:
             return m["tokens_per_s_per_gpu"]
         if "tflops_per_gpu" in m:
             return m["tflops_per_gpu"] * 1e12 / model_flops_per_token(self.profile, self.spec.seq_len)
+        if "megatron_tflops_per_gpu" in m:       # the Megatron-LM paper's Eq. 3, per token
+            d, s = self.profile.decoder, self.spec.seq_len
+            per_token = 96 * d.layers * d.hidden ** 2 * (1 + s / (6 * d.hidden) + d.vocab / (16 * d.layers * d.hidden))
+            return m["megatron_tflops_per_gpu"] * 1e12 / per_token
         return None
 
     def candidate(self, efficiency=None):

@@ -57,7 +57,7 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
                         "ours) | transformers | hybrid")
     o.add_argument("--efficiency", type=float, default=None,
                    help="fraction of peak FLOP/s the cost model assumes (default: the GPU's figure, calibrated "
-                        "on public runs: a100 0.65, h100 0.50; 0.45 for GPUs without public runs)")
+                        "on public runs: a100 0.62, h100 0.50; 0.45 for GPUs without public runs)")
     o.add_argument("--strategies-dir", action="append", default=[], help="extra catalogue directory (repeatable)")
     o.add_argument("--json", action="store_true", help="print the JSON contract instead of a table")
     o.add_argument("--config", help="job file (YAML) with any of these options as keys; flags override it")
@@ -251,6 +251,9 @@ def cmd_plan(args) -> int:
                   f"the plan's choice is {p.chosen.label}, which {args.emit} does not run", file=sys.stderr)
         if args.emit == "deepspeed" and args.emit_for == "trainer":
             print(_trainer_arguments(c), file=sys.stderr)
+        if p.cluster.expandable_segments and args.emit != "torchtitan":    # torchtitan's launcher sets it
+            print("hybrid: the plan assumes PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (as auto_wrap sets "
+                  "it): export it where this job runs, or plan with --expandable-segments off", file=sys.stderr)
         if args.output:
             try:
                 with open(args.output, "w") as f:
