@@ -56,7 +56,16 @@ def model_of(m) -> tuple[str, DecoderConfig]:
 class Point:
     """One corpus entry, resolved into hybrid's objects."""
 
+    REQUIRED = ("source", "quote", "model", "gpu", "nodes", "gpus_per_node", "strategy", "micro_batch", "seq_len",
+                "activation_checkpointing", "precision", "optimizer", "compile", "expandable_segments", "measured")
+    """The full configuration every point states (what the source does not say is under `assumed`)."""
+
     def __init__(self, raw: dict):
+        missing = [k for k in self.REQUIRED if k not in raw]
+        if missing:
+            raise ValueError(f"corpus point {raw.get('id')!r} lacks {', '.join(missing)}")
+        if raw["compile"]:
+            raise ValueError(f"corpus point {raw['id']!r}: compiled runs are not replayed (the estimate is of eager steps)")
         self.raw = raw
         self.id = raw["id"]
         self.measured = raw["measured"]
@@ -67,9 +76,9 @@ class Point:
         if "network_gbps_per_gpu" in raw:
             gpu = replace(gpu, inter_node_bw=raw["network_gbps_per_gpu"] * GB / 8)
         self.cluster = Cluster(nodes=raw["nodes"], gpus_per_node=raw["gpus_per_node"], gpu=gpu,
-                               expandable_segments=raw.get("expandable_segments", False))
+                               expandable_segments=raw["expandable_segments"])
         self.spec = TrainSpec(micro_batch=raw["micro_batch"], seq_len=raw["seq_len"],
-                              precision=raw.get("precision", "bf16-mixed"),
+                              precision=raw["precision"], optimizer=raw["optimizer"],
                               activation_checkpointing=raw["activation_checkpointing"],
                               gradient_accumulation=raw.get("gradient_accumulation", 1))
         # a framework that reduce-scatters every micro-batch holds one micro-batch's gradients
