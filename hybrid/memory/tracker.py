@@ -82,9 +82,7 @@ class MemoryTracker(TorchDispatchMode):
 
     @phase.setter
     def phase(self, value: str) -> None:
-        if value != self._phase:
-            self._phase = value
-            self.phases.append((self.clock, value))
+        if self._mark("phase", value):
             self.position = "pre"
 
     @property
@@ -95,9 +93,15 @@ class MemoryTracker(TorchDispatchMode):
 
     @position.setter
     def position(self, value: str) -> None:
-        if value != self._position:
-            self._position = value
-            self.positions.append((self.clock, value))
+        self._mark("position", value)
+
+    def _mark(self, name: str, value: str) -> bool:
+        """Set phase or position, recording the clock of each change in phases / positions."""
+        if value == getattr(self, f"_{name}"):
+            return False
+        setattr(self, f"_{name}", value)
+        getattr(self, f"{name}s").append((self.clock, value))
+        return True
 
     # --- bookkeeping -------------------------------------------------------------------------
     def _default_label(self, op) -> str:
@@ -212,11 +216,9 @@ class MemoryTracker(TorchDispatchMode):
     def peak_breakdown(self) -> dict[str, int]:
         return self.breakdown_at(self.peak_time)
 
-    def peak_replacing(self, labels: set[str], layout) -> tuple[int, dict[str, int], str]:
-        """The peak over the recorded timeline when the bytes labelled `labels` are replaced by
-        `layout(phase, progress) -> {label: bytes}` (another library's state layout on the same
-        compute; progress runs 0 -> 1 through the phase): one sweep over births and deaths.
-        Returns (peak bytes, breakdown, phase)."""
+    def _timeline(self):
+        """(clock, live bytes by label) after each instant's births and deaths, from reset_peak on:
+        one sweep over the records."""
         events = []
         for r in self.records:
             events.append((r.born, r.nbytes, r.owner.label))
@@ -224,18 +226,25 @@ class MemoryTracker(TorchDispatchMode):
                 events.append((r.died, -r.nbytes, r.owner.label))
         events.sort(key=lambda e: e[0])
         running: dict[str, int] = defaultdict(int)
-        phases, pi = self.phases, 0
-        best = (-1, {}, "")
         i = 0
         while i < len(events):
             t = events[i][0]
             while i < len(events) and events[i][0] == t:
                 running[events[i][2]] += events[i][1]
                 i += 1
+            if t >= self._reset_clock:
+                yield t, running
+
+    def peak_replacing(self, labels: set[str], layout) -> tuple[int, dict[str, int], str]:
+        """The peak over the recorded timeline when the bytes labelled `labels` are replaced by
+        `layout(phase, progress) -> {label: bytes}` (another library's state layout on the same
+        compute; progress runs 0 -> 1 through the phase): one sweep over births and deaths.
+        Returns (peak bytes, breakdown, phase)."""
+        phases, pi = self.phases, 0
+        best = (-1, {}, "")
+        for t, running in self._timeline():
             while pi + 1 < len(phases) and phases[pi + 1][0] <= t:
                 pi += 1
-            if t < self._reset_clock:
-                continue
             start = phases[pi][0]
             end = phases[pi + 1][0] if pi + 1 < len(phases) else self.clock
             parts = {c: running.get(c, 0) for c in CATEGORIES if c != "overhead" and c not in labels}
@@ -251,29 +260,16 @@ class MemoryTracker(TorchDispatchMode):
         blocks each moment holds a + L x b bytes of every category (L blocks), and within a phase
         memory is linear in the block index, so its maximum is at these moments: two traces with
         different block counts give every moment for any L (traced.py: extrapolate)."""
-        events = []
-        for r in self.records:
-            events.append((r.born, r.nbytes, r.owner.label))
-            if r.died is not None:
-                events.append((r.died, -r.nbytes, r.owner.label))
-        events.sort(key=lambda e: e[0])
         marks = sorted([(c, 0, p) for c, p in self.phases] + [(c, 1, p) for c, p in self.positions])
-        running: dict[str, int] = defaultdict(int)
         best: dict[tuple[str, str], tuple[int, dict[str, int]]] = {}
-        phase, position, mi, i = "setup", "pre", 0, 0
-        while i < len(events):
-            t = events[i][0]
-            while i < len(events) and events[i][0] == t:
-                running[events[i][2]] += events[i][1]
-                i += 1
+        phase, position, mi = "setup", "pre", 0
+        for t, running in self._timeline():
             while mi < len(marks) and marks[mi][0] <= t:
                 if marks[mi][1] == 0:
                     phase = marks[mi][2]
                 else:
                     position = marks[mi][2]
                 mi += 1
-            if t < self._reset_clock:
-                continue
             parts = {c: running.get(c, 0) for c in CATEGORIES if c != "overhead"}
             total = sum(parts.values())
             key = (phase, position)
