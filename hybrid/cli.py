@@ -66,6 +66,7 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
 
 def _job(args):
     from .cluster import Cluster
+    from .jobfile import on_off
     from .profile import resolve_model
     from .spec import TrainSpec, default_seq_len
 
@@ -79,10 +80,10 @@ def _job(args):
         from .cluster import cpu_spec
         per_node = args.gpus_per_node or 2
         cluster = Cluster.build(args.nodes, per_node, cpu_spec(args.nodes * per_node), args.gpu_memory, args.host_memory,
-                                args.headroom, _on_off(args.expandable_segments))
+                                args.headroom, on_off(args.expandable_segments))
     else:
         cluster = Cluster.build(args.nodes, args.gpus_per_node or 8, args.gpu or "h100-80gb", args.gpu_memory,
-                                args.host_memory, args.headroom, _on_off(args.expandable_segments))
+                                args.host_memory, args.headroom, on_off(args.expandable_segments))
     seq = args.seq_len if args.seq_len is not None else default_seq_len(src.profile.max_positions)
     precision = args.precision or ("bf16-mixed" if cluster.gpu.bf16 or not cluster.gpu.is_cuda else "fp16-mixed")
     if "bf16" in str(precision).lower() and cluster.gpu.is_cuda and not cluster.gpu.bf16:
@@ -101,12 +102,6 @@ def _job(args):
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise HybridError(f"--efficiency must be in (0, 1], got {args.efficiency}")
     return src, cluster, spec
-
-
-def _on_off(value: str | None) -> bool | None:
-    if value in (None, "on", "off"):
-        return None if value is None else value == "on"
-    raise HybridError(f"expandable_segments must be on or off, got {value!r}")
 
 
 def _cuda() -> bool:

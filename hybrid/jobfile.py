@@ -30,6 +30,16 @@ _NUMBERS = {"nodes": int, "gpus_per_node": int, "micro_batch": int, "seq_len": i
 """Job keys that hold numbers (the CLI's option types); the rest are strings."""
 
 
+def on_off(value: str | None) -> bool | None:
+    """An on/off option (--expandable-segments, the job key expandable_segments) as a bool; None
+    when not given. YAML reads a bare on/off as a bool."""
+    if isinstance(value, bool):
+        return value
+    if value in (None, "on", "off"):
+        return None if value is None else value == "on"
+    raise HybridError(f"expandable_segments must be on or off, got {value!r}")
+
+
 def load_job(path: str, allowed: tuple[str, ...] = JOB_KEYS, prog: str = "hybrid plan") -> dict:
     """The file's options (keys as argparse dests), type-checked like the flags; `allowed`: the
     keys the command takes."""
@@ -99,8 +109,7 @@ def wrap_options(path: str) -> tuple[dict, object, list[str]]:
     cluster = None
     if any(job.get(k) is not None for k in ("nodes", "gpus_per_node", "gpu", "host_memory", "headroom",
                                             "expandable_segments")):
-        es = job.get("expandable_segments")
         cluster = Cluster.build(job.get("nodes") or 1, job.get("gpus_per_node") or 8, job.get("gpu") or "h100-80gb",
                                 job.get("gpu_memory"), job.get("host_memory"), job.get("headroom"),
-                                None if es is None else es == "on")
+                                on_off(job.get("expandable_segments")))
     return kwargs, cluster, [k for k in _PLAN_ONLY if k in job]

@@ -100,3 +100,15 @@ def test_a_miss_by_the_headroom_alone_says_so(capsys):
     assert not r["fits"] and "live tensors" in r["reason"] and "headroom does not" in r["reason"]
     r = _row(capsys, "--gpu-memory", str(r["allocated_bytes"] // 2))
     assert not r["fits"] and "live tensors" not in r["reason"]
+
+
+def test_allocator_keys_in_a_job_file(tmp_path):
+    from hybrid.errors import HybridError
+    from hybrid.jobfile import wrap_options
+    job = tmp_path / "job.yaml"
+    job.write_text("nodes: 2\nexpandable_segments: off\nheadroom: 0.2\n")
+    _, cluster, _ = wrap_options(str(job))
+    assert cluster.expandable_segments is False and cluster.headroom == 0.2
+    job.write_text("nodes: 2\nexpandable_segments: yes please\n")
+    with pytest.raises(HybridError, match="on or off"):
+        wrap_options(str(job))
