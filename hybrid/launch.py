@@ -28,6 +28,18 @@ def _entry(rank, world, port, local_world, fn, args, out_dir, quiet):
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         torch.save({"error": f"{type(e).__name__}: {e}", "type": type(e).__name__,
                     "tb": traceback.format_exc()}, path)
+        _leave()
+
+
+def _leave() -> None:
+    """After an error: close this rank's process group locally (no collective, no wait for the
+    others), so that its peers see an orderly close rather than a vanished process."""
+    import torch.distributed as dist
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - leaving anyway; the error is already reported
+        pass
 
 
 def run_ranks(world: int, fn, *args, local_world: int | None = None, quiet: bool = True,
@@ -37,7 +49,6 @@ def run_ranks(world: int, fn, *args, local_world: int | None = None, quiet: bool
     the rank's traceback. Ranks still running after `timeout_s` are killed and reported."""
     import time
 
-    import torch
     import torch.multiprocessing as mp
 
     from .errors import HybridError
@@ -45,19 +56,38 @@ def run_ranks(world: int, fn, *args, local_world: int | None = None, quiet: bool
         ctx = mp.start_processes(_entry, args=(world, free_port(), local_world or world, fn, args, out, quiet),
                                  nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
-        while not ctx.join(timeout=0.5):
-            if time.monotonic() > deadline:
-                alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
-                for p in ctx.processes:
-                    p.kill()
-                raise RuntimeError(f"rank(s) {alive} still running after {timeout_s:g} s: killed")
-        missing = [r for r in range(world) if not os.path.exists(os.path.join(out, f"{r}.pt"))]
-        if missing:
+        try:
+            while not ctx.join(timeout=0.5):
+                if time.monotonic() > deadline:
+                    alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+                    for p in ctx.processes:
+                        p.kill()
+                    raise RuntimeError(f"rank(s) {alive} still running after {timeout_s:g} s: killed")
+        except mp.ProcessExitedException:
+            # a rank killed while a peer that had reported an error tore down (gloo aborts on a
+            # vanished peer) is the consequence: the reported error, where there is one, is the cause
+            if not any(_errors(_results(out, world))):
+                raise
+        results = _results(out, world)
+        missing = [r for r, res in enumerate(results) if res is None]
+        if missing and not any(_errors(results)):
             raise RuntimeError(f"rank(s) {missing} exited without a result (killed, e.g. out of memory)")
-        results = [torch.load(os.path.join(out, f"{r}.pt"), weights_only=True) for r in range(world)]
     for r, res in enumerate(results):
+        if res is None:
+            continue
         if "error" in res:
             if res["type"] == "HybridError":
                 raise HybridError(res["error"].split(": ", 1)[1])
             raise RuntimeError(f"rank {r} failed: {res['error']}\n{res['tb']}")
     return [res["ok"] for res in results]
+
+
+def _results(out: str, world: int) -> list:
+    """What each rank saved (None where it saved nothing)."""
+    import torch
+    paths = [os.path.join(out, f"{r}.pt") for r in range(world)]
+    return [torch.load(p, weights_only=True) if os.path.exists(p) else None for p in paths]
+
+
+def _errors(results: list) -> list:
+    return [res for res in results if res is not None and "error" in res]

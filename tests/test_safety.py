@@ -366,3 +366,20 @@ def test_buffers_that_differ_across_ranks_are_saved_from_rank_0(tmp_path):
     loaded = run_ranks(1, bn_load, str(tmp_path / "bn"))[0]
     for k, v in loaded.items():
         assert torch.equal(v, saved[0][k]), k
+
+
+def error_then_abort():
+    import os
+    import time
+
+    from hybrid.errors import HybridError
+    if int(os.environ["RANK"]) == 0:
+        raise HybridError("rank 0 found the checkpoint wrong")
+    time.sleep(1.0)          # rank 0 has reported; this one dies the way gloo aborts on a vanished peer
+    os.abort()
+
+
+@pytest.mark.gloo
+def test_a_peer_dying_after_an_error_reports_the_error():
+    with pytest.raises(HybridError, match="rank 0 found the checkpoint wrong"):
+        run_ranks(2, error_then_abort)
