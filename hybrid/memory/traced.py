@@ -112,7 +112,8 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
     """One rank of the job traced on fake tensors. `fast`: a stack of identical blocks (a preset or
     a decoder config.json) is traced with FAST_BLOCKS blocks and extrapolated to its own count,
     which gives the full trace's peak (benchmarks/fast_traced.py) in a fraction of the time; other
-    models, and strategies whose state the trace replaces (DeepSpeed), are traced whole."""
+    models, strategies whose state the trace replaces (DeepSpeed, host offload) and layer:N
+    checkpointing are traced whole."""
     import torch.distributed as dist
 
     check_traceable(source)
