@@ -12,7 +12,6 @@ case), and Llama-2-70B FSDP over 64 ranks with full checkpointing.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -21,14 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 OUT = Path(__file__).parent / "results" / "fast_traced.md"
 
 
-def timed(fn):
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
-
-
 def main():
-    from fsdp_memtracker import fsdp_memtracker_peak
+    from fsdp_memtracker import fsdp_memtracker_peak, timed
 
     from hybrid.catalogue import load_catalogue
     from hybrid.cluster import Cluster

@@ -67,6 +67,13 @@ def fsdp_memtracker_peak(src, strategy, spec, cluster, shard, keep_output=False)
         dist.destroy_process_group()
 
 
+def timed(fn):
+    """(fn(), seconds it took)."""
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
 def main():
     from hybrid.catalogue import load_catalogue
     from hybrid.cluster import Cluster
@@ -76,11 +83,6 @@ def main():
 
     src, cluster = resolve_model("llama2-7b"), Cluster.build(8, 8, "h100-80gb")
     strategy, spec, shard = load_catalogue()["hsdp"], TrainSpec(1, 4096), 8
-
-    def timed(fn):
-        start = time.perf_counter()
-        out = fn()
-        return out, time.perf_counter() - start
 
     cold, cold_s = timed(lambda: fsdp_memtracker_peak(src, strategy, spec, cluster, shard))
     fast, fast_s = timed(lambda: traced_estimate(src, strategy, spec, cluster, shard))

@@ -30,7 +30,7 @@ from hybrid.catalogue import load_catalogue  # noqa: E402
 from hybrid.cluster import GB, Cluster, get_gpu  # noqa: E402
 from hybrid.cost import model_flops_per_token, step_cost  # noqa: E402
 from hybrid.planner import judge  # noqa: E402
-from hybrid.presets import DecoderConfig, get_preset  # noqa: E402
+from hybrid.presets import DecoderConfig, from_hf_config, get_preset  # noqa: E402
 from hybrid.profile import profile_decoder  # noqa: E402
 from hybrid.spec import TrainSpec  # noqa: E402
 from hybrid.units import GiB  # noqa: E402
@@ -41,16 +41,11 @@ OUT = HERE / "results" / "public_runs.md"
 
 
 def model_of(m) -> tuple[str, DecoderConfig]:
+    """A preset name, or a transformers config.json as a dict (read as `--model config.json` is)."""
     if isinstance(m, str):
         return m, get_preset(m)
-    d = dict(m)
-    arch = d.pop("arch")
-    name = f"{arch} h{d['hidden']} L{d['layers']}"
-    if arch == "gpt2":       # MPT / GPT-2 layout: 4h GELU MLP, learned positions, tied head
-        return name, DecoderConfig("gpt2", d["vocab"], d["hidden"], d["layers"], d["heads"], 4 * d["hidden"],
-                                   d["max_positions"], tied=True, hf_model_type="gpt2", gelu="tanh")
-    return name, DecoderConfig("llama", d["vocab"], d["hidden"], d["layers"], d["heads"], d["ffn"],
-                               d["max_positions"], kv_heads=d.get("kv_heads"), hf_model_type="llama")
+    cfg = from_hf_config(m)
+    return f"{cfg.style} h{cfg.hidden} L{cfg.layers}", cfg
 
 
 class Point:

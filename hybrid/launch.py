@@ -56,6 +56,7 @@ def run_ranks(world: int, fn, *args, local_world: int | None = None, quiet: bool
         ctx = mp.start_processes(_entry, args=(world, free_port(), local_world or world, fn, args, out, quiet),
                                  nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
+        crash = None
         try:
             while not ctx.join(timeout=0.5):
                 if time.monotonic() > deadline:
@@ -63,14 +64,16 @@ def run_ranks(world: int, fn, *args, local_world: int | None = None, quiet: bool
                     for p in ctx.processes:
                         p.kill()
                     raise RuntimeError(f"rank(s) {alive} still running after {timeout_s:g} s: killed")
-        except mp.ProcessExitedException:
-            # a rank killed while a peer that had reported an error tore down (gloo aborts on a
-            # vanished peer) is the consequence: the reported error, where there is one, is the cause
-            if not any(_errors(_results(out, world))):
-                raise
+        except mp.ProcessExitedException as e:
+            crash = e
         results = _results(out, world)
+        reported = any("error" in res for res in results if res is not None)
+        # a rank killed while a peer that had reported an error tore down (gloo aborts on a
+        # vanished peer) is the consequence: the reported error, where there is one, is the cause
+        if crash is not None and not reported:
+            raise crash
         missing = [r for r, res in enumerate(results) if res is None]
-        if missing and not any(_errors(results)):
+        if missing and not reported:
             raise RuntimeError(f"rank(s) {missing} exited without a result (killed, e.g. out of memory)")
     for r, res in enumerate(results):
         if res is None:
@@ -87,7 +90,3 @@ def _results(out: str, world: int) -> list:
     import torch
     paths = [os.path.join(out, f"{r}.pt") for r in range(world)]
     return [torch.load(p, weights_only=True) if os.path.exists(p) else None for p in paths]
-
-
-def _errors(results: list) -> list:
-    return [res for res in results if res is not None and "error" in res]

@@ -15,22 +15,13 @@ def relabel(tracker: MemoryTracker, engine: Engine) -> None:
         tracker.relabel(tensors, label)
 
 
-def _mark_phases(tracker: MemoryTracker, last_block):
-    """After the last block's forward the head runs ('head'); when the gradient reaches that
-    block's output, the loss and head backward are done and the blocks' backward begins."""
-    def after_forward(module, args, output):
-        tracker.phase = "head"
-        first = next((t for t in torch.utils._pytree.tree_flatten(output)[0]
-                      if isinstance(t, torch.Tensor) and t.requires_grad), None)
-        if first is not None:
-            first.register_hook(lambda grad: setattr(tracker, "phase", "blocks"))
-    return last_block.register_forward_hook(after_forward)
-
-
 def _mark_blocks(tracker: MemoryTracker, blocks) -> list:
-    """Set tracker.position as the blocks run: in forward when each block starts, in backward when
-    the gradient reaches each block's output (its backward starts) and the first block's input
-    (the blocks are done). Recomputation inside backward is not a forward: it is ignored."""
+    """Set tracker.phase and tracker.position as the blocks run. After the last block's forward
+    the head runs ('head'); when the gradient reaches that block's output, the loss and head
+    backward are done and the blocks' backward begins ('blocks'). Positions: in forward when each
+    block starts, in backward when the gradient reaches each block's output (its backward starts)
+    and the first block's input (the blocks are done). Recomputation inside backward is not a
+    forward: it is ignored."""
     n, handles = len(blocks), []
 
     def first_grad(tensors):
@@ -58,7 +49,9 @@ def _mark_blocks(tracker: MemoryTracker, blocks) -> list:
                 x.register_hook(on_grad("post"))
 
         def post(module, args, output, i=i):
-            if tracker.phase not in ("forward", "head"):      # head: _mark_phases ran first
+            if i == n - 1:
+                tracker.phase = "head"          # also after the last block's recomputation
+            elif tracker.phase != "forward":
                 return
             y = first_grad(output)
             if y is not None:
@@ -84,7 +77,7 @@ def tracked_steps(engine: Engine, batch, tracker: MemoryTracker, steps: int = 2,
     loss (its backward), blocks (the blocks' backward), step. Two steps by default: optimizer
     states appear during the first step, so the second one holds the steady-state peak."""
     blocks = find_blocks(engine.model)[1]
-    hooks = [_mark_phases(tracker, blocks[-1]), *_mark_blocks(tracker, blocks)] if blocks else []
+    hooks = _mark_blocks(tracker, blocks) if blocks else []
     try:
         for i in range(steps):
             tracker.phase = "forward"
