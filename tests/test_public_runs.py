@@ -112,3 +112,27 @@ def test_allocator_keys_in_a_job_file(tmp_path):
     job.write_text("nodes: 2\nexpandable_segments: yes please\n")
     with pytest.raises(HybridError, match="on or off"):
         wrap_options(str(job))
+
+
+def test_the_catalogue_constants_are_what_the_corpus_calibrates():
+    """The hard-coded efficiencies and headrooms are the corpus's fit (within rounding), so a corpus
+    or model change that moves them fails here instead of leaving stale figures."""
+    import statistics
+
+    import public_runs
+    from hybrid.cluster import GPUS
+    _, points = public_runs.load()
+    fitted: dict[str, list[float]] = {}
+    for p in points:
+        if p.published_tps and p.raw.get("calibrate", True):
+            fitted.setdefault(p.cluster.gpu.name, []).append(p.efficiency_to_match(p.candidate()))
+    assert set(fitted) == {"a100-80gb", "h100-80gb", "h100-96gb"}
+    for gpu, values in fitted.items():
+        assert GPUS[gpu].efficiency == pytest.approx(statistics.median(values), abs=0.01), gpu
+    pairs = [p.measured for p in points if {"allocated_gib", "reserved_gib"} <= set(p.measured)
+             and not p.cluster.expandable_segments]
+    assert ALLOCATOR_HEADROOM == pytest.approx(
+        statistics.mean(m["reserved_gib"] / m["allocated_gib"] - 1 for m in pairs), abs=0.01)
+    es = [p.measured["reserved_gib"] * 2**30 / p.candidate().memory.allocated - 1 for p in points
+          if "reserved_gib" in p.measured and p.cluster.expandable_segments]
+    assert EXPANDABLE_HEADROOM == pytest.approx(statistics.median(es), abs=0.01)
