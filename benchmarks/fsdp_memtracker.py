@@ -31,7 +31,7 @@ def fsdp_memtracker_peak(src, strategy, spec, cluster, shard, keep_output=False)
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from hybrid.auto import prepare_for_training
+    from hybrid.models import prepare_for_training
     from hybrid.memory.traced import _real_mesh_arithmetic, _unpacked_batches, make_batch, optimizer_factory
     from hybrid.mesh import Runtime, build_mesh
     from hybrid.parallel import ParallelDims

@@ -54,13 +54,9 @@ def run_case(preset, strategy, ckpt, micro_batch, seq, steps):
             "chosen": w.chosen.label, "gpu": torch.cuda.get_device_name() if cuda else "cpu"}
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model: exercise the code path")
-    ap.add_argument("--steps", type=int, default=6)
-    args = ap.parse_args()
-    import torch
-
+def measure(preset, mb, seq, steps, cases=CASES, cluster=None):
+    """[(strategy, ckpt, analytic, traced, measured)] for each case: the estimates first, then one
+    real run on this process's device (a rank launched by run_ranks)."""
     from hybrid.catalogue import load_catalogue
     from hybrid.cluster import detect
     from hybrid.launch import run_ranks
@@ -70,22 +66,38 @@ def main():
     from hybrid.spec import TrainSpec
     from hybrid.units import GiB
 
-    if not torch.cuda.is_available() and not args.dry_run:
-        sys.exit("gpu_memory_check: no CUDA device here; run it on a GPU machine (or --dry-run on CPU)")
-    preset, mb, seq = ("tiny-llama", 2, 128) if args.dry_run else ("llama3.2-1b", 1, 4096)
     cat = load_catalogue()
     src = resolve_model(preset)
+    cluster = cluster or detect()
     rows = []
-    for strategy, ckpt in CASES:
+    for strategy, ckpt in cases:
         spec = TrainSpec(mb, seq, precision="bf16-mixed", activation_checkpointing=ckpt)
-        cluster = detect() if not args.dry_run else __import__("hybrid").Cluster.build(1, 1, "h100-80gb")
         a = estimate(cat[strategy], src.profile, spec, cluster)
         t = traced_estimate(src, cat[strategy], spec, cluster)
-        m = run_ranks(1, run_case, preset, strategy, ckpt, mb, seq, args.steps)[0]
+        m = run_ranks(1, run_case, preset, strategy, ckpt, mb, seq, steps)[0]
         rows.append((strategy, ckpt, a, t.memory, m))
         print(f"{strategy:5} {ckpt:5} analytic {a.tensors / GiB:6.2f} traced {t.memory.tensors / GiB:6.2f} "
               f"measured {m['peak'] / GiB:6.2f} reserved {m['reserved'] / GiB:6.2f} GiB  {m['step_s'] * 1e3:.0f} ms/step",
               flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model: exercise the code path")
+    ap.add_argument("--steps", type=int, default=6)
+    args = ap.parse_args()
+    import torch
+
+    from hybrid.profile import resolve_model
+    from hybrid.units import GiB
+
+    if not torch.cuda.is_available() and not args.dry_run:
+        sys.exit("gpu_memory_check: no CUDA device here; run it on a GPU machine (or --dry-run on CPU)")
+    preset, mb, seq = ("tiny-llama", 2, 128) if args.dry_run else ("llama3.2-1b", 1, 4096)
+    src = resolve_model(preset)
+    cluster = __import__("hybrid").Cluster.build(1, 1, "h100-80gb") if args.dry_run else None
+    rows = measure(preset, mb, seq, args.steps, cluster=cluster)
     gpu = rows[0][4]["gpu"]
     lines = ["# Estimated vs measured peak on a GPU", "",
              f"`.venv/bin/python benchmarks/gpu_memory_check.py` on {gpu}: {preset} "

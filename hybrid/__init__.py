@@ -10,11 +10,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .api import estimate
+from .api import estimate, plan
 from .cluster import Cluster
 from .errors import HybridError
 from .parallel import ParallelDims
-from .planner import plan
 from .spec import TrainSpec
 
 if TYPE_CHECKING:

@@ -1,22 +1,90 @@
-"""Convenience entry points over the pure stages (no torch needed for presets)."""
+"""The public estimation API: `hybrid.plan` and `hybrid.estimate` take the same model forms and the
+same training arguments as the CLI, and answer as the CLI does (pure: no torch for presets).
+
+    hybrid.plan("llama2-7b", cluster=hybrid.Cluster.build(8, 8, "h100-80gb"), seq_len=4096)
+    hybrid.estimate("llama2-7b", "fsdp", cluster=..., micro_batch=2)
+
+A model is a preset name, a transformers config.json (or a folder holding one),
+`package.module:factory`, a ModelProfile, an nn.Module, or a callable returning one.
+"""
 from __future__ import annotations
+
+from dataclasses import fields
 
 from .catalogue import get_strategy, load_catalogue
 from .cluster import Cluster
+from .errors import HybridError
 from .memory.analytic import estimate as _analytic
 from .memory.breakdown import MemoryBreakdown
 from .profile import ModelProfile, build_profile, resolve_model
-from .spec import TrainSpec
+from .spec import TrainSpec, default_seq_len
+
+TRAIN_KEYS = tuple(f.name for f in fields(TrainSpec))
+"""The training arguments plan() and estimate() take as keywords (TrainSpec's fields)."""
+
+
+def profile_of(model) -> ModelProfile:
+    """Any accepted model form -> its ModelProfile."""
+    if isinstance(model, ModelProfile):
+        return model
+    if isinstance(model, str):
+        return resolve_model(model).profile
+    if hasattr(model, "parameters"):                    # an nn.Module (no torch import needed to tell)
+        return build_profile(model)
+    if callable(model):
+        return build_profile(model())
+    raise HybridError(f"model must be a preset name, a config.json path, 'package.module:factory', a ModelProfile, "
+                      f"an nn.Module or a callable returning one; got {type(model).__name__}")
+
+
+def default_precision(cluster: Cluster) -> str:
+    """bf16-mixed where the GPU computes in bf16 (and on CPU ranks' plans), else fp16-mixed."""
+    return "bf16-mixed" if cluster.gpu.bf16 or not cluster.gpu.is_cuda else "fp16-mixed"
+
+
+def check_precision(precision: str, cluster: Cluster) -> None:
+    """bf16 precisions need a GPU that computes in bf16 (Ampere or newer)."""
+    if "bf16" in str(precision).lower() and cluster.gpu.is_cuda and not cluster.gpu.bf16:
+        raise HybridError(f"{cluster.gpu.name} has no bf16 (it needs Ampere or newer): use --precision fp16-mixed "
+                          "or fp32")
+
+
+def train_spec(profile: ModelProfile, cluster: Cluster, **train) -> TrainSpec:
+    """TrainSpec from keyword arguments, with the CLI's defaults: the model's sequence length (at
+    most 4096) and the GPU's precision."""
+    unknown = sorted(set(train) - set(TRAIN_KEYS))
+    if unknown:
+        raise HybridError(f"unknown training argument(s) {', '.join(unknown)}; valid: {', '.join(TRAIN_KEYS)}")
+    train = {k: v for k, v in train.items() if v is not None}
+    train.setdefault("seq_len", default_seq_len(profile.max_positions))
+    train.setdefault("precision", default_precision(cluster))
+    check_precision(train["precision"], cluster)
+    return TrainSpec(**train)
+
+
+def plan(model, cluster: Cluster | None = None, *, strategies: list[str] | None = None, tp: int | None = None,
+         pp: int | None = None, schedule: str | None = None, shard_size: int | None = None,
+         efficiency: float | None = None, strategies_dir: tuple[str, ...] = (), **train):
+    """Every candidate layout for `model` on `cluster` (default one node of 8 H100-80GB), ranked,
+    with the choice and why: what `hybrid plan` prints. Checkpointing is searched unless
+    `activation_checkpointing=` pins it; tp and pp are searched unless pinned."""
+    from .planner import plan as _plan
+
+    cluster = cluster or Cluster.build()
+    profile = profile_of(model)
+    spec = train_spec(profile, cluster, **train)
+    return _plan(profile, spec, cluster, load_catalogue(strategies_dir), shard_size, strategies=strategies,
+                 tp=tp, pp=pp, schedule=schedule, efficiency=efficiency,
+                 search_checkpointing=train.get("activation_checkpointing") is None)
 
 
 def estimate(model, strategy: str = "fsdp", cluster: Cluster | None = None, spec: TrainSpec | None = None,
-             shard_size: int | None = None) -> MemoryBreakdown:
-    """Per-GPU memory of `strategy` for `model` (a preset name, ModelProfile or nn.Module)."""
-    if isinstance(model, str):
-        profile = resolve_model(model).profile
-    elif isinstance(model, ModelProfile):
-        profile = model
-    else:
-        profile = build_profile(model)
-    return _analytic(get_strategy(strategy, load_catalogue()), profile, spec or TrainSpec(),
-                     cluster or Cluster(), shard_size)
+             shard_size: int | None = None, strategies_dir: tuple[str, ...] = (), **train) -> MemoryBreakdown:
+    """Per-GPU memory of `strategy` for `model` (any form plan() takes), at tp = pp = 1. Training
+    arguments come as keywords (micro_batch=2, seq_len=4096, ...) or as a whole `spec`."""
+    cluster = cluster or Cluster.build()
+    profile = profile_of(model)
+    if spec is not None and train:
+        raise HybridError(f"pass either spec= or training keywords ({', '.join(sorted(train))}), not both")
+    spec = spec or train_spec(profile, cluster, **train)
+    return _analytic(get_strategy(strategy, load_catalogue(strategies_dir)), profile, spec, cluster, shard_size)

@@ -16,6 +16,7 @@ from .catalogue import get_strategy, load_catalogue
 from .cluster import ALLOC_CONF_VARS, Cluster, detect
 from .errors import HybridError
 from .mesh import build_mesh, init_distributed
+from .models import prepare_for_training
 from .planner import plan as make_plan
 from .profile import build_profile
 from .spec import TrainSpec, default_seq_len
@@ -35,14 +36,6 @@ def optimizer_kind(factory) -> str:
     if name == "sgd":
         return "sgd"
     return "adamw"
-
-
-def prepare_for_training(model: nn.Module) -> None:
-    """HF models build a KV cache in forward unless told not to: in training it only costs memory,
-    and recomputation (checkpointing) would see the cache the first forward filled."""
-    cfg = getattr(model, "config", None)
-    if cfg is not None and getattr(cfg, "use_cache", False):
-        cfg.use_cache = False
 
 
 def enable_expandable_segments(environ=os.environ) -> bool:

@@ -313,6 +313,14 @@ def build_decoder(cfg: DecoderConfig | str, device="cpu", dtype=None, attention:
         return Decoder(cfg, attention=attention)
 
 
+def prepare_for_training(model: nn.Module) -> None:
+    """HF models build a KV cache in forward unless told not to: in training it only costs memory,
+    and recomputation (checkpointing) would see the cache the first forward filled."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and getattr(cfg, "use_cache", False):
+        cfg.use_cache = False
+
+
 def build_hf(cfg: DecoderConfig, device="meta", attention: str = "sdpa", dtype=None):
     """The transformers model of this shape (random weights), or ImportError if not installed."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -81,3 +81,17 @@ def test_nothing_outside_the_registry_branches_on_a_family_name():
                     if needle in text:
                         offenders.append(f"{f}: {needle}")
     assert not offenders, offenders
+
+
+def test_estimators_do_not_import_the_auto_wrap_entry_point():
+    """Traced and measured estimation build on the runtime pieces, never on auto_wrap itself."""
+    graph = _module_imports()
+    for mod in ("hybrid.memory.traced", "hybrid.memory.measured", "hybrid.memory.driver", "hybrid.memory.tracker"):
+        seen, todo = set(), [mod]
+        while todo:
+            m = todo.pop()
+            for d in graph.get(m, ()):
+                if d not in seen:
+                    seen.add(d)
+                    todo.append(d)
+        assert "hybrid.auto" not in seen, f"{mod} reaches hybrid.auto"

@@ -34,7 +34,7 @@ def _rank_main(ref, strategy, spec, cluster, shard_size, steps, prefer_hf):
 
     from ..profile import resolve_model
 
-    from ..auto import prepare_for_training
+    from ..models import prepare_for_training
     from ..backends import apply
     from ..mesh import build_mesh, init_distributed
     from .driver import tracked_steps

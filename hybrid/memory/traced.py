@@ -168,7 +168,7 @@ def _trace(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cl
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from ..auto import prepare_for_training
+    from ..models import prepare_for_training
     from ..mesh import Runtime, build_mesh
     from .driver import prime_optimizer, tracked_steps
     from .tracker import MemoryTracker
@@ -242,7 +242,7 @@ def traced_stage_estimate(source: ModelSource, strategy: Strategy, spec: TrainSp
     from torch.distributed.pipelining import PipelineStage
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from ..auto import prepare_for_training
+    from ..models import prepare_for_training
     from ..backends.fsdp import gathered_params
     from ..backends.base import optimizer_tensors
     from ..mesh import Runtime, build_mesh

@@ -1,0 +1,58 @@
+"""The public API answers as the CLI does, for every model form it takes."""
+import contextlib
+import io
+import json
+
+import pytest
+
+import hybrid
+from hybrid.cli import main
+from hybrid.errors import HybridError
+
+pytestmark = pytest.mark.unit
+
+
+def _cli_json(*argv):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(list(argv) + ["--json"]) == 0
+    return json.loads(out.getvalue())
+
+
+def test_plan_takes_a_preset_and_chooses_what_the_cli_chooses():
+    p = hybrid.plan("llama2-7b", cluster=hybrid.Cluster.build(8, 8, "h100-80gb"), seq_len=4096)
+    cli = _cli_json("plan", "llama2-7b", "--nodes", "8", "--gpus-per-node", "8", "--gpu", "h100-80gb",
+                    "--seq-len", "4096")
+    assert p.to_dict()["chosen_candidate"] == cli["chosen_candidate"]
+    assert p.to_dict()["strategies"] == cli["strategies"]
+
+
+def test_plan_takes_a_config_json(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 50257, "n_embd": 768, "n_layer": 12,
+                                "n_head": 12, "n_positions": 1024}))
+    p = hybrid.plan(str(path), cluster=hybrid.Cluster.build(1, 8, "a100-80gb"), micro_batch=8, seq_len=1024)
+    assert p.chosen is not None and p.spec.micro_batch == 8
+    assert p.model.params == hybrid.plan("gpt2", micro_batch=8, seq_len=1024).model.params
+
+
+@pytest.mark.fakepg      # builds a module on the meta device (needs torch)
+def test_estimate_takes_a_module_and_a_factory():
+    from hybrid.models import build_decoder
+    from hybrid.presets import get_preset
+    cfg = get_preset("gpt2")
+    cluster = hybrid.Cluster.build(1, 8, "a100-80gb")
+    by_name = hybrid.estimate("gpt2", "ddp", cluster=cluster, micro_batch=2, seq_len=512)
+    by_module = hybrid.estimate(build_decoder(cfg, device="meta"), "ddp", cluster=cluster, micro_batch=2, seq_len=512)
+    by_factory = hybrid.estimate(lambda: build_decoder(cfg, device="meta"), "ddp", cluster=cluster, micro_batch=2,
+                                 seq_len=512)
+    assert by_name.total == by_module.total == by_factory.total
+
+
+def test_bad_training_argument_is_one_line():
+    with pytest.raises(HybridError, match="unknown training argument.*seqlen.*valid: micro_batch"):
+        hybrid.plan("gpt2", seqlen=1024)
+    with pytest.raises(HybridError, match="model must be a preset name"):
+        hybrid.estimate(42)
+    with pytest.raises(HybridError, match="no bf16"):
+        hybrid.plan("gpt2", cluster=hybrid.Cluster.build(1, 8, "v100-32gb"), precision="bf16-mixed")
