@@ -26,12 +26,7 @@ __version__ = "0.1.0"
 __all__ = ["Cluster", "HybridError", "ParallelDims", "TrainSpec", "Wrapped", "auto_wrap", "estimate", "plan",
            "shutdown"]
 
-_LAZY = {"auto_wrap": "auto", "Wrapped": "wrapped", "shutdown": "mesh",
-         # reachable here since 0.1 (kept for compatibility; prefer their modules)
-         "GPUSpec": "cluster", "GPUS": "cluster", "detect": "cluster", "ModelProfile": "profile",
-         "profile_module": "profile", "resolve_model": "profile", "DecoderConfig": "presets", "PRESETS": "presets",
-         "Strategy": "catalogue", "load_catalogue": "catalogue", "MemoryBreakdown": "memory.breakdown",
-         "Plan": "planner", "Candidate": "planner", "init_distributed": "mesh", "build_mesh": "mesh"}
+_LAZY = {"auto_wrap": "auto", "Wrapped": "wrapped", "shutdown": "mesh"}
 
 
 def __getattr__(name: str):

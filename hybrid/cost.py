@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .catalogue import Strategy
-from .cluster import DEFAULT_EFFICIENCY, Cluster
+from .cluster import Cluster
 from .links import Links
 from .memory.layout import optimizer_elements
 from .profile import ModelProfile, tp_share
@@ -45,10 +45,6 @@ from .spec import TrainSpec
 SELECTIVE_RECOMPUTE = 0.05
 """Extra step time of selective checkpointing: norms and pointwise ops recomputed in backward are
 memory-bound, a few percent of the step (Korthikanti et al. 2022, Table 4: 2.7-4% for theirs)."""
-EFFICIENCY = DEFAULT_EFFICIENCY
-"""Kept for callers of the old name: the fallback for GPUs without a calibrated figure. Each GPU's
-own is `GPUSpec.efficiency` (hybrid/cluster.py), calibrated on benchmarks/public_runs.yaml;
-`--efficiency` overrides it."""
 
 
 @dataclass(frozen=True)
