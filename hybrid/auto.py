@@ -125,6 +125,11 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
     """
     if config is not None:
         return _with_job_file(config, locals())
+    from .jobfile import check_arguments
+    check_arguments({"micro_batch": micro_batch, "seq_len": seq_len, "precision": precision, "strategy": strategy,
+                     "activation_checkpointing": activation_checkpointing, "attention": attention,
+                     "shard_size": shard_size, "tp": tp, "pp": pp, "schedule": schedule,
+                     "gpu_memory": gpu_memory, "strategies_dir": list(strategies_dir) or None}, "auto_wrap")
     if not isinstance(model, nn.Module):
         raise HybridError(f"auto_wrap needs an nn.Module, got {type(model).__name__}")
     model = unwrap(model)

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, fields
 import yaml
 
-from .errors import HybridError, unknown_name
+from .errors import HybridError, short, unknown_name
 from .families import FAMILIES, get_family
 from .parallel import validate_shard_size
 
@@ -144,6 +144,42 @@ class Strategy:
 
 
 # --- loading ---------------------------------------------------------------------------------
+YAML_LIMITS = {"bytes": 1 << 20, "nodes": 10_000, "depth": 16}
+"""What a job or strategy file may take: size, YAML nodes and nesting (a hand-written file has a
+few dozen nodes, two levels); aliases (*name) are refused outright, so no file can expand."""
+
+
+class _BudgetLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses aliases and stops past YAML_LIMITS' nodes and depth (a 406-byte
+    alias bomb otherwise expands to gigabytes in safe_load)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise yaml.YAMLError(f"line {mark.line + 1}: a YAML alias (*name); write the value out, aliases are "
+                                 "not accepted here")
+        self._nodes = getattr(self, "_nodes", 0) + 1
+        self._depth = getattr(self, "_depth", 0) + 1
+        if self._nodes > YAML_LIMITS["nodes"] or self._depth > YAML_LIMITS["depth"]:
+            raise yaml.YAMLError(f"more than {YAML_LIMITS['nodes']} values or {YAML_LIMITS['depth']} levels of "
+                                 "nesting; a hand-written file has far fewer")
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def load_yaml(text: str):
+    """yaml.safe_load under YAML_LIMITS (raises yaml.YAMLError past them)."""
+    if len(text) > YAML_LIMITS["bytes"]:
+        raise yaml.YAMLError(f"larger than {YAML_LIMITS['bytes']} bytes")
+    loader = _BudgetLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def key_lines(text: str) -> dict[str, int]:
     """Key -> 1-based line number of a flat YAML mapping (for error messages)."""
     node = yaml.compose(text)
@@ -170,8 +206,8 @@ def _type_ok(t: str, key: str, value) -> bool:
 def load_file(path: str) -> Strategy:
     try:
         with open(path, encoding="utf-8") as f:
-            text = f.read()
-        data = yaml.safe_load(text)
+            text = f.read(YAML_LIMITS["bytes"] + 1)
+        data = load_yaml(text)
     except UnicodeDecodeError:
         raise HybridError(f"{path}: not a text file (a strategy is a YAML mapping of knob: value)") from None
     except OSError as e:
@@ -183,11 +219,11 @@ def load_file(path: str) -> Strategy:
     lines = key_lines(text)
     family = data.get("family")
     if not isinstance(family, str) or family not in FAMILIES:
-        raise HybridError(f"{path}:{lines.get('family', 1)}: family {family!r} must be one of {', '.join(FAMILIES)}")
+        raise HybridError(f"{path}:{lines.get('family', 1)}: family {short(family)} must be one of {', '.join(FAMILIES)}")
     allowed = _COMMON | FAMILIES[family].knobs
     for key in data:
         if key not in allowed:
-            raise HybridError(f"{path}:{lines.get(key, 1)}: unknown key {key!r} for family {family}. "
+            raise HybridError(f"{path}:{lines.get(key, 1)}: unknown key {short(key)} for family {family}. "
                               f"Allowed: {', '.join(sorted(allowed))}")
     if "name" not in data:
         raise HybridError(f"{path}: missing 'name'")
@@ -195,7 +231,7 @@ def load_file(path: str) -> Strategy:
     for key, value in data.items():
         if not _type_ok(types[key], key, value):
             t = types[key]
-            raise HybridError(f"{path}:{lines.get(key, 1)}: {key} must be {t}, got {value!r}")
+            raise HybridError(f"{path}:{lines.get(key, 1)}: {key} must be {t}, got {short(value)}")
     for key in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size",
                 "max_live_parameters", "max_reuse_distance", "param_persistence_threshold"):
         if data.get(key) is not None:

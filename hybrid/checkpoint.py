@@ -3,7 +3,7 @@
 Layout of a checkpoint directory:
     meta.json            the commit point: written last, atomically (tmp file + os.replace)
     data-<step>-<id>/    this version's files; meta.json names it
-        HYBRID_DATA      marks the folder as written by hybrid (only such folders are ever removed)
+        HYBRID_DATA      marks the folder as written by hybrid, and names it
         dcp/             torch.distributed.checkpoint: model + optimizer state under the model's
                          own parameter names, optimizer state flattened by name (one portable
                          layout whatever the strategy; sharded tensors stay sharded, replicated
@@ -13,38 +13,34 @@ Layout of a checkpoint directory:
 A crash before meta.json is replaced leaves the previous version in force; older data folders are
 removed only after the switch. Every file's size and CRC32 are in meta.json and checked on load.
 
-Trust: `save` removes only folders it marked as its own and refuses a directory holding anything
-else unless `overwrite=True` (which still deletes nothing foreign). `load` never runs code from the
-files: JSON, `torch.load(weights_only=True)` and an allowlist unpickler for DCP's metadata
-(hybrid/safeio.py); DeepSpeed's own pickled checkpoint format is neither written nor read.
+Trust: `save` removes only version folders it can prove it wrote: named in meta.json's `history`
+(recorded before the folder is created, so a crashed save's folder is provable too) and carrying a
+marker that names the folder itself (a copy the user keeps beside it is never touched). It refuses
+a directory holding anything else unless `overwrite=True` (which still deletes nothing foreign).
+`load` never runs code from the files and never reads outside the version folder
+(hybrid/ckptread.py, hybrid/safeio.py), and checks everything it will apply before it changes the
+model, optimizer, scheduler or RNG; DeepSpeed's own pickled checkpoint format is neither written nor read.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import re
 import shutil
 import uuid
-import zlib
 
 import torch
 import torch.distributed as dist
 
 from .errors import HybridError
-from .safeio import dcp_load
+from .ckptread import (FORMAT, MARKER, META, _crc, check_files, check_items, dcp_files, first_line, read_meta,
+                       read_plain, reader, short, validate_meta)
+from .log import get_logger
+from .safeio import dcp_load, read_bounded
 
-FORMAT = "hybrid-checkpoint/1"
-META = "meta.json"
-MARKER = "HYBRID_DATA"
-
-
-def _crc(path: str) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return crc
+log = get_logger(__name__)
 
 
 def _files(root: str) -> list[str]:
@@ -76,44 +72,94 @@ def _set_rng_state(state: dict) -> None:
         np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
 
 
-def _read_plain(path: str, what: str) -> dict:
+_TEMP = re.compile(r"\.meta\.json\.[0-9a-f]{8}")
+
+
+def _marker(path: str, entry: str) -> list[str] | None:
+    """The lines of a version folder's marker, or None where there is none (or it is not a file)."""
     try:
-        return torch.load(path, weights_only=True)
-    except Exception as e:   # noqa: BLE001 - a crafted or damaged file is refused, never executed
-        raise HybridError(f"refusing to load {path!r}: not plain {what} ({str(e).splitlines()[0][:200]})") from None
+        return read_bounded(os.path.join(path, entry), MARKER, None, 4096).decode("utf-8", "replace").splitlines()
+    except HybridError:
+        return None
+
+
+def _our_meta(path: str) -> dict | None:
+    """The checkpoint's meta.json where hybrid wrote it (and it is intact), else None."""
+    try:
+        return validate_meta(json.loads(read_bounded(path, META, None)))
+    except (HybridError, ValueError, RecursionError):
+        return None
 
 
 def _is_ours(path: str, entry: str) -> bool:
+    """Whether `entry` of the checkpoint directory is of hybrid's kinds (not necessarily deletable)."""
     if entry == META:               # another tool's meta.json is not ours to replace
         try:
-            with open(os.path.join(path, META)) as f:
-                return json.load(f).get("format") == FORMAT
-        except (OSError, ValueError, AttributeError):
+            meta = json.loads(read_bounded(path, META, None))
+        except (HybridError, ValueError, RecursionError):
             return False
-    return (entry.startswith(f".{META}.")
-            or (entry.startswith("data-") and os.path.isfile(os.path.join(path, entry, MARKER))))
+        return isinstance(meta, dict) and meta.get("format") == FORMAT
+    if _TEMP.fullmatch(entry):
+        return True
+    return entry.startswith("data-") and _marker(path, entry) is not None
 
 
-def _prepare(path: str, name: str, overwrite: bool) -> str | None:
-    """Rank 0: check the target and create this version's folder; an error message or None."""
+def _provably_ours(path: str, entry: str, history: list[str]) -> bool:
+    """A version folder save may delete: meta.json's history names it, it is a real folder (not a
+    link) and its marker names it (markers before the name was recorded hold only the format line,
+    and the history then is only the version meta.json named)."""
+    if entry not in history or os.path.islink(os.path.join(path, entry)):
+        return False
+    lines = _marker(path, entry)
+    return lines is not None and (lines[1:2] == [entry] or len(lines) == 1)
+
+
+def _write_meta(path: str, meta: dict) -> None:
+    """meta.json replaced atomically (the commit); the temporary file removed on failure."""
+    tmp = os.path.join(path, f".{META}.{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(path, META))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _prepare(path: str, name: str, overwrite: bool) -> tuple[str | None, list[str]]:
+    """Rank 0: check the target, record `name` in the history and create this version's folder.
+    (error message or None, the history of version folders this save may delete)."""
     if os.path.exists(path) and not os.path.isdir(path):
-        return f"checkpoint path {path!r} is a file; give a directory (it is created if missing)"
+        return f"checkpoint path {path!r} is a file; give a directory (it is created if missing)", []
     try:
         os.makedirs(path, exist_ok=True)
         foreign = sorted(e for e in os.listdir(path) if not _is_ours(path, e))
         if META in foreign:
             return (f"{path!r} holds a {META} that hybrid did not write; save somewhere else (hybrid's commit "
-                    f"point would replace it, overwrite=True or not)")
+                    f"point would replace it, overwrite=True or not)"), []
         if foreign and not overwrite:
-            return (f"{path!r} holds files hybrid did not write ({', '.join(foreign[:3])}"
+            return (f"{path!r} holds files hybrid did not write ({', '.join(short(f, 40) for f in foreign[:3])}"
                     f"{', ...' if len(foreign) > 3 else ''}); save into an empty or hybrid-only directory, or "
-                    "pass overwrite=True to write beside them (they are never deleted)")
+                    "pass overwrite=True to write beside them (they are never deleted)"), []
+        for entry in os.listdir(path):      # temporary files of our own saves that crashed
+            if _TEMP.fullmatch(entry) and os.path.isfile(os.path.join(path, entry)) \
+                    and not os.path.islink(os.path.join(path, entry)):
+                os.unlink(os.path.join(path, entry))
+        meta = _our_meta(path)
+        history = []
+        if meta is not None:
+            history = [h for h in [meta["data"], *meta.get("history", [])] if h != name and
+                       os.path.isdir(os.path.join(path, h))]
+            _write_meta(path, dict(meta, history=[*dict.fromkeys(history), name]))   # before the folder
         os.makedirs(os.path.join(path, name))
         with open(os.path.join(path, name, MARKER), "w") as f:
-            f.write(FORMAT + "\n")
+            f.write(f"{FORMAT}\n{name}\n")
     except OSError as e:
-        return f"cannot write a checkpoint to {path!r}: {e.strerror or e}; choose a writable directory"
-    return None
+        return f"cannot write a checkpoint to {path!r}: {e.strerror or e}; choose a writable directory", []
+    return None, list(dict.fromkeys(history))
 
 
 def _model_info(module) -> dict:
@@ -161,6 +207,11 @@ def _rank0_buffers(module, model_state: dict) -> None:
             model_state[name] = t
 
 
+def _write_error(path: str, e: BaseException) -> str:
+    return (f"cannot write checkpoint {path!r}: {first_line(e)}; the previous version is still in force "
+            "(free space, or save somewhere else)")
+
+
 def save(wrapped, path: str, extra: dict | None = None, overwrite: bool = False) -> str:
     """Write a new version of the checkpoint at `path` (collective: every rank calls it)."""
     import torch.distributed.checkpoint as dcp
@@ -168,22 +219,37 @@ def save(wrapped, path: str, extra: dict | None = None, overwrite: bool = False)
     rank, world = dist.get_rank(), dist.get_world_size()
     path = os.path.abspath(path)
     name = f"data-{wrapped.step_count:08d}-{uuid.uuid4().hex[:8]}"
-    name, error = _broadcast((name, _prepare(path, name, overwrite) if rank == 0 else None), rank)
+    error, history = _prepare(path, name, overwrite) if rank == 0 else (None, [])
+    name, error = _broadcast((name, error), rank)
     if error:
         raise HybridError(error)
     data = os.path.join(path, name)
     engine = wrapped.engine
     state = engine.checkpoint_state()
     _rank0_buffers(wrapped.module, state["model"])
-    dcp.save(state, checkpoint_id=os.path.join(data, "dcp"))
-    torch.save(_rng_state(), os.path.join(data, f"rng-{rank}.pt"))
-    if rank == 0:   # scheduler, loss scaler, step counts: plain data
-        torch.save(wrapped.loop_state(), os.path.join(data, "loop.pt"))
-    dist.barrier()
+    error = None
+    try:
+        dcp.save(state, checkpoint_id=os.path.join(data, "dcp"))   # raises on every rank if one fails
+        torch.save(_rng_state(), os.path.join(data, f"rng-{rank}.pt"))
+        if rank == 0:   # scheduler, loss scaler, step counts: plain data
+            torch.save(wrapped.loop_state(), os.path.join(data, "loop.pt"))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        error = _write_error(path, e)
+    errors = [None] * world
+    dist.all_gather_object(errors, error)
+    if any(errors):
+        if rank == 0:       # the unfinished version is ours: it was created by this call
+            shutil.rmtree(data, ignore_errors=True)
+        raise HybridError(next(e for e in errors if e))
     # every file's size and CRC, hashed by the ranks in turn, committed by rank 0
     files = _broadcast(_files(data), rank)
-    mine = {f: [os.path.getsize(os.path.join(data, f)), _crc(os.path.join(data, f))]
-            for i, f in enumerate(files) if i % world == rank}
+    mine = {}
+    for i, f in enumerate(files):
+        if i % world == rank:
+            with open(os.path.join(data, f), "rb") as fh:
+                mine[f] = [os.path.getsize(os.path.join(data, f)), _crc(fh)]
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
     if rank == 0:
@@ -193,58 +259,21 @@ def save(wrapped, path: str, extra: dict | None = None, overwrite: bool = False)
                 "optimizer": type(engine.user_optimizer).__name__,
                 "model": _model_info(wrapped.module), "params": _param_table(wrapped.module),
                 "tied": _tied(wrapped.module),
-                "files": {k: v for g in gathered for k, v in g.items()}, "extra": extra or {}}
-        tmp = os.path.join(path, f".{META}.{uuid.uuid4().hex[:8]}")
-        with open(tmp, "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(path, META))          # the commit
-        for old in os.listdir(path):        # superseded versions (ours only), after the switch
-            if old.startswith("data-") and old != name and _is_ours(path, old):
-                shutil.rmtree(os.path.join(path, old), ignore_errors=True)
-    dist.barrier()
+                "files": {k: v for g in gathered for k, v in g.items()}, "extra": extra or {},
+                "history": [name, *history]}
+        try:
+            _write_meta(path, meta)          # the commit
+        except OSError as e:
+            shutil.rmtree(data, ignore_errors=True)
+            error = _write_error(path, e)
+        else:
+            for old in history:        # superseded versions this save can prove it wrote, after the switch
+                if _provably_ours(path, old, history):
+                    shutil.rmtree(os.path.join(path, old), ignore_errors=True)
+    error = _broadcast(error, rank)
+    if error:
+        raise HybridError(error)
     return data
-
-
-def read_meta(path: str) -> dict:
-    meta_path = os.path.join(path, META)
-    if not os.path.isdir(path):
-        raise HybridError(f"checkpoint {path!r} does not exist")
-    if not os.path.isfile(meta_path):
-        raise HybridError(f"{path!r} is not a hybrid checkpoint: it has no {META} (a directory written by "
-                          "Wrapped.save, or its parent)")
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HybridError(f"{meta_path} is corrupted: {e}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise HybridError(f"{path!r} has format {got!r}; this version reads {FORMAT}")
-    # a crafted meta.json must not point reads outside its own version folder
-    files = meta.get("files")
-    if (not isinstance(meta.get("data"), str) or not re.fullmatch(r"data-\d+-[0-9a-f]+", meta["data"])
-            or not isinstance(files, dict)
-            or any(os.path.isabs(f) or ".." in f.split("/") for f in files)):
-        raise HybridError(f"{meta_path} is malformed: its data folder or file list is not one hybrid writes")
-    return meta
-
-
-def check_files(path: str, meta: dict, only: list[str] | None = None) -> None:
-    """Sizes and CRC32 of the files against meta.json (a subset with `only`)."""
-    data = os.path.join(path, meta["data"])
-    for rel, (size, crc) in meta["files"].items():
-        if only is not None and rel not in only:
-            continue
-        f = os.path.join(data, rel)
-        if not os.path.isfile(f):
-            raise HybridError(f"checkpoint {path!r} is incomplete: {rel} is missing")
-        if os.path.getsize(f) != size:
-            raise HybridError(f"checkpoint {path!r} is truncated: {rel} has {os.path.getsize(f)} bytes, "
-                              f"expected {size}")
-        if _crc(f) != crc:
-            raise HybridError(f"checkpoint {path!r} is corrupted: {rel} fails its CRC32 check")
 
 
 def check_model(meta: dict, module) -> None:
@@ -260,56 +289,182 @@ def check_model(meta: dict, module) -> None:
                               f"{tuple(shape)} in the checkpoint and {tuple(have[name][0])} in this model")
 
 
-def _first_line(e: BaseException) -> str:
-    """DCP's CheckpointException carries {rank: (exception, traceback)}: the first cause's line."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank, cause = sorted(failures.items())[0]
-        cause = cause[0] if isinstance(cause, tuple) else cause
-        return f"rank {rank}: {type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}"
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
+def _agreed(fn, *args):
+    """fn(*args) on every rank; a HybridError on any rank is raised on all (no rank waits for a
+    peer that gave up)."""
+    result, error = None, None
+    try:
+        result = fn(*args)
+    except HybridError as e:
+        error = str(e)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    if any(errors):
+        raise HybridError(next(e for e in errors if e))
+    return result
+
+
+def _same_kind(saved, live, depth: int = 0) -> bool:
+    """Whether a saved scheduler/scaler value has the shape of the live one (numbers for numbers,
+    equally long lists, the same keys), so that applying it cannot fail later."""
+    if depth > 8:
+        return False
+    if isinstance(live, bool) or live is None:
+        return saved is None or isinstance(saved, type(live)) or live is None
+    if isinstance(live, (int, float)):
+        return isinstance(saved, (int, float)) and not isinstance(saved, bool)
+    if isinstance(live, (list, tuple)):
+        return isinstance(saved, (list, tuple)) and len(saved) == len(live) and all(
+            _same_kind(s, v, depth + 1) for s, v in zip(saved, live))
+    if isinstance(live, dict):
+        return isinstance(saved, dict) and set(saved) <= set(live) and all(
+            _same_kind(saved[k], live[k], depth + 1) for k in saved)
+    if isinstance(live, torch.Tensor):
+        return isinstance(saved, torch.Tensor) and saved.shape == live.shape and saved.dtype == live.dtype
+    return isinstance(saved, type(live))
+
+
+def _check_loop(wrapped, state) -> None:
+    if not isinstance(state, dict):
+        raise HybridError(f"loop.pt holds a {type(state).__name__}, not the loop state hybrid writes")
+    for key in ("optimizer_steps", "skipped_steps"):
+        v = state.get(key, 0)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise HybridError(f"loop.pt: {key} is {short(v)}, not a count")
+    live = {"scheduler": wrapped.scheduler.state_dict() if wrapped.scheduler is not None else None,
+            "scaler": wrapped.engine.scaler_state()}
+    for key, now in live.items():
+        saved = state.get(key)
+        if saved is not None and now is not None and not _same_kind(saved, now):
+            raise HybridError(f"loop.pt: the saved {key} state does not match this job's {key} "
+                              f"({type(getattr(wrapped, key, None) or wrapped.engine).__name__}); build the same "
+                              f"{key} as the run that saved it")
+
+
+def _check_rng(state) -> None:
+    """Apply the saved RNG states to scratch generators: what fails here would fail on the real ones."""
+    if not isinstance(state, dict) or "python" not in state or "torch" not in state:
+        raise HybridError("the RNG state is not the dict hybrid writes")
+    try:
+        random.Random().setstate(state["python"])
+        torch.Generator().set_state(state["torch"])
+        if "cuda" in state and not (isinstance(state["cuda"], torch.Tensor) and state["cuda"].dtype == torch.uint8):
+            raise TypeError("cuda state is not a byte tensor")
+        if "numpy" in state:
+            import numpy as np
+            kind, keys, pos, has_gauss, cached = state["numpy"]
+            np.random.RandomState().set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+    except Exception as e:  # noqa: BLE001 - any malformed state is the same verdict
+        raise HybridError(f"the RNG state is malformed ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:80] if str(e) else ''})") from None
+
+
+def _plan_load(path: str, template: dict, md) -> tuple[dict, dict, list[str]]:
+    """What DCP will load: the template less the optimizer entries the checkpoint lacks (they start
+    fresh), every other entry present with this job's shape. (to load, fresh values, log lines)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # the keys DCP uses
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    flat, mappings = flatten_state_dict(template)
+    stored = md.state_dict_metadata
+    fresh, kinds = set(), {}
+    for key, value in flat.items():
+        entry = stored.get(key)
+        where = mappings[key]
+        if entry is None:
+            if len(where) >= 2 and where[0] == "optim" and str(where[1]).startswith(("state.", "param_groups.")):
+                fresh.add(where[:2])
+                kind = str(where[1]).rsplit(".", 1)[-1]
+                kinds.setdefault(kind, set()).add(str(where[1]))
+                continue
+            raise HybridError(f"checkpoint {path!r} has no value for {short(key)}, which this job holds; it is of "
+                              "a different model (or a model with other buffers)")
+        if isinstance(value, torch.Tensor) != isinstance(entry, TensorStorageMetadata):
+            raise HybridError(f"checkpoint {path!r} stores {short(key)} as "
+                              f"{'a tensor' if isinstance(entry, TensorStorageMetadata) else 'plain data'}; this "
+                              f"job holds {'a tensor' if isinstance(value, torch.Tensor) else 'plain data'} there")
+        if isinstance(value, torch.Tensor) and tuple(entry.size) != tuple(value.shape):
+            raise HybridError(f"checkpoint {path!r} has {short(key)} of shape {tuple(entry.size)}; this job holds "
+                              f"{tuple(value.shape)}")
+    notes = []
+    state_kinds = {k: len(v) for k, v in kinds.items() if any(n.startswith("state.") for n in v)}
+    if state_kinds:
+        notes.append(f"hybrid: checkpoint {path} has no optimizer state "
+                     f"{', '.join(f'{k} ({n} parameters)' for k, n in sorted(state_kinds.items()))}: the run that "
+                     "saved it kept none (SGD without momentum, or frozen parameters); it starts fresh")
+    unused = sorted({k.rsplit(".", 1)[-1] for k in stored if k.startswith("optim.state.") and k not in flat})
+    if unused:
+        notes.append(f"hybrid: checkpoint {path} holds optimizer state this job does not use "
+                     f"({', '.join(unused[:5])}; frozen parameters or another optimizer setting): ignored")
+    to_load = {k: dict(v) if isinstance(v, dict) else v for k, v in template.items()}
+    values = {}
+    for top, key in fresh:
+        values.setdefault(top, {})[key] = to_load[top].pop(key)
+    return to_load, values, notes
 
 
 def load(wrapped, path: str) -> dict:
     """Restore model, optimizer, step and RNG from `path`, whatever strategy and world size wrote
     it (collective). Returns the `extra` dict given to save. Raises HybridError on a bad
-    checkpoint on every rank alike; nothing on disk is changed."""
+    checkpoint on every rank alike, before anything of the job is changed; nothing on disk is
+    changed."""
     rank, world = dist.get_rank(), dist.get_world_size()
     path = os.path.abspath(path)
-    meta = read_meta(path)
-    check_model(meta, wrapped.module)
-    files = sorted(meta["files"])
-    error = None
-    try:
-        check_files(path, meta, [f for i, f in enumerate(files) if i % world == rank])
-    except HybridError as e:
-        error = str(e)
-    errors = [None] * world
-    dist.all_gather_object(errors, error)
-    if any(errors):
-        raise HybridError(next(e for e in errors if e))
-    data = os.path.join(path, meta["data"])
     engine = wrapped.engine
     mine = type(engine.user_optimizer).__name__
-    if meta.get("optimizer", mine) != mine:
-        raise HybridError(f"checkpoint {path!r} holds {meta['optimizer']} optimizer state and this job "
-                          f"uses {mine}; build the same optimizer as the run that saved it")
-    state = engine.checkpoint_template()
+
+    def check_meta():
+        meta = read_meta(path)
+        check_model(meta, wrapped.module)
+        if meta.get("optimizer", mine) != mine:
+            raise HybridError(f"checkpoint {path!r} holds {short(meta['optimizer'], 40)} optimizer state and this "
+                              f"job uses {mine}; build the same optimizer as the run that saved it")
+        return meta
+
+    meta = _agreed(check_meta)
+    template = engine.checkpoint_template()         # collective on some engines: every rank, in step
+
+    def check_data():
+        files = sorted(meta["files"])
+        check_files(path, meta, [f for i, f in enumerate(files) if i % world == rank])
+        r = reader(path, meta)
+        check_items(path, r, [f for i, f in enumerate(dcp_files(meta)) if i % world == rank])
+        plan = _plan_load(path, template, r.metadata)
+        rng = f"rng-{rank}.pt"
+        rng = read_plain(path, meta, rng, "RNG state") if meta["world_size"] == world and rng in meta["files"] \
+            else None
+        loop = read_plain(path, meta, "loop.pt", "training-loop state") if "loop.pt" in meta["files"] else None
+        try:
+            if rng is not None:
+                _check_rng(rng)
+            if loop is not None:
+                _check_loop(wrapped, loop)
+        except HybridError as e:
+            raise HybridError(f"checkpoint {path!r}: {e}") from None
+        return r, plan, rng, loop
+
+    r, (to_load, fresh, notes), rng, loop = _agreed(check_data)
     try:
-        dcp_load(state, os.path.join(data, "dcp"))
+        dcp_load(to_load, r)
     except HybridError:
         raise
-    except Exception as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         raise HybridError(f"cannot load {path!r} into this job ({wrapped.strategy.name}, optimizer {mine}): "
-                          f"{_first_line(e)}") from None
-    engine.load_checkpoint_state(state)
-    rng = os.path.join(data, f"rng-{rank}.pt")
-    if meta["world_size"] == world and os.path.exists(rng):
-        _set_rng_state(_read_plain(rng, "RNG state"))
+                          f"{first_line(e)}") from None
+    for top, values in fresh.items():
+        to_load[top].update(values)
+    engine.load_checkpoint_state(to_load)
+    if rank == 0:
+        for note in notes:
+            log.info("%s", note)
+    if rng is not None:
+        _set_rng_state(rng)
     wrapped.step_count = meta["step"]
-    loop = os.path.join(data, "loop.pt")
-    if os.path.exists(loop):
-        wrapped.load_loop_state(_read_plain(loop, "training-loop state"))
+    if loop is not None:
+        wrapped.load_loop_state(loop)
     dist.barrier()
     return meta["extra"]

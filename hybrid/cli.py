@@ -71,10 +71,6 @@ def _job(args):
     from .spec import TrainSpec, default_seq_len
 
     src = resolve_model(args.model, args.params)
-    for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node),
-                        ("--micro-batch", args.micro_batch), ("--seq-len", args.seq_len)):
-        if value is not None and value > 10**9:
-            raise HybridError(f"{flag} must be at most 1e9, got {value}")
     if args.method == "measured" and not _cuda():
         # measured on CPU ranks: this machine's CPU, 2 ranks unless told, no CUDA context
         from .cluster import cpu_spec
@@ -89,18 +85,10 @@ def _job(args):
     if "bf16" in str(precision).lower() and cluster.gpu.is_cuda and not cluster.gpu.bf16:
         raise HybridError(f"{cluster.gpu.name} has no bf16 (it needs Ampere or newer): use --precision fp16-mixed "
                           "or fp32")
-    if not 1 <= args.gradient_accumulation <= 10**6:
-        raise HybridError(f"--gradient-accumulation must be between 1 and 1e6, got {args.gradient_accumulation}")
     spec = TrainSpec(micro_batch=args.micro_batch, seq_len=seq, precision=precision,
                      gradient_accumulation=args.gradient_accumulation,
                      optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing or "none",
                      attention=args.attention)
-    if args.method not in ("analytic", "traced", "measured"):
-        raise HybridError(f"unknown method {args.method!r}. Available: analytic, traced, measured")
-    if args.implementation not in ("auto", "transformers", "hybrid"):
-        raise HybridError(f"unknown implementation {args.implementation!r}. Available: auto, transformers, hybrid")
-    if args.efficiency is not None and not 0 < args.efficiency <= 1:
-        raise HybridError(f"--efficiency must be in (0, 1], got {args.efficiency}")
     return src, cluster, spec
 
 
@@ -397,6 +385,8 @@ def _parse(argv: list[str]):
         dests = {a.dest for a in sub._actions}
         sub.set_defaults(**load_job(args.config, tuple(k for k in JOB_KEYS if k in dests), sub.prog))
         args = parser.parse_args(argv)
+    from .jobfile import check_args
+    check_args(args)
     if getattr(args, "save_config", None):
         from .jobfile import save_job
         save_job(args.save_config, args)

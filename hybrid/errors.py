@@ -12,3 +12,10 @@ class HybridError(ValueError):
 def unknown_name(kind: str, value: str, valid) -> HybridError:
     """The registry-style error: `unknown GPU 'h100'. Available: a100-40gb, ...`."""
     return HybridError(f"unknown {kind} {value!r}. Available: {', '.join(sorted(valid))}")
+
+
+def short(value, n: int = 80) -> str:
+    """A value as an error message shows it: its repr, at most `n` characters (a job file or a
+    checkpoint may hold megabytes where one word was expected)."""
+    text = repr(value)
+    return text if len(text) <= n else text[:n - 3] + "..."

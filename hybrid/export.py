@@ -5,14 +5,23 @@ once), written as HF-style `model-0000k-of-0000n.safetensors` with `model.safete
 A transformers model keeps its keys (tied duplicates dropped, as transformers saves them); our own
 llama/gpt2 decoders are renamed to the transformers layout (GPT-2's Conv1D weights transposed)
 and get a config.json, so `AutoModelForCausalLM.from_pretrained(OUT)` loads the export.
+
+Before anything is written, the checkpoint is read as `load` reads it (hybrid/ckptread.py: confined,
+sizes and CRCs, every stored item checked) and DCP's metadata is held against meta.json's params
+table: the same names, shapes and dtypes, so the export has exactly the tensors load would restore.
+OUT may not be, contain or lie inside the checkpoint; the temporary folder is removed on any
+failure, SIGTERM and Ctrl-C included; files get the permissions the umask gives.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
+import threading
 
-from .checkpoint import check_files, read_meta
+from .ckptread import check_files, first_line, read_meta, reader, short
 from .errors import HybridError
 from .units import parse_bytes
 
@@ -45,9 +54,16 @@ def plan_keys(meta: dict) -> tuple[list[tuple[str, str, bool]], dict | None]:
     info = meta["model"]
     if "decoder" in info:
         d = info["decoder"]
+        if d.get("style") not in ("llama", "gpt2"):
+            raise HybridError(f"meta.json's model.decoder has style {short(d.get('style'))}; hybrid writes llama "
+                              "or gpt2")
         rules = _GPT2 if d["style"] == "gpt2" else _LLAMA
         from .presets import DecoderConfig
-        cfg = DecoderConfig(**d).hf_config()
+        try:
+            cfg = DecoderConfig(**d).hf_config()
+        except (TypeError, ValueError) as e:
+            raise HybridError(f"meta.json's model.decoder is not a decoder hybrid writes: "
+                              f"{str(e).splitlines()[0][:120]}") from None
         cfg["architectures"] = [_ARCH[cfg["model_type"]]]
         transposed = re.compile(r"\.(c_attn|c_proj|c_fc)\.weight$") if d["style"] == "gpt2" else None
         out = []
@@ -58,10 +74,20 @@ def plan_keys(meta: dict) -> tuple[list[tuple[str, str, bool]], dict | None]:
     return [(n, n, False) for n in names], info.get("hf_config")
 
 
-def _target(out: str, overwrite: bool) -> str:
+def _inside(a: str, b: str) -> bool:
+    """Whether path a is b or lies inside it (real paths: symbolic links resolved)."""
+    a, b = os.path.realpath(a), os.path.realpath(b)
+    return a == b or a.startswith(b.rstrip(os.sep) + os.sep)
+
+
+def _target(out: str, overwrite: bool, ckpt: str) -> str:
     """Check the output directory before any work: a file, a non-empty directory (without
-    overwrite) or an unwritable parent is a HybridError."""
+    overwrite), an unwritable parent or a place that is, holds or lies in the checkpoint is a
+    HybridError."""
     out = os.path.abspath(out)
+    if _inside(out, ckpt) or _inside(ckpt, out):
+        raise HybridError(f"export target {out!r} {'is' if _inside(out, ckpt) and _inside(ckpt, out) else 'lies inside' if _inside(out, ckpt) else 'contains'} "
+                          f"the checkpoint {os.path.abspath(ckpt)!r}; export to a directory outside it")
     if os.path.exists(out) and not os.path.isdir(out):
         raise HybridError(f"export target {out!r} is a file; give a directory")
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
@@ -75,56 +101,122 @@ def _target(out: str, overwrite: bool) -> str:
     return out
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def _signals_unwind():
+    """SIGTERM, SIGHUP and SIGINT raise in the main thread while the export runs, so its cleanup
+    runs; the handlers in force before are restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def check_params(ckpt: str, meta: dict, md, keys) -> dict:
+    """DCP's metadata against meta.json's params table: every exported parameter stored as a tensor
+    of its listed shape and dtype (or the fp32 master of a 16-bit one); {name: storage entry}."""
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not keys:
+        raise HybridError(f"checkpoint {ckpt!r} lists no parameters to export")
+    stored, out, total = md.state_dict_metadata, {}, 0
+    for src, _, _ in keys:
+        shape, dtype = meta["params"][src]
+        e = stored.get(f"model.{src}")
+        if not isinstance(e, TensorStorageMetadata):
+            raise HybridError(f"checkpoint {ckpt!r} has no tensor for parameter {short(src)}")
+        if list(e.size) != list(shape):
+            raise HybridError(f"checkpoint {ckpt!r}: parameter {short(src)} is stored with shape {tuple(e.size)}, "
+                              f"meta.json lists {tuple(shape)}")
+        want, have = getattr(torch, dtype), e.properties.dtype
+        if have != want and not (have == torch.float32 and want in (torch.bfloat16, torch.float16)):
+            raise HybridError(f"checkpoint {ckpt!r}: parameter {short(src)} is stored as {have}, meta.json lists "
+                              f"{want}")
+        out[src] = e
+        total += e.size.numel() * have.itemsize
+    held = sum(v[0] for k, v in meta["files"].items() if k.startswith("dcp/"))
+    if total > held:
+        raise HybridError(f"checkpoint {ckpt!r} declares {total} bytes of parameters but its files hold {held}")
+    return out
+
+
 def export(ckpt: str, out: str, dtype: str | None = None, max_shard: str = "5GB",
            overwrite: bool = False) -> list[str]:
-    """Write the export; returns the files written. No process group, no GPU. The files are
-    written into a fresh temporary directory beside `out` and renamed into place at the end, so
-    a failed export leaves `out` as it was; a non-empty `out` needs overwrite=True."""
+    """Write the export; returns the files written. No process group, no GPU. The checkpoint is
+    checked whole first; the files are written into a fresh temporary directory beside `out` and
+    renamed into place at the end, so a failed or interrupted export leaves `out` as it was; a
+    non-empty `out` needs overwrite=True."""
     import shutil
     import tempfile
 
     import torch
 
-    out = _target(out, overwrite)
-    meta = read_meta(ckpt)
-    check_files(ckpt, meta)
-    limit = parse_bytes(max_shard)
+    ckpt = os.path.abspath(ckpt)
+    out = _target(out, overwrite, ckpt)
     cast = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if dtype not in cast:
-        raise HybridError(f"unknown dtype {dtype!r}. Available: fp32, bf16, fp16")
+        raise HybridError(f"unknown dtype {short(dtype)}. Available: fp32, bf16, fp16")
+    limit = parse_bytes(max_shard)
+    if not 1 << 20 <= limit <= 1 << 50:
+        raise HybridError(f"--max-shard-size must be between 1MiB and 1PiB, got {short(max_shard)}")
+    meta = read_meta(ckpt)
+    check_files(ckpt, meta)
+    r = reader(ckpt, meta)
     keys, config = plan_keys(meta)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=os.path.dirname(out))
-    try:
-        written = _write(ckpt, meta, tmp, dtype, cast, keys, config, limit)
-        if os.path.isdir(out):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old.", dir=os.path.dirname(out))
-            os.rename(out, os.path.join(old, "x"))
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)      # the replaced export (overwrite=True was given)
-        else:
-            os.rename(tmp, out)
-    except OSError as e:
-        raise HybridError(f"cannot export to {out!r}: {e.strerror or e}") from None
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
+    entries = check_params(ckpt, meta, r.metadata, keys)
+    with _signals_unwind():
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=os.path.dirname(out))
+        try:
+            os.chmod(tmp, 0o777 & ~_umask())         # mkdtemp makes it 0700; an export is shared like any output
+            written = _write(ckpt, r, tmp, dtype, cast, keys, entries, config, limit)
+            if os.path.isdir(out):
+                old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old.", dir=os.path.dirname(out))
+                os.rename(out, os.path.join(old, "x"))
+                os.rename(tmp, out)
+                shutil.rmtree(old, ignore_errors=True)      # the replaced export (overwrite=True was given)
+            else:
+                os.rename(tmp, out)
+        except HybridError:
+            raise
+        except OSError as e:
+            raise HybridError(f"cannot export to {out!r}: {e.strerror or e}") from None
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            raise HybridError(f"cannot export {ckpt!r}: {first_line(e)}") from None
+        finally:
+            if os.path.isdir(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
     return written
 
 
-def _write(ckpt, meta, out, dtype, cast, keys, config, limit) -> list[str]:
+def _write(ckpt, r, out, dtype, cast, keys, entries, config, limit) -> list[str]:
     import warnings
 
     import torch
     from safetensors.torch import save_file
 
-    from .safeio import dcp_load, read_dcp_metadata
-    dcp_dir = os.path.join(ckpt, meta["data"], "dcp")
-    md = read_dcp_metadata(dcp_dir).state_dict_metadata
+    from .safeio import dcp_load
     shards, current, size = [], [], 0
     for src, dst, transpose in keys:
-        entry = md.get(f"model.{src}")
-        if entry is None:
-            raise HybridError(f"checkpoint {ckpt!r} has no tensor for parameter {src!r}")
+        entry = entries[src]
         nbytes = entry.size.numel() * (torch.finfo(cast[dtype]).bits // 8 if cast[dtype] else entry.properties.dtype.itemsize)
         if current and size + nbytes > limit:
             shards.append(current)
@@ -140,7 +232,7 @@ def _write(ckpt, meta, out, dtype, cast, keys, config, limit) -> list[str]:
             # "torch.distributed is ... uninitialized, assuming the intent is to load in a single
             # process": exactly the intent (no_dist=True); DCP warns regardless
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp_load(state, dcp_dir, no_dist=True)
+            dcp_load(state, r, no_dist=True)
         tensors = {}
         for src, dst, transpose, _ in shard:
             t = state.pop(f"model.{src}")
@@ -148,7 +240,11 @@ def _write(ckpt, meta, out, dtype, cast, keys, config, limit) -> list[str]:
             tensors[dst] = t.to(cast[dtype]) if cast[dtype] else t
             total += tensors[dst].numel() * tensors[dst].element_size()
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(tensors, os.path.join(out, name), metadata={"format": "pt"})
+        try:
+            save_file(tensors, os.path.join(out, name), metadata={"format": "pt"})
+        except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError (a full disk, a quota)
+            raise HybridError(f"cannot write {name}: {first_line(e)}") from None
+        os.chmod(os.path.join(out, name), 0o666 & ~_umask())     # safetensors creates its files 0600
         weight_map.update({k: name for k in tensors})
         written.append(name)
     with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:

@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from .errors import HybridError
+from .errors import HybridError, short
 from .presets import PRESETS, DecoderConfig, from_hf_config
 from .units import parse_count
 
@@ -434,8 +434,9 @@ def _from_factory(spec: str) -> ModelSource:
     mod_name, _, fn_name = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(mod_name), fn_name)
-    except Exception as e:  # noqa: BLE001 - ImportError, AttributeError, or the module's own error
-        raise HybridError(f"cannot load model factory {spec!r}: {type(e).__name__}: {e}") from None
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - ImportError, AttributeError, the module's own error
+        raise HybridError(f"cannot load model factory {short(spec)}: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
     if not (inspect.isfunction(fn) or inspect.isclass(fn)):
         raise HybridError(f"model factory {spec!r} is a {type(fn).__name__}, not a Python function or class "
                           "that returns an nn.Module")
@@ -454,7 +455,8 @@ def _from_factory(spec: str) -> ModelSource:
         with torch.device(device), default_dtype(dtype):
             try:
                 model = fn()
-            except Exception as e:  # noqa: BLE001 - the user's code failed: one line, the cause
+            except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's code failed: one line, the cause
+                # (SystemExit too: a factory calling sys.exit(0) must not end `hybrid plan` silently with rc 0)
                 raise HybridError(f"model factory {spec!r} raised {type(e).__name__}: "
                                   f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
         if not isinstance(model, torch.nn.Module):
