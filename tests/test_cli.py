@@ -38,7 +38,10 @@ def check_contract(doc, n_strategies=None):
             assert all(isinstance(v, int) for v in s["per_gpu"].values() if v is not None)
             parts = sum(v for k, v in s["per_gpu"].items() if k != "total" and v is not None)
             assert parts == pytest.approx(s["per_gpu"]["total"], abs=8)
-            assert s["fits"] == (s["per_gpu"]["total"] <= doc["capacity_bytes"])
+            needed = s["allocated_bytes"] + s["floor_bytes"] + (s["per_gpu"]["total"] - s["reserved_bytes"])
+            fits_reserved = s["per_gpu"]["total"] <= doc["capacity_bytes"]
+            assert s["verdict"] == ("fits" if fits_reserved and s["fits"] else "tight" if s["fits"] else "OOM")
+            assert s["fits"] == (needed <= doc["capacity_bytes"] and s["per_cpu"]["total"] <= 2**60) or not s["fits"]
         assert isinstance(s["per_cpu"]["total"], int)
 
 
