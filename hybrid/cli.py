@@ -246,7 +246,7 @@ def cmd_plan(args) -> int:
                   f"the plan's choice is {p.chosen.label}, which {args.emit} does not run", file=sys.stderr)
         if args.emit == "deepspeed" and args.emit_for == "trainer":
             print(_trainer_arguments(c), file=sys.stderr)
-        if p.cluster.expandable_segments and args.emit != "torchtitan":    # torchtitan's launcher sets it
+        if p.cluster.expandable_segments and args.emit != "torchtitan":    # the torchtitan command sets it
             print("hybrid: the plan assumes PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (as auto_wrap sets "
                   "it): export it where this job runs, or plan with --expandable-segments off", file=sys.stderr)
         if args.output:
@@ -354,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", help="only this catalogue strategy (its shard sizes and checkpointing)")
     p.add_argument("--emit", choices=("deepspeed", "fsdp", "torchtitan", "accelerate"),
                    help="write the chosen (or --strategy) DeepSpeed JSON config / FSDP2 YAML settings / "
-                        "torchtitan TOML [parallelism] fragment / Accelerate config YAML")
+                        "torchtitan 0.3 torchrun command line / Accelerate config YAML")
     p.add_argument("--for", dest="emit_for", choices=("engine", "trainer"), default="engine",
                    help="--emit deepspeed: concrete values for deepspeed.initialize (engine, default) or the "
                         "HF Trainer's \"auto\" form (trainer)")
