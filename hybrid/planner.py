@@ -370,7 +370,7 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
         estimator.expect(len(todo))
     cands = [judge(s, profile, sp, cluster, n, estimator, efficiency, t, p, sc) for s, n, sp, t, p, sc in todo]
     chosen = choose(cands)
-    order = sorted(cands, key=lambda c: (not c.fits, c.memory is None,
+    order = sorted(cands, key=lambda c: (not c.fits, c.tight, c.memory is None,
                                          c.cost.time_per_token if c.fits else (c.memory.total if c.memory else 0)))
     fixes = ()
     if chosen is None and suggest_fixes and estimator is None:

@@ -97,10 +97,29 @@ def best_per_strategy(p: Plan) -> list[Candidate]:
     return [c for c in p.candidates if best.get(c.name) is c]
 
 
-def format_plan(p: Plan, summary: bool = False) -> str:
-    """summary: one row per strategy (its best shard size and checkpointing) instead of all."""
-    rows = best_per_strategy(p) if summary else list(p.candidates)
-    out = _header(p) + [ranking_table(rows, p.chosen), ""]
+def top_rows(p: Plan, top: int) -> list[Candidate]:
+    """The best `top` candidates, the best of each family (its fastest fitting, else its smallest)
+    and the choice, in the plan's order."""
+    keep = {id(c) for c in p.candidates[:top]}
+    seen: set[str] = set()
+    for c in p.candidates:                      # fitting first (fastest first), then by memory
+        if c.strategy.family not in seen and c.memory is not None:
+            seen.add(c.strategy.family)
+            keep.add(id(c))
+    if p.chosen is not None:
+        keep.add(id(p.chosen))
+    return [c for c in p.candidates if id(c) in keep]
+
+
+def format_plan(p: Plan, summary: bool = False, top: int | None = None) -> str:
+    """summary: one row per strategy (its best shard size and checkpointing) instead of all;
+    top: the best `top` rows plus the best of each family and the choice (top_rows)."""
+    rows = best_per_strategy(p) if summary else (top_rows(p, top) if top else list(p.candidates))
+    out = _header(p) + [ranking_table(rows, p.chosen)]
+    if len(rows) < len(p.candidates) and not summary:
+        out.append(f"({len(rows)} of {len(p.candidates)} candidates: the best {top}, the best of each family and the "
+                   "choice; --all shows every one, --top N the best N)")
+    out.append("")
     c = p.chosen
     if c:
         verdict = "fastest that fits" if c.memory.activations is not None else "fastest whose model states fit"
