@@ -7,7 +7,7 @@ from __future__ import annotations
 from .errors import HybridError
 from .families import FAMILIES
 from .planner import Candidate, Plan
-from .profile import ModelProfile
+from .profile import ModelProfile, transformers_layer_class
 
 KINDS = {f.emits: f for f in FAMILIES.values() if f.emits}
 """--emit choices a family writes -> that family."""
@@ -170,19 +170,9 @@ def torchtitan_command(c: Candidate, p: Plan) -> str:
 
 
 _MIXED = {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}
-_HF_LAYERS = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "qwen2": "Qwen2DecoderLayer",
-              "gpt2": "GPT2Block"}
-"""transformers' decoder-layer class per model_type, for presets (a config.json or a module
-profile already names the class it found)."""
-
-
-def _layer_class(profile: ModelProfile) -> str | None:
-    """The class Accelerate wraps: the transformers class a preset stands for (a preset is built
-    from our own Block, but users train the transformers model), else the class we found."""
-    mt = profile.decoder.hf_model_type if profile.decoder is not None else None
-    if profile.block_class == "Block" and mt in _HF_LAYERS:
-        return _HF_LAYERS[mt]
-    return profile.block_class
+ACCELERATE_IP_PLACEHOLDER = "FIRST_NODE_IP"
+"""main_process_ip in a several-machine Accelerate file: to be replaced (or overridden by
+--main_process_ip)."""
 
 
 def accelerate_yaml(c: Candidate, p: Plan, profile: ModelProfile) -> str:
@@ -196,7 +186,7 @@ def accelerate_yaml(c: Candidate, p: Plan, profile: ModelProfile) -> str:
     if c.pipeline is not None:
         raise HybridError(f"{c.label}: Accelerate has no pipeline stages for FSDP or DeepSpeed plans; emit a pp 1 "
                           "layout (--pp 1) or use --emit torchtitan")
-    keys, notes = c.strategy.family_obj.accelerate(c, _layer_class(profile))
+    keys, notes = c.strategy.family_obj.accelerate(c, transformers_layer_class(profile))
     cfg = {"compute_environment": "LOCAL_MACHINE", "distributed_type": keys.pop("distributed_type"),
            "mixed_precision": _MIXED.get(spec.precision, "no"),
            "num_machines": p.cluster.nodes, "num_processes": p.cluster.world_size, "machine_rank": 0,
@@ -205,8 +195,17 @@ def accelerate_yaml(c: Candidate, p: Plan, profile: ModelProfile) -> str:
         notes.append("the plan keeps bf16 parameters: load the model in torch.bfloat16")
     head = [f"# hybrid plan: {p.model.name} on {p.cluster.describe()}: {c.label} ({d.describe()})",
             f"# predicted {c.memory.total / 2**30:.1f} GiB per GPU, {c.cost.tokens_per_s_per_gpu:,.0f} tokens/s per GPU; "
-            f"per-device batch {spec.micro_batch}, seq {spec.seq_len}",
-            "# accelerate launch --config_file THIS.yaml train.py  (more than one machine: add "
-            "--machine_rank and --main_process_ip on each)"]
+            f"per-device batch {spec.micro_batch}, seq {spec.seq_len}"]
+    if p.cluster.nodes > 1:
+        # every machine must reach the first one's rendezvous (Accelerate's launch flags override
+        # these keys); a placeholder address fails to resolve instead of waiting for peers
+        cfg.update(machine_rank=0, main_process_ip=ACCELERATE_IP_PLACEHOLDER, main_process_port=29500)
+        head += [f"# {p.cluster.nodes} machines: run on each, with its rank (0 on the first) and the first one's address:",
+                 "#   accelerate launch --config_file THIS.yaml --machine_rank $NODE_RANK "
+                 "--main_process_ip $FIRST_NODE_IP --main_process_port 29500 train.py",
+                 f"# (or edit machine_rank and main_process_ip below per machine: {ACCELERATE_IP_PLACEHOLDER} is a "
+                 "placeholder)"]
+    else:
+        head.append("# accelerate launch --config_file THIS.yaml train.py")
     head += [f"# {n}" for n in notes]
     return "\n".join(head) + "\n" + yaml.safe_dump(cfg, sort_keys=False)

@@ -166,3 +166,21 @@ def test_torchtitan_command_carries_the_pipeline(capsys):
     assert opt["--training.local_batch_size"] == "32"
     assert args[:4] == ["--module", "${TT_MODULE:?your torchtitan model module}", "--config",
                         "${TT_CONFIG:?your config_registry function}"]     # its registry function runs float8
+
+
+def test_accelerate_for_several_machines_says_how_to_launch_each(capsys, tmp_path):
+    """A two-node file as launched with no rank or address would wait for peers that never come:
+    it carries the rendezvous keys (a placeholder address that cannot resolve), a comment, and
+    the launch line with --machine_rank/--main_process_ip; Accelerate's own ClusterConfig reads it."""
+    from accelerate.commands.config.config_args import ClusterConfig
+    out, _ = _run(capsys, "plan", "llama2-7b", "--nodes", "2", "--emit", "accelerate")
+    doc = yaml.safe_load(out)
+    assert doc["num_machines"] == 2 and doc["machine_rank"] == 0
+    assert doc["main_process_ip"] == "FIRST_NODE_IP" and doc["main_process_port"] == 29500
+    assert "--machine_rank $NODE_RANK --main_process_ip $FIRST_NODE_IP" in out and "accelerate launch" in out
+    f = tmp_path / "acc.yaml"
+    f.write_text(out)
+    cfg = ClusterConfig.from_yaml_file(str(f))
+    assert cfg.main_process_ip == "FIRST_NODE_IP" and cfg.num_machines == 2
+    one = yaml.safe_load(_run(capsys, "plan", "llama2-7b", "--nodes", "1", "--emit", "accelerate")[0])
+    assert "main_process_ip" not in one

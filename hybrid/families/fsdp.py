@@ -6,6 +6,7 @@ import yaml
 from ..errors import HybridError
 from ..links import HOST_STEP_RATE, PCIE_BW
 from ..memory.layout import Layout, optimizer_elements, reduce_bytes, scratch_elements
+from ..profile import transformers_layer_class
 from .base import Comm, Family, provenance
 
 
@@ -113,12 +114,13 @@ class FSDPFamily(Family):
         """The FSDP2 settings as YAML: mesh, units, mixed precision, reshard, offload."""
         s = c.strategy
         dims = c.parallel
+        layer = transformers_layer_class(profile)
         settings = {
             "strategy": s.name,
             "mesh": {"shape": [dims.dp_replicate, dims.dp_shard], "dim_names": ["dp_replicate", "dp_shard"],
                      "hybrid_sharding": dims.dp_replicate > 1, "parallel": dims.to_dict()},
             "fully_shard": {
-                "units": [profile.block_class, "root"] if profile.block_class else ["root"],
+                "units": [layer, "root"] if layer else ["root"],
                 "reshard_after_forward": s.reshard_after_forward,
                 "mp_policy": ({"param_dtype": {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}[c.spec.precision],
                                "reduce_dtype": "float32"} if c.spec.mixed else {"param_dtype": None, "reduce_dtype": None}),
