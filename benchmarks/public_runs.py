@@ -8,8 +8,10 @@ cost model, and print predicted vs published with the error.
                                                             # hybrid/memory/breakdown.py hold
 
 Memory: allocated (torch.cuda.max_memory_allocated) is the estimate's live tensors; reserved
-(max_memory_reserved) adds the allocator headroom for the run's allocator setting. A run that
-fits is one whose predicted total (reserved + CUDA context) is within the GPU; OOM otherwise.
+(max_memory_reserved) adds the allocator headroom for the run's allocator setting. A run `fits`
+when its predicted total (reserved + CUDA context) is within the GPU; it is `tight` when only
+what must fit does (allocated + context + the fragmentation floor: the allocator frees its cache
+and retries before it raises OOM); `OOM` otherwise.
 Speed: tokens/s per GPU from the cost model at the GPU's catalogue efficiency. The efficiency is
 fitted on these same points, so the table's speed errors are in-sample; the leave-one-out column
 refits each GPU's figure without the point itself, which is the error to expect on a new run.
@@ -153,7 +155,7 @@ def main(argv=None) -> int:
     rows = ["| point | model | GPUs | layout | allocated pred / pub | reserved pred / pub | fits pred / pub "
             "| tokens/s pred / pub | leave-one-out |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    mem_err, res_err, tps_err, loo_err, verdicts, tight = [], [], [], [], [], 0
+    mem_err, res_err, tps_err, loo_err, verdicts, tight, margins = [], [], [], [], [], 0, []
     for p in points:
         c, m = cands[p.id], cands[p.id].memory
         meas = p.measured
@@ -170,8 +172,10 @@ def main(argv=None) -> int:
             mark = "" if judged else " (not judged)"
             if judged:
                 verdicts.append(c.fits == meas["fits"])
-                tight += meas["fits"] and not c.fits and m.allocated + m.context <= cl.capacity_bytes
-            fits = (f"{'fits' if c.fits else 'OOM'} ({m.total / GiB:.1f}; alloc {m.allocated / GiB:.1f}) / "
+                tight += c.tight
+                if meas["fits"]:       # room a run that trained had for the floor, as predicted
+                    margins.append((p.id, cl.capacity_bytes - m.allocated - m.context, m.floor))
+            fits = (f"{c.verdict} ({m.total / GiB:.1f}; needs {m.needed / GiB:.1f}; alloc {m.allocated / GiB:.1f}) / "
                     f"{'fits' if meas['fits'] else 'OOM'}{mark}")
         if p.published_tps:
             pred = c.cost.tokens_per_s_per_gpu
@@ -196,15 +200,17 @@ def main(argv=None) -> int:
     lines = ["# Public GPU runs replayed through hybrid", "",
              f"`.venv/bin/python benchmarks/public_runs.py`: {len(points)} points from {len(sources)} sources "
              "(benchmarks/public_runs.yaml, each with its URL and the words it quotes).", "",
-             "Memory in GiB. The fits column gives the predicted total (reserved + CUDA context, what the "
-             "verdict compares with the GPU) and the allocated part. Speed in tokens/s per GPU at the GPU's "
+             "Memory in GiB. The fits column gives the verdict (fits / tight / OOM), the predicted total "
+             "(reserved + CUDA context), what must fit (allocated + context + fragmentation floor) and the "
+             "allocated part. Speed in tokens/s per GPU at the GPU's "
              "catalogue efficiency, which is fitted on these points (in-sample); the leave-one-out column "
              "refits it without the point.", "",
              *rows, "",
              "## Summary", "",
              summary("allocated", mem_err), summary("reserved", res_err),
-             f"- fits/OOM verdicts: {sum(verdicts)} of {len(verdicts)} reproduced; of the runs predicted OOM "
-             f"that ran, {tight} fit by their live tensors (allocated + context), not with the headroom",
+             f"- fits/OOM verdicts: {sum(verdicts)} of {len(verdicts)} reproduced (a run that trained as fits or "
+             f"tight, a published OOM as OOM); {tight} of them tight (they fit only when the allocator frees its "
+             f"cache)",
              summary("tokens/s (in-sample)", tps_err), summary("tokens/s (leave-one-out)", loo_err), "",
              "## Sources", "",
              *[f"- **{k}**: [{v['title']}]({v['url']}). {v.get('hardware', '')} {v.get('allocator', '')}".rstrip()
@@ -224,6 +230,10 @@ def main(argv=None) -> int:
             lines.append("- headroom without expandable segments (published reserved / allocated - 1): "
                          + ", ".join(f"{r / a - 1:.3f}" for a, r in pairs)
                          + f"; mean {statistics.mean(r / a - 1 for a, r in pairs):.3f}")
+        lines.append("- fragmentation floor against the room each run that trained had beside its predicted "
+                     "allocated memory and context (capacity - allocated - context; the floor must not exceed it): "
+                     + ", ".join(f"{i} {r / GiB:.2f} / {f / GiB:.2f} GiB" for i, r, f in
+                                 sorted(margins, key=lambda t: t[1])[:4]) + " (the tightest four)")
         es = [p.measured["reserved_gib"] * GiB / cands[p.id].memory.allocated - 1 for p in points
               if "reserved_gib" in p.measured and p.cluster.expandable_segments]
         if es:

@@ -33,7 +33,7 @@ def main(argv=None):
     src = resolve_model(args.model)
     p = plan(src.profile, TrainSpec(args.micro_batch, args.seq_len, activation_checkpointing=args.checkpointing),
              Cluster.build(args.nodes, args.gpus_per_node, args.gpu), strategies=args.strategies.split(","),
-             search_shards=False)
+             search_shards=False, tp=1, pp=1)          # one bar per strategy, as `hybrid compare` draws
     print(format_compare(p))
     plot_compare(p, args.out)
     print(f"\nwrote {args.out}")

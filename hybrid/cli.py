@@ -225,6 +225,8 @@ def cmd_plan(args) -> int:
     from .report import format_plan
 
     _writable_file(args.output, "--output")
+    if args.top < 1:
+        raise HybridError(f"--top must be a positive number of rows, got {args.top}; --all shows every candidate")
     p, src = _plan(args, args.strategy and [args.strategy], search=True)
     if args.emit:
         from .emit import emit
@@ -234,7 +236,7 @@ def cmd_plan(args) -> int:
                   f"the plan's choice is {p.chosen.label}, which {args.emit} does not run", file=sys.stderr)
         if args.emit == "deepspeed" and args.emit_for == "trainer":
             print(_trainer_arguments(c), file=sys.stderr)
-        if p.cluster.expandable_segments and args.emit != "torchtitan":    # torchtitan's launcher sets it
+        if p.cluster.expandable_segments and args.emit != "torchtitan":    # the torchtitan command sets it
             print("hybrid: the plan assumes PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (as auto_wrap sets "
                   "it): export it where this job runs, or plan with --expandable-segments off", file=sys.stderr)
         if args.output:
@@ -247,7 +249,7 @@ def cmd_plan(args) -> int:
         else:
             print(text)
         return 0
-    print(json.dumps(p.to_dict(), indent=2) if args.json else format_plan(p))
+    print(json.dumps(p.to_dict(), indent=2) if args.json else format_plan(p, top=None if args.all_rows else args.top))
     return 0
 
 
@@ -293,6 +295,10 @@ def cmd_export(args) -> int:
     files = export(args.checkpoint, args.out, args.dtype, args.max_shard_size, overwrite=args.overwrite)
     print(f"hybrid: wrote {len(files)} files to {args.out}: {', '.join(files)}")
     return 0
+
+
+TOP_ROWS = 12
+"""`hybrid plan` table rows by default: the best 12, plus the best of each family and the choice."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -342,11 +348,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", help="only this catalogue strategy (its shard sizes and checkpointing)")
     p.add_argument("--emit", choices=("deepspeed", "fsdp", "torchtitan", "accelerate"),
                    help="write the chosen (or --strategy) DeepSpeed JSON config / FSDP2 YAML settings / "
-                        "torchtitan TOML [parallelism] fragment / Accelerate config YAML")
+                        "torchtitan 0.3 torchrun command line / Accelerate config YAML")
     p.add_argument("--for", dest="emit_for", choices=("engine", "trainer"), default="engine",
                    help="--emit deepspeed: concrete values for deepspeed.initialize (engine, default) or the "
                         "HF Trainer's \"auto\" form (trainer)")
     p.add_argument("--output", "-o", help="file for --emit (default: stdout)")
+    p.add_argument("--top", type=int, default=TOP_ROWS, metavar="N",
+                   help=f"rows of the table: the best N candidates, the best of each family and the choice "
+                        f"(default {TOP_ROWS}; --json keeps every candidate)")
+    p.add_argument("--all", dest="all_rows", action="store_true", help="every candidate in the table")
     p.set_defaults(func=cmd_plan)
     c = sub.add_parser("compare", help="memory by category for each strategy side by side, and a plot")
     _common(c)

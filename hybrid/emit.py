@@ -1,13 +1,13 @@
 """Hand-off to other tools: the chosen layout as a DeepSpeed JSON config (for deepspeed.initialize,
 or the HF Trainer's "auto" form) or FSDP2 settings as YAML, written by the family
-(hybrid/families/); a torchtitan TOML fragment for any FSDP/DDP layout; an Accelerate config
+(hybrid/families/); the torchrun command line of torchtitan 0.3 for any FSDP/DDP layout; an Accelerate config
 YAML (`accelerate launch --config_file`) for any layout Accelerate can express."""
 from __future__ import annotations
 
 from .errors import HybridError
 from .families import FAMILIES
 from .planner import Candidate, Plan
-from .profile import ModelProfile
+from .profile import ModelProfile, transformers_layer_class
 
 KINDS = {f.emits: f for f in FAMILIES.values() if f.emits}
 """--emit choices a family writes -> that family."""
@@ -39,7 +39,7 @@ def emit(kind: str, p: Plan, profile: ModelProfile, name: str | None = None,
     when the choice is of another family: the caller says so)."""
     if kind == "torchtitan":
         c = _pick_torchtitan(p, name)
-        return torchtitan_toml(c, p), c
+        return torchtitan_command(c, p), c
     if kind == "accelerate":
         c = _named(p, name) or p.chosen
         if c is None:
@@ -77,57 +77,102 @@ def _pick_torchtitan(p: Plan, name: str | None) -> Candidate:
     return min(fitting, key=lambda c: c.cost.time_per_token)
 
 
-def torchtitan_toml(c: Candidate, p: Plan) -> str:
-    """The [parallelism], [activation_checkpoint] and [training] keys of a torchtitan job file
-    (torchtitan/config/job_config.py names)."""
-    d, s = c.parallel, c.strategy
-    ac = c.spec.activation_checkpointing
-    lines = [f"# hybrid plan: {p.model.name} on {p.cluster.describe()}: {c.label} ({d.describe()})",
-             f"# predicted {c.memory.total / 2**30:.1f} GiB per GPU, {c.cost.tokens_per_s_per_gpu:,.0f} tokens/s per GPU",
-             "", "[parallelism]",
-             f"data_parallel_replicate_degree = {d.dp_replicate}",
-             f"data_parallel_shard_degree = {d.dp_shard}",
-             f"fsdp_reshard_after_forward = \"{'default' if s.reshard_after_forward else 'never'}\"",
-             f"tensor_parallel_degree = {d.tp}",
-             f"pipeline_parallel_degree = {d.pp}"]
+TORCHTITAN_CONFIGS = {"llama3-8b": "llama3_8b", "llama3-70b": "llama3_70b"}
+"""Presets torchtitan 0.3 has a config_registry function for that trains what the plan estimates
+(torchtitan/models/llama3/config_registry.py; its llama3_405b converts the linears to float8 and
+compiles, which the plan does not model)."""
+TORCHTITAN_AC = {"none": "none", "full": "full", "op": "selective", "selective": "selective"}
+"""Our checkpointing modes -> torchtitan 0.3's activation-checkpoint subcommands (its SelectiveAC is
+the per-op policy, our `op`; torchtitan/distributed/activation_checkpoint.py)."""
+TORCHTITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
+"""torch.distributed.pipelining schedule class names without "Schedule", as torchtitan takes them."""
+
+
+def torchtitan_args(c: Candidate, p: Plan) -> list[str]:
+    """The arguments torchtitan 0.3's ConfigManager reads after `-m torchtitan.train` (see
+    _torchtitan_groups)."""
+    return [a for group in _torchtitan_groups(c, p) for a in group]
+
+
+def _torchtitan_groups(c: Candidate, p: Plan) -> list[list[str]]:
+    """The arguments torchtitan 0.3's ConfigManager reads after `-m torchtitan.train`:
+    `--module/--config` (a config_registry function), `--section.key value` overrides
+    (torchtitan/config/configs.py ParallelismConfig and TrainingConfig), and the activation
+    checkpointing as its subcommand, last (a tyro subcommand takes the options after it)."""
+    d, s, spec = c.parallel, c.strategy, c.spec
+    if spec.precision == "fp16-mixed":
+        raise HybridError("torchtitan trains in bfloat16 or float32 only (training.mixed_precision_param); plan "
+                          "with --precision bf16-mixed, or emit fp16 with --emit deepspeed or --emit accelerate")
+    ac = spec.activation_checkpointing
+    if ac not in TORCHTITAN_AC:
+        raise HybridError(f"torchtitan 0.3 checkpoints every block or none (activation-checkpoint:selective|full|"
+                          f"memory-budget|none), not {ac}; plan with --activation-checkpointing full or op")
+    config = TORCHTITAN_CONFIGS.get(p.model.name)
+    args = [["--module", "llama3" if config else "${TT_MODULE:?your torchtitan model module}"],
+            ["--config", config or "${TT_CONFIG:?your config_registry function}"],
+            ["--parallelism.data_parallel_replicate_degree", str(d.dp_replicate)],
+            ["--parallelism.data_parallel_shard_degree", str(d.dp_shard)],
+            ["--parallelism.fsdp_reshard_after_forward", "default" if s.reshard_after_forward else "never"],
+            ["--parallelism.tensor_parallel_degree", str(d.tp)],
+            ["--parallelism.pipeline_parallel_degree", str(d.pp)]]
     if c.pipeline is not None:
-        # torchtitan's schedule names (torch.distributed.pipelining class names without "Schedule");
-        # its micro-batch is a slice of local_batch_size
-        name = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}[c.pipeline.schedule]
-        lines += [f"pipeline_parallel_schedule = \"{name}\"",
-                  f"pipeline_parallel_microbatch_size = {c.spec.micro_batch}"]
-    if ac in ("none", "full"):
-        lines += ["", "[activation_checkpoint]", f"mode = \"{ac}\""]
-    else:                                   # torchtitan's selective: per-op ("op") or every N-th layer
-        option = "op" if ac in ("op", "selective") else ac.split(":", 1)[1]
-        lines += ["", "[activation_checkpoint]", "mode = \"selective\"", f"selective_ac_option = \"{option}\""]
-        if ac == "selective":
-            lines += ["# hybrid's selective keeps every matmul and attention output; torchtitan's op policy",
-                      "# (hybrid's `op`) keeps every second matmul output, so it holds less than this estimate"]
-    mixed = {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}.get(c.spec.precision)
-    local = c.spec.micro_batch * (c.pipeline.micro_batches if c.pipeline is not None else 1)
-    lines += ["", "[training]", f"local_batch_size = {local}",
-              f"global_batch_size = {c.spec.micro_batch * c.spec.gradient_accumulation * d.dp_size}",
-              f"seq_len = {c.spec.seq_len}"]
-    if mixed:
-        lines += [f"mixed_precision_param = \"{mixed}\"", "mixed_precision_reduce = \"float32\""]
-    return "\n".join(lines) + "\n"
+        args += [["--parallelism.pipeline_parallel_schedule", TORCHTITAN_SCHEDULES[c.pipeline.schedule]],
+                 ["--parallelism.pipeline_parallel_microbatch_size", str(spec.micro_batch)]]
+    local = spec.micro_batch * (c.pipeline.micro_batches if c.pipeline is not None else 1)
+    args += [["--training.local_batch_size", str(local)],
+             ["--training.global_batch_size", str(spec.micro_batch * spec.gradient_accumulation * d.dp_size)],
+             ["--training.seq_len", str(spec.seq_len)]]
+    if spec.precision == "bf16":
+        args += [["--training.dtype", "bfloat16"]]
+    else:
+        args += [["--training.dtype", "float32"],
+                 ["--training.mixed_precision_param", "bfloat16" if spec.precision == "bf16-mixed" else "float32"],
+                 ["--training.mixed_precision_reduce", "float32"]]
+    if s.offload_params:
+        args += [["--training.enable_cpu_offload"]]           # tyro bool flags take no value
+    # the plan estimates eager steps: no torch.compile, no CUDA-graph capture (whose private memory
+    # pool it does not model; torchtitan also refuses graphs with pipeline parallelism)
+    return args + [["--compile.no_enable"], ["--training.disable_cuda_graphs"],
+                   [f"activation-checkpoint:{TORCHTITAN_AC[ac]}"]]
+
+
+def torchtitan_command(c: Candidate, p: Plan) -> str:
+    """A shell script: the torchrun line that runs torchtitan 0.3 (`-m torchtitan.train`) with the
+    plan's layout, to run on every node."""
+    import shlex
+
+    cl = p.cluster
+    groups = _torchtitan_groups(c, p)
+    d = c.parallel
+    head = ["#!/usr/bin/env bash",
+            f"# hybrid plan: {p.model.name} on {cl.describe()}: {c.label} ({d.describe()})",
+            f"# predicted {c.memory.total / 2**30:.1f} GiB per GPU ({c.verdict}), "
+            f"{c.cost.tokens_per_s_per_gpu:,.0f} tokens/s per GPU; for torchtitan 0.3 (pip install torchtitan==0.3.0)"]
+    if p.model.name not in TORCHTITAN_CONFIGS:
+        head.append(f"# torchtitan 0.3 has no config_registry function for {p.model.name}: set TT_MODULE and "
+                    "TT_CONFIG to the module and function that build it")
+    if c.spec.activation_checkpointing == "selective":
+        head.append("# torchtitan's selective is the per-op policy (hybrid's `op`): it keeps every second matmul "
+                    "output, less than this plan's selective")
+    launch = ["torchrun", "--nnodes", str(cl.nodes), "--nproc-per-node", str(cl.gpus_per_node)]
+    if cl.nodes > 1:
+        head.append("# run on every node with MASTER_ADDR set to the first node's address")
+        launch += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "${MASTER_ADDR:?the first node's address}:29500"]
+    else:
+        launch += ["--standalone"]
+    env = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True " if cl.expandable_segments else ""
+
+    def quote(a: str) -> str:
+        return f'"{a}"' if a.startswith("${") or ":?" in a else shlex.quote(a)
+    body = [" ".join(quote(a) for a in launch) + " -m torchtitan.train"]
+    body += [" ".join(quote(a) for a in group) for group in groups]
+    return "\n".join(head) + "\n" + env + " \\\n  ".join(body) + "\n"
 
 
 _MIXED = {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}
-_HF_LAYERS = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "qwen2": "Qwen2DecoderLayer",
-              "gpt2": "GPT2Block"}
-"""transformers' decoder-layer class per model_type, for presets (a config.json or a module
-profile already names the class it found)."""
-
-
-def _layer_class(profile: ModelProfile) -> str | None:
-    """The class Accelerate wraps: the transformers class a preset stands for (a preset is built
-    from our own Block, but users train the transformers model), else the class we found."""
-    mt = profile.decoder.hf_model_type if profile.decoder is not None else None
-    if profile.block_class == "Block" and mt in _HF_LAYERS:
-        return _HF_LAYERS[mt]
-    return profile.block_class
+ACCELERATE_IP_PLACEHOLDER = "FIRST_NODE_IP"
+"""main_process_ip in a several-machine Accelerate file: to be replaced (or overridden by
+--main_process_ip)."""
 
 
 def accelerate_yaml(c: Candidate, p: Plan, profile: ModelProfile) -> str:
@@ -141,7 +186,7 @@ def accelerate_yaml(c: Candidate, p: Plan, profile: ModelProfile) -> str:
     if c.pipeline is not None:
         raise HybridError(f"{c.label}: Accelerate has no pipeline stages for FSDP or DeepSpeed plans; emit a pp 1 "
                           "layout (--pp 1) or use --emit torchtitan")
-    keys, notes = c.strategy.family_obj.accelerate(c, _layer_class(profile))
+    keys, notes = c.strategy.family_obj.accelerate(c, transformers_layer_class(profile))
     cfg = {"compute_environment": "LOCAL_MACHINE", "distributed_type": keys.pop("distributed_type"),
            "mixed_precision": _MIXED.get(spec.precision, "no"),
            "num_machines": p.cluster.nodes, "num_processes": p.cluster.world_size, "machine_rank": 0,
@@ -150,8 +195,17 @@ def accelerate_yaml(c: Candidate, p: Plan, profile: ModelProfile) -> str:
         notes.append("the plan keeps bf16 parameters: load the model in torch.bfloat16")
     head = [f"# hybrid plan: {p.model.name} on {p.cluster.describe()}: {c.label} ({d.describe()})",
             f"# predicted {c.memory.total / 2**30:.1f} GiB per GPU, {c.cost.tokens_per_s_per_gpu:,.0f} tokens/s per GPU; "
-            f"per-device batch {spec.micro_batch}, seq {spec.seq_len}",
-            "# accelerate launch --config_file THIS.yaml train.py  (more than one machine: add "
-            "--machine_rank and --main_process_ip on each)"]
+            f"per-device batch {spec.micro_batch}, seq {spec.seq_len}"]
+    if p.cluster.nodes > 1:
+        # every machine must reach the first one's rendezvous (Accelerate's launch flags override
+        # these keys); a placeholder address fails to resolve instead of waiting for peers
+        cfg.update(machine_rank=0, main_process_ip=ACCELERATE_IP_PLACEHOLDER, main_process_port=29500)
+        head += [f"# {p.cluster.nodes} machines: run on each, with its rank (0 on the first) and the first one's address:",
+                 "#   accelerate launch --config_file THIS.yaml --machine_rank $NODE_RANK "
+                 "--main_process_ip $FIRST_NODE_IP --main_process_port 29500 train.py",
+                 f"# (or edit machine_rank and main_process_ip below per machine: {ACCELERATE_IP_PLACEHOLDER} is a "
+                 "placeholder)"]
+    else:
+        head.append("# accelerate launch --config_file THIS.yaml train.py")
     head += [f"# {n}" for n in notes]
     return "\n".join(head) + "\n" + yaml.safe_dump(cfg, sort_keys=False)

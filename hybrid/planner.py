@@ -1,9 +1,14 @@
 """Candidates from the catalogue, the memory filter, the cost model, and the choice with reasons.
 
-A candidate is a preset at one shard size and one activation-checkpointing setting. It fits when
-its estimated per-GPU total (overhead included) is within the GPU's capacity; among those that fit
-the fastest wins, and near-ties (within TIE) go to the simpler one. When nothing fits, `suggest`
-finds the smallest change that would make something fit.
+A candidate is a preset at one shard size and one activation-checkpointing setting. Its verdict:
+`fits` when its estimated per-GPU total (live tensors, the allocator's roomy-GPU reserve and the
+CUDA context) is within the GPU's capacity; `tight` when only what must fit does (live tensors,
+context and the fragmentation floor the allocator cannot reclaim: it runs because the allocator
+frees its cache and retries, paying a synchronising cudaFree/cudaMalloc where it does); `OOM`
+otherwise. Among the candidates that fit the fastest wins, and near-ties (within TIE) go to the
+simpler one; a tight candidate is chosen only when none fits, and the plan names a faster tight
+one beside a fitting choice. When nothing fits, `suggest` finds the smallest change that would
+make something fit.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from .cluster import GPUS, Cluster
 from .cost import StepCost, step_cost
 from .errors import HybridError
 from .memory.analytic import NotApplicable, check_job, estimate
-from .memory.breakdown import MemoryBreakdown
+from .memory.breakdown import EXPANDABLE_HEADROOM, MemoryBreakdown
 from .pipeline import VIRTUAL, PipelineLayout, balanced_split, even_split, pp_degrees, schedules_for, stage_cluster
 from .profile import ModelProfile, stage_share, tp_degrees
 from .report import format_plan
@@ -52,6 +57,16 @@ class Candidate:
     """The stages and schedule when pp > 1."""
     stage_memory: tuple[MemoryBreakdown, ...] = ()
     """pp > 1: every pipeline rank's estimate (`memory` is the largest of them)."""
+    tight: bool = False
+    """It fits (`fits`) only because the allocator gives its cache back under pressure: the
+    predicted reserved memory does not fit, the live tensors, context and floor do."""
+
+    @property
+    def verdict(self) -> str:
+        """fits | tight | OOM (n/a: the strategy cannot run the job)."""
+        if self.memory is None:
+            return "n/a"
+        return "OOM" if not self.fits else ("tight" if self.tight else "fits")
 
     @property
     def name(self) -> str:
@@ -94,7 +109,8 @@ class Candidate:
             "per_cpu": {"total": m.cpu if m else 0},
             "model_states": m.model_states if m else None,
             "phase": m.phase if m else None,
-            "fits": self.fits, "reason": self.reason,
+            "fits": self.fits, "verdict": self.verdict, "floor_bytes": m.floor if m else None,
+            "reason": self.reason,
             **(self.cost.to_dict() if self.cost else {}),
             "notes": list(m.notes) if m else [],
             **({"pipeline": {**self.pipeline.to_dict(),
@@ -170,23 +186,32 @@ def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: C
             m = max(stages, key=lambda b: b.total)
         else:
             m = estimate(strategy, profile, spec, cluster, n, tp)
+        floor = m.floor            # the model's shape and the allocator's, whatever the estimator
         if estimator is not None and tp == 1 and pp == 1:
             m = estimator(strategy, spec, n)
         elif estimator is not None and pp > 1 and hasattr(estimator, "stage"):
             busiest = max(range(pp), key=lambda r: stages[r].total)
             m = estimator.stage(strategy, spec, n, tp, layout, busiest)
+        if m.floor != floor:
+            m = replace(m, floor=floor, overhead=max(m.overhead, m.context + floor))
     except NotApplicable as e:
         return Candidate(strategy, dims, spec, None, False, f"not applicable: {e}")
     cost = step_cost(strategy, profile, spec, cluster, n, efficiency, tp, layout)
     cap, host = cluster.capacity_bytes, cluster.host_bytes_per_rank
-    fits = m.total <= cap and m.cpu <= host
-    if m.total > cap:
+    tight = m.total > cap and m.needed <= cap
+    fits = m.needed <= cap and m.cpu <= host
+    if m.needed > cap:
         why = f"needs {fmt_bytes(m.total)} > {fmt_bytes(cap)}: {m.describe_largest()}"
-        if m.allocated + m.context <= cap:
-            why += f" (live tensors {fmt_bytes(m.allocated)} fit; the allocator's headroom does not)"
+        if m.total > m.needed:
+            why += f" ({fmt_bytes(m.needed)} with the allocator's cache given back)"
     elif m.cpu > host:
         why = (f"needs {fmt_bytes(m.cpu)} of host memory per rank > {fmt_bytes(host)} "
                f"({fmt_bytes(cluster.gpu.host_memory_bytes)} per node / {cluster.gpus_per_node} ranks)")
+    elif tight:
+        what = "live tensors" if m.activations is not None else "model states"
+        why = (f"tight: {what} {fmt_bytes(m.allocated)} + context {fmt_bytes(m.context)} + fragmentation floor "
+               f"{fmt_bytes(m.floor)} = {fmt_bytes(m.needed)} of {fmt_bytes(cap)} fit only when the allocator frees "
+               f"its cache and retries (reserved on a roomy GPU {fmt_bytes(m.reserved)}); {room(m, cluster)}")
     else:
         # a bare parameter count: only the model states are known to fit, never the job
         verdict = "fits" if m.activations is not None else "model states fit"
@@ -197,7 +222,18 @@ def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: C
         why += "; activations unknown"
     if layout is not None:
         why += f"; {layout.describe()}"
-    return Candidate(strategy, dims, spec, m, fits, why, cost, layout, stages)
+    return Candidate(strategy, dims, spec, m, fits, why, cost, layout, stages, tight=tight)
+
+
+def room(m: MemoryBreakdown, cluster: Cluster) -> str:
+    """What buys room for a tight candidate."""
+    out = "room: more activation checkpointing or a smaller micro-batch"
+    if not cluster.expandable_segments and cluster.headroom is None:
+        es = m.allocated * (1 + EXPANDABLE_HEADROOM) + m.context
+        fit = "fits" if es <= cluster.capacity_bytes else "still tight"
+        out = (f"room: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ({fmt_bytes(es)} with it: {fit}), "
+               "more activation checkpointing or a smaller micro-batch")
+    return out
 
 
 def pipeline_layout(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, stage_cl: Cluster, n: int,
@@ -278,8 +314,9 @@ def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, 
 
 
 def choose(cands) -> Candidate | None:
-    """The fastest candidate that fits; near-ties (TIE) go to the simpler one."""
-    fitting = [c for c in cands if c.fits]
+    """The fastest candidate that fits; near-ties (TIE) go to the simpler one. Tight candidates
+    (they run only by the allocator's retries) are chosen only when none fits with room."""
+    fitting = [c for c in cands if c.fits and not c.tight] or [c for c in cands if c.fits]
     if not fitting:
         return None
     best = min(c.cost.time_per_token for c in fitting)
@@ -333,7 +370,7 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
         estimator.expect(len(todo))
     cands = [judge(s, profile, sp, cluster, n, estimator, efficiency, t, p, sc) for s, n, sp, t, p, sc in todo]
     chosen = choose(cands)
-    order = sorted(cands, key=lambda c: (not c.fits, c.memory is None,
+    order = sorted(cands, key=lambda c: (not c.fits, c.tight, c.memory is None,
                                          c.cost.time_per_token if c.fits else (c.memory.total if c.memory else 0)))
     fixes = ()
     if chosen is None and suggest_fixes and estimator is None:

@@ -174,6 +174,22 @@ def tp_share(profile: ModelProfile, tp: int) -> ModelProfile:
         factored_state=None if profile.factored_state is None else profile.factored_state // tp)
 
 
+HF_LAYERS = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "qwen2": "Qwen2DecoderLayer",
+             "gpt2": "GPT2Block"}
+"""transformers' decoder-layer class per model_type, for presets and config.json files (a
+module's profile already names the class it found)."""
+
+
+def transformers_layer_class(profile: ModelProfile) -> str | None:
+    """The class a tool wraps (FSDP units, Accelerate's fsdp_transformer_layer_cls_to_wrap): the
+    transformers class a preset or config.json stands for (the estimate is built from our own
+    Block, but users train the transformers model), else the class we found."""
+    mt = profile.decoder.hf_model_type if profile.decoder is not None else None
+    if profile.block_class == "Block" and mt in HF_LAYERS:
+        return HF_LAYERS[mt]
+    return profile.block_class
+
+
 def profile_params(count: int | str, name: str | None = None) -> ModelProfile:
     """A model known only by its parameter count: model states only, activations unknown."""
     n = parse_count(count)

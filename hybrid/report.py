@@ -34,12 +34,15 @@ def _width(cands) -> int:
 
 
 def _fits(c: Candidate) -> str:
-    """yes / no; "states" where only the model states are known to fit (activations unknown)."""
+    """yes / tight / no; "states" where only the model states are known to fit (activations
+    unknown)."""
     if c.memory is None:
         return "n/a"
     if not c.fits:
         return "no"
-    return "yes" if c.memory.activations is not None else "states"
+    if c.memory.activations is None:
+        return "states"
+    return "tight" if c.tight else "yes"
 
 
 def breakdown_table(cands: list[Candidate], chosen: Candidate | None = None) -> str:
@@ -47,33 +50,33 @@ def breakdown_table(cands: list[Candidate], chosen: Candidate | None = None) -> 
     that peak happens (forward, head, loss, blocks = backward through the blocks, step)."""
     w = _width(cands)
     head = (f" {'strategy':<{w}}{'shard':>6}" + "".join(f"{c[:11]:>12}" for c in _COLS)
-            + f"  {'peak in':<8}{'fits':>6}")
+            + f"  {'peak in':<8}{'fits':>7}")
     lines = [head, "-" * len(head)]
     for c in cands:
         mark = "*" if c is chosen else " "
         phase = (c.memory.phase or "-") if c.memory else "-"
         lines.append(f"{mark}{c.label:<{w}}{c.shard_size:>6}" + "".join(f"{_mem(c, k):>12}" for k in _COLS)
-                     + f"  {phase:<8}{_fits(c):>6}")
+                     + f"  {phase:<8}{_fits(c):>7}")
     return "\n".join(lines)
 
 
 def ranking_table(cands: list[Candidate], chosen: Candidate | None = None) -> str:
     """Fitting candidates fastest first, then the rest with the reason they were rejected."""
     w = _width(cands)
-    head = (f" {'strategy':<{w}}{'shard':>6}{'per GPU':>11}{'fits':>6}{'step s':>9}{'tok/s/GPU':>11}"
+    head = (f" {'strategy':<{w}}{'shard':>6}{'per GPU':>11}{'fits':>7}{'step s':>9}{'tok/s/GPU':>11}"
             f"{'MFU':>7}  note")
     lines = [head, "-" * (len(head) + 30)]
     for c in cands:
         mark = "*" if c is chosen else " "
         if c.memory is None:
-            lines.append(f"{mark}{c.label:<{w}}{c.shard_size:>6}{'-':>11}{'n/a':>6}{'':>9}{'':>11}{'':>7}  {c.reason}")
+            lines.append(f"{mark}{c.label:<{w}}{c.shard_size:>6}{'-':>11}{'n/a':>7}{'':>9}{'':>11}{'':>7}  {c.reason}")
             continue
         cost = c.cost
-        note = c.memory.describe_largest() if c.fits else c.reason
+        note = c.memory.describe_largest() if c.fits and not c.tight else c.reason
         if c.fits and c.pipeline is not None:
             note += f"; bubble {c.pipeline.bubble:.0%}"
         lines.append(f"{mark}{c.label:<{w}}{c.shard_size:>6}{fmt_bytes(c.memory.total):>11}"
-                     f"{_fits(c):>6}{cost.seconds:>9.3f}{cost.tokens_per_s_per_gpu:>11,.0f}"
+                     f"{_fits(c):>7}{cost.seconds:>9.3f}{cost.tokens_per_s_per_gpu:>11,.0f}"
                      f"{cost.mfu:>7.1%}  {note}")
     return "\n".join(lines)
 
@@ -94,16 +97,45 @@ def best_per_strategy(p: Plan) -> list[Candidate]:
     return [c for c in p.candidates if best.get(c.name) is c]
 
 
-def format_plan(p: Plan, summary: bool = False) -> str:
-    """summary: one row per strategy (its best shard size and checkpointing) instead of all."""
-    rows = best_per_strategy(p) if summary else list(p.candidates)
-    out = _header(p) + [ranking_table(rows, p.chosen), ""]
+def top_rows(p: Plan, top: int) -> list[Candidate]:
+    """The best `top` candidates, the best of each family (its fastest fitting, else its smallest)
+    and the choice, in the plan's order."""
+    keep = {id(c) for c in p.candidates[:top]}
+    seen: set[str] = set()
+    for c in p.candidates:                      # fitting first (fastest first), then by memory
+        if c.strategy.family not in seen and c.memory is not None:
+            seen.add(c.strategy.family)
+            keep.add(id(c))
+    if p.chosen is not None:
+        keep.add(id(p.chosen))
+    return [c for c in p.candidates if id(c) in keep]
+
+
+def format_plan(p: Plan, summary: bool = False, top: int | None = None) -> str:
+    """summary: one row per strategy (its best shard size and checkpointing) instead of all;
+    top: the best `top` rows plus the best of each family and the choice (top_rows)."""
+    rows = best_per_strategy(p) if summary else (top_rows(p, top) if top else list(p.candidates))
+    out = _header(p) + [ranking_table(rows, p.chosen)]
+    if len(rows) < len(p.candidates) and not summary:
+        out.append(f"({len(rows)} of {len(p.candidates)} candidates: the best {top}, the best of each family and the "
+                   "choice; --all shows every one, --top N the best N)")
+    out.append("")
     c = p.chosen
     if c:
         verdict = "fastest that fits" if c.memory.activations is not None else "fastest whose model states fit"
+        if c.tight:
+            verdict = ("nothing fits with the allocator's full reserve; fastest that fits tightly (it runs on "
+                       "the allocator's retries)")
         out.append(f"chosen: {c.label} ({c.parallel.describe()}): {verdict}, "
                    f"{c.cost.seconds:.3f} s/step, {c.cost.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
                    f"MFU {c.cost.mfu:.1%}; {c.reason}")
+        faster = [t for t in p.candidates if t.tight and t.cost.time_per_token < c.cost.time_per_token]
+        if faster and not c.tight:
+            t = min(faster, key=lambda x: x.cost.time_per_token)
+            out.append(f"tight and faster: {t.label} ({t.parallel.describe()}), {t.cost.tokens_per_s_per_gpu:,.0f} "
+                       f"tokens/s per GPU (+{c.cost.time_per_token / t.cost.time_per_token - 1:.0%}): it fits only "
+                       "when the allocator frees its cache, so it is not chosen; to run it anyway, pass its "
+                       "--strategy and --activation-checkpointing")
     else:
         out.append(f"nothing fits in {fmt_bytes(p.cluster.capacity_bytes)} per GPU")
         if p.suggestions:

@@ -110,3 +110,56 @@ def test_public_estimate_takes_a_name_a_profile_or_a_module():
     by_name = hybrid.estimate("tiny-llama", "fsdp", cl, TrainSpec(2, 64))
     by_module = hybrid.estimate(build_decoder("tiny-llama", device="meta"), "fsdp", cl, TrainSpec(2, 64))
     assert by_name.total == by_module.total > 0
+
+
+@pytest.mark.parametrize("name", ["zero2-offload", "zero3-offload", "zero3-offload-params"])
+def test_offload_states_are_where_deepspeed_keeps_them(name):
+    """Per-GPU model states under CPU offload equal DeepSpeed's own cold estimators: ZeRO-2 keeps
+    only the 16-bit params on the GPU (2P; the gradient partition is on the host), ZeRO-3 its
+    16-bit param partition (2P/N, none with offload_param) beside the gathered largest layer."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    from hybrid.families.deepspeed import bucket_sizes, persistent_params
+
+    prof = resolve_model("llama2-7b").profile
+    s = CAT[name]
+    ours = estimate(s, prof, TrainSpec(), PAPER)
+    if s.stage == 2:
+        _, ds = estimate_zero2_model_states_mem_needs(prof.params, 8, 8, cpu_offload=True)
+        assert ours.model_states == pytest.approx(ds, rel=1e-6)
+        assert ours.grads == 0 and ours.cpu > 16 * prof.params / 64
+    else:
+        _, ds, largest = estimate_zero3_model_states_mem_needs(
+            prof.params, prof.largest_layer_params, 8, 8, cpu_offload=True, cpu_offload_params=s.offload_params)
+        # ours keeps the params under the persistence threshold whole; the gathered layer is in buffers
+        small = 0 if s.offload_params else 2 * persistent_params(prof, bucket_sizes(s, prof.decoder.hidden)[2]) * (1 - 1 / 64)
+        assert ours.model_states == pytest.approx(ds - largest + small, rel=1e-6, abs=8)
+        assert ours.buffers >= 2 * prof.largest_layer_params
+
+
+def test_zero_offload_tutorial_10b_gpt_fits_one_v100():
+    """DeepSpeed's ZeRO-Offload tutorial trains a 10B GPT-2 (50 layers, hidden 4096, 32 heads, batch
+    10, seq 1024, activation checkpointing) on one 32 GB V100 with ZeRO-2 and CPU optimizer offload."""
+    from hybrid.presets import from_hf_config
+    from hybrid.profile import profile_decoder
+    cfg = from_hf_config({"model_type": "gpt2", "vocab_size": 50257, "n_embd": 4096, "n_layer": 50, "n_head": 32,
+                          "n_positions": 1024, "activation_function": "gelu_new"})
+    prof = profile_decoder(cfg, "gpt2-10b")
+    assert prof.params == pytest.approx(10e9, rel=0.05)
+    from hybrid.planner import judge
+    c = judge(CAT["zero2-offload"], prof, TrainSpec(10, 1024, precision="fp16-mixed", activation_checkpointing="full"),
+              Cluster.build(1, 1, "v100-32gb", host_memory="1TiB"))
+    assert c.fits, c.reason
+
+
+@pytest.mark.parametrize("name", sorted(CAT))
+def test_a_bare_count_is_the_full_models_states(name):
+    """`--params N` estimates the same model states as the model itself, and never more memory
+    than the model with its activations (a bare count's FSDP units are unknown, not the whole
+    model gathered as one unit)."""
+    full = resolve_model("llama2-7b").profile
+    bare = profile_params(full.params)
+    spec = TrainSpec(1, 2048)
+    a, b = estimate(CAT[name], full, spec, PAPER), estimate(CAT[name], bare, spec, PAPER)
+    assert b.model_states == pytest.approx(a.model_states, rel=0.01)
+    assert b.tensors <= a.tensors + 2 * 500_000_000      # DeepSpeed's default reduce bucket for unknown widths

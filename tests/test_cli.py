@@ -19,11 +19,31 @@ def run(capsys, *argv):
 
 
 def test_plan_table(capsys):
-    code, out, _ = run(capsys, *PLAN_7B)
+    code, out, _ = run(capsys, *PLAN_7B, "--all")
     assert code == 0
     assert "llama2-7b" in out and "world size 64" in out and "chosen:" in out
     for name in ("ddp", "fsdp", "hsdp", "zero1", "zero2", "zero3", "zero3-hpz", "zero3-offload"):
         assert f" {name} " in out or f"*{name} " in out
+
+
+def test_plan_table_shows_the_best_rows_each_family_and_the_choice(capsys):
+    """~300 candidates for llama2-7b on 8 x 8: the default table is the best 12, the best of each
+    family and the choice; --top N changes N, --all shows every one."""
+    def rows(*flags):
+        code, out, _ = run(capsys, *PLAN_7B, *flags)
+        assert code == 0
+        lines = out.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("---")) + 1
+        return [line for line in lines[start:] if line[:1] in (" ", "*") and line.strip()], out
+    default, out = rows()
+    assert 12 <= len(default) <= 12 + 3 + 1 and "candidates: the best 12" in out and "--all" in out
+    for family in (" ddp", " fsdp", " zero"):
+        assert any(r.startswith(family) or r.startswith("*" + family[1:]) for r in default), family
+    assert default[0].startswith("*")                     # the choice is the fastest that fits here
+    assert len(rows("--top", "3")[0]) <= 3 + 3 + 1
+    every, out = rows("--all")
+    assert len(every) > 200 and "candidates:" not in out
+    assert run(capsys, *PLAN_7B, "--top", "0")[0] == 2
 
 
 def check_contract(doc, n_strategies=None):
@@ -38,7 +58,10 @@ def check_contract(doc, n_strategies=None):
             assert all(isinstance(v, int) for v in s["per_gpu"].values() if v is not None)
             parts = sum(v for k, v in s["per_gpu"].items() if k != "total" and v is not None)
             assert parts == pytest.approx(s["per_gpu"]["total"], abs=8)
-            assert s["fits"] == (s["per_gpu"]["total"] <= doc["capacity_bytes"])
+            needed = s["allocated_bytes"] + s["floor_bytes"] + (s["per_gpu"]["total"] - s["reserved_bytes"])
+            fits_reserved = s["per_gpu"]["total"] <= doc["capacity_bytes"]
+            assert s["verdict"] == ("fits" if fits_reserved and s["fits"] else "tight" if s["fits"] else "OOM")
+            assert s["fits"] == (needed <= doc["capacity_bytes"] and s["per_cpu"]["total"] <= 2**60) or not s["fits"]
         assert isinstance(s["per_cpu"]["total"], int)
 
 

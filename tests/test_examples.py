@@ -60,6 +60,11 @@ def test_compare_strategies_example(tmp_path):
     png = tmp_path / "m.png"
     out = run("examples/compare_strategies.py", "gpt2", "--nodes", "1", "--seq-len", "1024", "--out", str(png))
     assert png.stat().st_size > 10_000 and "zero3" in out
+    # one bar per strategy (the 8 defaults), as `hybrid compare --plot` draws: a readable width
+    width = int.from_bytes(png.read_bytes()[16:20], "big")            # PNG IHDR
+    assert width < 2000, width
+    rows = [line for line in out.splitlines() if line[:1] in (" ", "*") and "GiB" in line]
+    assert len(rows) == 2 * 8                                         # breakdown and ranking tables
 
 
 def test_slurm_script_runs_torchrun_rendezvous_locally(tmp_path):

@@ -74,8 +74,19 @@ def _emit(capsys, *argv):
 def test_emit_fsdp_yaml(capsys):
     doc = yaml.safe_load(_emit(capsys, "llama2-7b", "--nodes", "8", "--seq-len", "4096", "--emit", "fsdp"))
     assert doc["mesh"]["dim_names"] == ["dp_replicate", "dp_shard"] and doc["mesh"]["shape"][0] * doc["mesh"]["shape"][1] == 64
-    assert doc["fully_shard"]["units"] == ["Block", "root"]
+    # the transformers class users train (a preset is estimated from our own Block)
+    assert doc["fully_shard"]["units"] == ["LlamaDecoderLayer", "root"]
     assert doc["fully_shard"]["mp_policy"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+
+
+def test_emit_fsdp_names_the_transformers_layer_of_a_config_json(capsys, tmp_path):
+    import json
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "mistral", "vocab_size": 32000, "hidden_size": 1024,
+                               "intermediate_size": 2816, "num_hidden_layers": 4, "num_attention_heads": 8,
+                               "num_key_value_heads": 8, "max_position_embeddings": 2048}))
+    doc = yaml.safe_load(_emit(capsys, str(cfg), "--nodes", "1", "--seq-len", "1024", "--emit", "fsdp"))
+    assert doc["fully_shard"]["units"] == ["MistralDecoderLayer", "root"]
 
 
 def _initialize(cfg):

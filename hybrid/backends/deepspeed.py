@@ -5,6 +5,7 @@ import contextlib
 import io
 import logging
 import os
+import sys
 import warnings
 
 import torch
@@ -242,6 +243,18 @@ class DeepSpeedEngine(Engine):
                 "optimizer": masters + optimizer_tensors(inner, params)}
 
 
+def extension_cache(environ=os.environ, prefix: str = sys.prefix, base_prefix: str = sys.base_prefix) -> str | None:
+    """Where DeepSpeed's JIT-built ops go. torch.utils.cpp_extension builds into TORCH_EXTENSIONS_DIR,
+    else one per-user directory (_get_build_directory; get_default_build_root:
+    ~/.cache/torch_extensions) that every environment shares, so an op built by another venv's
+    torch is rebuilt (about a minute) on each switch. Inside a virtual environment, unless the
+    user set it, the cache is the environment's own, <venv>/torch_extensions (as setup.sh builds
+    it). Returns the directory in effect (None: torch's default)."""
+    if "TORCH_EXTENSIONS_DIR" not in environ and prefix != base_prefix:
+        environ["TORCH_EXTENSIONS_DIR"] = os.path.join(prefix, "torch_extensions")
+    return environ.get("TORCH_EXTENSIONS_DIR")
+
+
 def _deepspeed():
     """deepspeed, imported and its communication backend started quietly. What it would print
     otherwise, on every rank, and what is done about each:
@@ -256,6 +269,7 @@ def _deepspeed():
       warnings.catch_warnings() clears the once-per-location registry (2,880 lines in a 40-step
       zero3 run on 4 ranks). Filtered by exact message; other warnings stay."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    extension_cache()
     warnings.filterwarnings("ignore", category=FutureWarning,
                             message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated")
     import deepspeed

@@ -163,10 +163,26 @@ class DeepSpeedFamily(Family):
                 lay.notes.append(f"hpZ keeps a secondary bf16 partition over {hpz} ranks")
         if s.offload_optimizer:
             lay.cpu += opt + fp32_grad + scratch
-            if s.stage == 3:                    # grad_partitions_flat_buffer is pinned host memory then
+            if s.stage == 3:
+                # stage3.py: self.device is the CPU under offload_optimizer (l.333), so the
+                # gradient partitions (grad_partitions_flat_buffer, l.791-795) are pinned host memory
                 lay.cpu += lay.grads_end
-                lay.grads_start = lay.grads_end = 0
-            lay.notes.append("optimizer states, fp32 master and fp32 grads in host memory")
+            else:
+                # stage_1_and_2.py: under cpu_offload (self.device 'cpu', l.278) the fp32 gradient
+                # partition is pinned host memory (initialize_optimizer_states, l.936-940) and
+                # copy_grads_in_partition copies each reduced gradient straight into it and returns
+                # (l.2161-2178) before the GPU partition grads_in_partition is ever allocated
+                # (l.2184-2194); accumulation keeps 16-bit copies of this rank's parameters on the
+                # host (accumulated_grads_in_cpu, l.1821-1853); the GPU keeps one 16-bit staging
+                # buffer of the largest parameter (temp_grad_buffer_for_gpu_offload, l.659)
+                if spec.gradient_accumulation > 1:
+                    lay.cpu += c * P / n
+                staging = c * (p.largest_param or 0)
+                lay.buffers_start += staging
+                lay.buffers_mid += staging
+                lay.buffers_end += staging
+            lay.grads_start = lay.grads_end = 0
+            lay.notes.append("optimizer states, fp32 master and the gradient partitions in host memory")
         else:
             lay.optimizer, lay.grads_step, lay.scratch = opt, fp32_grad, scratch
         if s.offload_params:

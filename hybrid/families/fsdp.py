@@ -6,6 +6,7 @@ import yaml
 from ..errors import HybridError
 from ..links import HOST_STEP_RATE, PCIE_BW
 from ..memory.layout import Layout, optimizer_elements, reduce_bytes, scratch_elements
+from ..profile import transformers_layer_class
 from .base import Comm, Family, provenance
 
 
@@ -32,12 +33,19 @@ class FSDPFamily(Family):
         c = b.compute
         rb = reduce_bytes(spec)
         P = p.trainable_params
-        unit = p.block_params if p.num_blocks else p.params
+        lay = Layout()
+        # a bare parameter count has no module tree: its units' sizes are unknown (not the whole
+        # model as one unit), so only what holds for any units is counted: with
+        # reshard_after_forward off every parameter stays gathered from forward to backward
+        bare = p.source == "params"
+        unit = 0 if bare else (p.block_params if p.num_blocks else p.params)
         root = p.root_params if p.num_blocks else 0
+        every_block = p.params if bare else p.num_blocks * unit
+        if bare:
+            lay.notes.append("FSDP's gathered units are unknown for a bare parameter count: not counted")
         # the head's (or embedding's) unsharded gradient: its tensor-parallel share, none on a
         # middle pipeline stage (the root holds it, as tp_share and stage_share count it)
         head = min(p.decoder.vocab * p.decoder.hidden, root) if p.decoder else root
-        lay = Layout()
         sharded = dict(params=p.params * b.param / n, optimizer=optimizer_elements(p, spec) * b.state / n,
                        grads=P * b.grad / n, scratch=scratch_elements(p, spec) * b.state / n)
         if s.offload_params:
@@ -48,8 +56,8 @@ class FSDPFamily(Family):
             lay.grads_end, lay.scratch = sharded["grads"], sharded["scratch"]
         # The root (embeddings, final norm, head) is not resharded after forward (FSDP2 keeps the root
         # gathered for backward); blocks are gathered one at a time plus one prefetched.
-        gathered_blocks = 2 * unit if s.reshard_after_forward else p.num_blocks * unit + unit
-        lay.buffers_start = c * (root + (unit if s.reshard_after_forward else p.num_blocks * unit))
+        gathered_blocks = 2 * unit if s.reshard_after_forward else every_block + unit
+        lay.buffers_start = c * (root + (unit if s.reshard_after_forward else every_block))
         # in a block's backward: root params + the head's unsharded grad, two blocks gathered (the
         # block and the prefetched one, whose all-gather output and copy-out overlap it), and the
         # block's reduce-scatter input in the reduce dtype (its grads themselves: unit_grads)
@@ -77,7 +85,7 @@ class FSDPFamily(Family):
             # ... and with set_reshard_after_backward(False): a block's parameters stay gathered
             # from its backward until its next forward reshards them; all the blocks' at the end
             # of a backward (the stage root's are resharded: traced)
-            lay.buffers_end = c * p.num_blocks * unit
+            lay.buffers_end = c * every_block
             lay.notes.append("pipeline stage: FSDP keeps the stage's parameters gathered after their backward "
                              "until the step's reduce-scatter (torch.distributed.pipelining)")
         return lay
@@ -106,12 +114,13 @@ class FSDPFamily(Family):
         """The FSDP2 settings as YAML: mesh, units, mixed precision, reshard, offload."""
         s = c.strategy
         dims = c.parallel
+        layer = transformers_layer_class(profile)
         settings = {
             "strategy": s.name,
             "mesh": {"shape": [dims.dp_replicate, dims.dp_shard], "dim_names": ["dp_replicate", "dp_shard"],
                      "hybrid_sharding": dims.dp_replicate > 1, "parallel": dims.to_dict()},
             "fully_shard": {
-                "units": [profile.block_class, "root"] if profile.block_class else ["root"],
+                "units": [layer, "root"] if layer else ["root"],
                 "reshard_after_forward": s.reshard_after_forward,
                 "mp_policy": ({"param_dtype": {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}[c.spec.precision],
                                "reduce_dtype": "float32"} if c.spec.mixed else {"param_dtype": None, "reduce_dtype": None}),

@@ -134,3 +134,15 @@ def activation_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> Activ
         cache = 2 * (matrices + d.vocab * d.hidden)           # every matmul weight + LM head
     return ActivationTerms(per_layer=int(per_layer), recompute=int(recompute), head_forward=int(head_fwd),
                            head_backward=int(head_bwd), autocast_cache=int(cache), layers=d.layers)
+
+
+def largest_transient(d: DecoderConfig, spec: TrainSpec, autocast: bool, tp: int = 1) -> int:
+    """The largest tensor a block makes in forward and frees before the next block (the cause of
+    the default allocator's fragmentation floor, memory/breakdown.fragmentation_floor): one
+    f-wide MLP intermediate, or with eager attention the per-head s x s scores (fp32 softmax);
+    split tp ways under tensor parallelism."""
+    c = 2 if autocast else spec.bytes.compute
+    T = spec.micro_batch * spec.seq_len
+    mlp = c * d.ffn * T
+    scores = F32 * d.heads * spec.seq_len * T if spec.attention == "eager" else 0
+    return int(max(mlp, scores) / tp)

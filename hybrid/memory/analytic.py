@@ -18,8 +18,8 @@ from ..cluster import Cluster
 from ..errors import HybridError
 from ..profile import ModelProfile, tp_share
 from ..spec import TrainSpec
-from .activations import ActivationTerms, activation_terms
-from .breakdown import MemoryBreakdown, overhead_bytes
+from .activations import ActivationTerms, activation_terms, largest_transient
+from .breakdown import MemoryBreakdown, fragmentation_floor, overhead_bytes
 from .layout import FP32, NotApplicable, reduce_bytes
 
 __all__ = ["NotApplicable", "check_job", "estimate", "layout_of"]
@@ -127,13 +127,15 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
         parts["buffers"] += recv
     phase, parts = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     tensors = lay.params + lay.optimizer + sum(parts.values())
-    overhead = overhead_bytes(cluster, tensors)
+    transient = largest_transient(whole.decoder, spec, lay.autocast, tp) if profile.decoder else 0
+    overhead = overhead_bytes(cluster, tensors, transient)
     return MemoryBreakdown(
         params=int(lay.params), grads=int(parts["grads"]), optimizer=int(lay.optimizer),
         activations=(None if profile.decoder is None and profile.activation_bytes_per_sample is None
                      else int(parts["activations"])),
         temporaries=int(parts["temporaries"]), buffers=int(parts["buffers"]), overhead=int(overhead),
-        context=cluster.gpu.cuda_context_bytes, cpu=int(lay.cpu), phase=phase, notes=tuple(notes),
+        context=cluster.gpu.cuda_context_bytes, floor=fragmentation_floor(cluster, transient), cpu=int(lay.cpu),
+        phase=phase, notes=tuple(notes),
         model_states=int(lay.params + lay.optimizer + lay.grads_end + lay.grads_step))
 
 

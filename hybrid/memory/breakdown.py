@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..units import fmt_bytes
+from ..units import MiB, fmt_bytes
 
 ALLOCATOR_HEADROOM = 0.28
 """Reserved over allocated with torch's default caching allocator (no expandable segments), as a
@@ -26,9 +26,45 @@ def headroom(cluster) -> float:
     return EXPANDABLE_HEADROOM if cluster.expandable_segments else ALLOCATOR_HEADROOM
 
 
-def overhead_bytes(cluster, tensors: float) -> float:
-    """The runtime's share on top of live tensors: CUDA context and workspaces, allocator slack."""
-    return cluster.gpu.cuda_context_bytes + headroom(cluster) * tensors
+# torch's caching allocator (c10/cuda/CUDACachingAllocator.cpp): requests up to kSmallSize (1 MiB)
+# are packed into kSmallBuffer (2 MiB) segments, requests of 1-10 MiB split a kLargeBuffer (20 MiB)
+# segment, larger ones get a segment of their size rounded up to kRoundLarge (2 MiB); a free block
+# is reused only by the stream that allocated it; expandable segments map physical memory in 2 MiB
+# (small pool) and 20 MiB (large pool) pages.
+SMALL_SEGMENT = 2 * MiB
+LARGE_SEGMENT = 20 * MiB
+ALLOCATOR_STREAMS = 3
+"""Streams that allocate at the peak, each with its own cached blocks: compute, and the data-parallel
+all-gather and reduce-scatter streams (FSDP2's and DeepSpeed's side streams)."""
+
+
+def fragmentation_floor(cluster, transient: float) -> int:
+    """Reserved bytes the allocator cannot hand back even under pressure, beside the live tensors.
+
+    When a request finds no cached block and cudaMalloc fails, the allocator frees every cached
+    block that is a whole segment and retries (release_cached_blocks: "Free all non-split cached
+    blocks"); only then does it raise OOM, whose message notes that "the only remaining cached
+    memory is split from a larger block that is partially in-use". So a full GPU compresses the
+    roomy-GPU headroom down to the free parts of split segments:
+    - default allocator: a freed per-block transient (`transient`: the largest tensor a block
+      makes and frees in forward, e.g. the MLP intermediate) whose segment a smaller live tensor
+      was carved from keeps its remainder (should_split: remainders over 1 MiB become free blocks
+      of the same segment), plus per stream one part-used 20 MiB segment (1-10 MiB requests) and
+      one part-used 2 MiB small segment;
+    - expandable segments: free pages are unmapped on the retry, so only the part-used 20 MiB
+      pages at the two ends of a free range stay, per stream.
+    CPU ranks have no caching allocator: 0."""
+    if not cluster.gpu.is_cuda:
+        return 0
+    if cluster.expandable_segments:
+        return int(ALLOCATOR_STREAMS * 2 * LARGE_SEGMENT)
+    return int(transient + ALLOCATOR_STREAMS * (LARGE_SEGMENT + SMALL_SEGMENT))
+
+
+def overhead_bytes(cluster, tensors: float, transient: float = 0) -> float:
+    """The runtime's share on top of live tensors: CUDA context and workspaces, allocator slack
+    (the calibrated headroom, never less than what the allocator cannot reclaim)."""
+    return cluster.gpu.cuda_context_bytes + max(headroom(cluster) * tensors, fragmentation_floor(cluster, transient))
 
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries", "buffers", "overhead")
@@ -59,6 +95,9 @@ class MemoryBreakdown:
     the moment of the peak: the figure the ZeRO paper tabulates."""
     context: int = 0
     """The CUDA context and library workspaces inside `overhead` (the rest is allocator slack)."""
+    floor: int = 0
+    """Of the allocator slack, what a full GPU cannot reclaim (fragmentation_floor): the part of
+    `overhead` beyond the context that must fit too."""
     phase: str = ""
     """When the peak happens: forward, backward, step."""
     notes: tuple[str, ...] = field(default=())
@@ -84,6 +123,12 @@ class MemoryBreakdown:
         return self.total - self.context
 
     @property
+    def needed(self) -> int:
+        """What must fit on the GPU: the live tensors at the peak, the CUDA context and the
+        fragmentation floor (the roomy-GPU headroom compresses down to it under pressure)."""
+        return self.allocated + self.context + self.floor
+
+    @property
     def largest(self) -> str:
         return max(CATEGORIES, key=lambda c: getattr(self, c) or 0)
 
@@ -93,12 +138,13 @@ class MemoryBreakdown:
         return d
 
     @classmethod
-    def from_tensors(cls, parts: dict, cluster, **kw) -> "MemoryBreakdown":
+    def from_tensors(cls, parts: dict, cluster, transient: float = 0, **kw) -> "MemoryBreakdown":
         """From bytes per tensor category (a tracer's count), adding the runtime overhead the
-        same way the analytic model does."""
+        same way the analytic model does (`transient`: see fragmentation_floor)."""
         tensors = sum(v for v in parts.values() if v)
         return cls(**{c: int(parts[c]) for c in CATEGORIES if c != "overhead"},
-                   overhead=int(overhead_bytes(cluster, tensors)), context=cluster.gpu.cuda_context_bytes, **kw)
+                   overhead=int(overhead_bytes(cluster, tensors, transient)), context=cluster.gpu.cuda_context_bytes,
+                   floor=fragmentation_floor(cluster, transient), **kw)
 
     def describe_largest(self) -> str:
         c = self.largest
