@@ -77,10 +77,13 @@ class StepCost:
 
 
 def model_flops_per_token(profile: ModelProfile, seq_len: int, recompute: bool = False) -> float:
-    """Training FLOPs per token (forward + backward), PaLM's 6N + 12LHQT; +1 forward if recomputed."""
+    """Training FLOPs per token (forward + backward), PaLM's 6N + 12LHQT (arXiv 2204.02311, App. B)
+    with N the parameters a token passes through (an MoE block's top-k experts of its E, as the
+    MoE papers count 'active' parameters); +1 forward if recomputed."""
     d = profile.decoder
-    attn = 12 * d.layers * d.hidden * seq_len if d else 0
-    base = 6 * profile.params + attn
+    attn = 12 * d.layers * d.q_dim * seq_len if d else 0
+    active = profile.params - (d.layers * (d.experts - d.top_k) * d.expert_params if d else 0)
+    base = 6 * active + attn
     return base * (8 / 6) if recompute else base
 
 

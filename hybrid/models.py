@@ -307,6 +307,10 @@ def build_decoder(cfg: DecoderConfig | str, device="cpu", dtype=None, attention:
     """Our implementation of a preset (by name) or shape; seeded for reproducible weights."""
     if isinstance(cfg, str):
         cfg = get_preset(cfg)
+    if cfg.moe or cfg.qk_norm or cfg.head_size:
+        raise HybridError(f"hybrid's own decoder has no {'MoE blocks' if cfg.moe else 'query/key norms or head size'}"
+                          f" ({cfg.hf_model_type}): use the transformers implementation (--implementation "
+                          "transformers; pip install 'hybrid[hf]')")
     if seed is not None and torch.device(device).type != "meta":
         torch.manual_seed(seed)
     with torch.device(device), default_dtype(dtype):

@@ -121,7 +121,8 @@ def stage_share(profile: ModelProfile, layout, rank: int) -> ModelProfile:
 
 def profile_decoder(cfg: DecoderConfig, name: str, source: str = "preset") -> ModelProfile:
     """Closed-form profile of a decoder shape as built in fp32 (no torch)."""
-    largest_layer = max(cfg.vocab * cfg.hidden, cfg.ffn * cfg.hidden + (cfg.ffn if cfg.style == "gpt2" else 0))
+    largest_layer = max(cfg.vocab * cfg.hidden, cfg.ffn * cfg.hidden + (cfg.ffn if cfg.style == "gpt2" else 0),
+                        cfg.experts * cfg.expert_params)      # the experts module owns every expert
     tied = (("embed.weight", "lm_head.weight"),) if cfg.tied else ()
     return ModelProfile(
         name=name, params=cfg.params, trainable_params=cfg.params, param_bytes=4 * cfg.params,
@@ -142,7 +143,7 @@ def tp_degrees(profile: ModelProfile, gpus_per_node: int) -> list[int]:
     """tp that divides the GPUs per node and the attention and key/value heads of a llama-style
     decoder (GPT-2's fused qkv has no plan); [1] for anything else."""
     d = profile.decoder
-    if d is None or d.style != "llama":
+    if d is None or d.style != "llama" or d.moe:          # MoE: experts are split by ep, not tp (yet)
         return [1]
     return [t for t in TP_DEGREES if gpus_per_node % t == 0 and d.heads % t == 0 and d.n_kv_heads % t == 0]
 
@@ -320,12 +321,14 @@ def resolve_model(spec: str | None = None, params: str | int | None = None) -> M
 
 def _decoder_builder(cfg: DecoderConfig):
     def build(device="meta", attention="sdpa", prefer_hf=False, dtype=None):
-        if prefer_hf and cfg.hf_model_type:
+        if (prefer_hf or cfg.moe or cfg.qk_norm or cfg.head_size) and cfg.hf_model_type:
             try:
                 from .models import build_hf
                 return build_hf(cfg, device=device, attention=attention, dtype=dtype), "transformers"
             except ImportError:
-                pass
+                if cfg.moe or cfg.qk_norm or cfg.head_size:
+                    raise HybridError(f"{cfg.hf_model_type} models are built with transformers: "
+                                      "pip install 'hybrid[hf]'") from None
         from .models import build_decoder
         return build_decoder(cfg, device=device, attention=attention, dtype=dtype), "hybrid"
     return build
@@ -335,7 +338,13 @@ _HF_POSITIVE = {"llama": ("vocab_size", "hidden_size", "num_hidden_layers", "num
                            "intermediate_size"),
                  "mistral": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                              "intermediate_size"),
-                 "gpt2": ()}
+                 "gpt2": (),
+                 "mixtral": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                             "intermediate_size", "num_local_experts", "num_experts_per_tok"),
+                 "olmoe": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size", "num_experts", "num_experts_per_tok"),
+                 "qwen3_moe": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                               "moe_intermediate_size", "num_experts", "num_experts_per_tok")}
 
 
 def _check_hf_config(cfg, path: str) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -61,7 +62,21 @@ def fsdp_kwargs(strategy, mesh, spec, runtime) -> dict:
     offload = (CPUOffloadPolicy(pin_memory=True) if strategy.offload_params and runtime.backend != "fake"
                else OffloadPolicy())
     return dict(mesh=fsdp_mesh, reshard_after_forward=strategy.reshard_after_forward, mp_policy=mp,
-                offload_policy=offload)
+                offload_policy=offload, shard_placement_fn=functools.partial(shard_placement, n=fsdp_mesh.size(-1)))
+
+
+def shard_placement(param, n: int):
+    """Where FSDP2 cuts a parameter: dim 0 (its default) unless dim 0 is shorter than the shard
+    group, where FSDP2 would pad it to one row per rank (the stacked experts of an MoE block,
+    8 x 28672 x 4096 for Mixtral over 64 ranks, would then cost 8x their share): such a parameter
+    is cut along its first dimension that the group divides, as torchtitan shards experts."""
+    from torch.distributed.tensor import Shard
+    if param.dim() < 2 or param.shape[0] >= n:
+        return None
+    for i in range(1, param.dim()):
+        if param.shape[i] % n == 0:
+            return Shard(i)
+    return None
 
 
 def _shard(strategy, module, mesh, spec, runtime, outputs: bool = False):

@@ -44,16 +44,40 @@ class ActivationTerms:
         return self.layers * self.per_layer + self.head_forward
 
 
+def _qk_norm(d: DecoderConfig, c: int) -> float:
+    """Bytes per token the query/key RMSNorms keep: each one's fp32 input (the upcast; in fp32 the
+    input itself), its rsqrt per normalised group and its output cast back to c bytes (measured
+    with saved-tensors hooks on transformers' Qwen3-MoE and OLMoE: tests/test_moe.py)."""
+    if d.qk_norm is None:
+        return 0
+    groups = d.heads + d.n_kv_heads if d.qk_norm == "head" else 2
+    return (F32 + c) * (d.q_dim + d.kv_dim) + F32 * groups
+
+
+def _moe_mlp(d: DecoderConfig, c: int) -> float:
+    """Bytes per token an MoE block's experts and router keep (transformers' grouped_mm experts:
+    tokens sorted by expert, one grouped matmul per projection). Per routed (token, expert) pair:
+    the gathered input and the down projection's output (h each), the gate_up output (2m), its
+    SiLU and the product (m each), the fp32 routing weight and four int64 index vectors; per
+    token the fp32 router softmax over all experts, and where the top-k weights are renormalised
+    (Mixtral, Qwen3-MoE) their fp32 copy and sum. Measured in tests/test_moe.py."""
+    renorm = d.hf_model_type != "olmoe"
+    pair = c * (2 * d.hidden + 4 * d.moe_ffn) + F32 + 4 * 8
+    return d.top_k * pair + F32 * d.experts + (F32 * (d.top_k + 1) if renorm else 0)
+
+
 def _layer_full(d: DecoderConfig, spec: TrainSpec, c: int, autocast: bool) -> float:
     """Bytes per token one block saves with no checkpointing."""
     h, kv, f, a, s = d.hidden, d.kv_dim, d.ffn, d.heads, spec.seq_len
+    q = d.q_dim
     llama = d.style == "llama"
     if autocast:
         c = 2
         # RMSNorm: fp32 input + rsqrt + fp32 normalised; LayerNorm: fp32 input + mean + rstd.
         norm = (2 * F32 * h + F32) if llama else (F32 * h + 2 * F32)
-        # each consumer of a norm output casts it to bf16 once (q, k, v | fused qkv; gate, up | fc)
-        casts = c * h * ((3 + 2) if llama else (1 + 1))
+        # each consumer of a norm output casts it to bf16 once (q, k, v | fused qkv; gate, up | fc;
+        # an MoE block's router: its experts' grouped matmuls are not on autocast's list)
+        casts = c * h * ((3 + (1 if d.moe else 2)) if llama else (1 + 1))
         norms = 2 * norm + casts
     else:
         # RMSNorm: fp32 upcast + rsqrt + cast back + weighted output; LayerNorm: input, output, stats.
@@ -61,16 +85,19 @@ def _layer_full(d: DecoderConfig, spec: TrainSpec, c: int, autocast: bool) -> fl
         norms = 2 * norm
     masked = d.sliding_window is not None and s >= d.sliding_window
     if spec.attention == "sdpa" and not masked:
-        attn = 2 * c * h + 2 * c * kv + F32 * a          # q, k, v, output; logsumexp per head
+        attn = 2 * c * q + 2 * c * kv + F32 * a          # q, k, v, output; logsumexp per head
     elif spec.attention == "sdpa":
         # a mask rules out the mask-free flash path: k and v expanded to every head, and SDPA
         # turns the boolean (b, 1, s, s) mask into a float bias it keeps for backward, per layer
-        attn = 4 * c * h + F32 * a + c * s
+        attn = 4 * c * q + F32 * a + c * s
     else:
         # q, k and v (expanded to every head), output copy; per head s x s: Llama's softmax in fp32
         # and its cast back, GPT-2's in the compute dtype
         softmax = (F32 + (c if c < F32 else 0)) if llama else c
-        attn = 4 * c * h + softmax * a * s
+        attn = 4 * c * q + softmax * a * s
+    attn += _qk_norm(d, c)
+    if d.moe:                  # experts outside autocast's list run in the weights' fp32
+        return norms + attn + _moe_mlp(d, F32 if autocast else c)
     # llama: gate, silu, up, product; gpt2: fc and gelu output, plus tanh, 0.5x and 1+tanh when
     # GELU is written out (gelu_new)
     mlp = 4 * c * f if llama else (5 if d.gelu == "new" else 2) * c * f
@@ -79,22 +106,27 @@ def _layer_full(d: DecoderConfig, spec: TrainSpec, c: int, autocast: bool) -> fl
 
 def _layer_selective(d: DecoderConfig, c: int, autocast: bool) -> float:
     """Bytes per token with selective checkpointing: block input + matmul and attention outputs."""
-    h, kv, f, a = d.hidden, d.kv_dim, d.ffn, d.heads
+    h, kv, f, a, q = d.hidden, d.kv_dim, d.ffn, d.heads, d.q_dim
     mm = 2 if autocast else c
     block_input = (F32 if autocast else c) * h
-    linears = mm * (h + 2 * kv + h) + mm * ((2 * f + h) if d.style == "llama" else (f + h))
-    return block_input + linears + mm * h + F32 * a       # + attention output and logsumexp
+    # an MoE block's experts run grouped matmuls, which the policy recomputes; its router is an mm
+    mlp = d.experts if d.moe else ((2 * f + h) if d.style == "llama" else (f + h))
+    linears = mm * (q + 2 * kv + h) + mm * mlp
+    return block_input + linears + mm * q + F32 * a       # + attention output and logsumexp
 
 
 def _layer_op(d: DecoderConfig, c: int, autocast: bool) -> float:
     """Bytes per token under torchtitan's per-op policy: the block input, the outputs of the 1st,
     3rd, 5th... aten.mm of the block (llama: q, v, gate, down; gpt2's biased linears run addmm,
     which the policy does not keep) and the attention output with its logsumexp."""
-    h, kv, f, a = d.hidden, d.kv_dim, d.ffn, d.heads
+    h, kv, f, a, q = d.hidden, d.kv_dim, d.ffn, d.heads, d.q_dim
     mm = 2 if autocast else c
     block_input = (F32 if autocast else c) * h
-    kept = (h + kv + f + h) if d.style == "llama" else 0
-    return block_input + mm * kept + mm * h + F32 * a
+    if d.moe:                  # mm order q, k, v, o, router: q, v and the router's logits kept
+        kept = q + kv + d.experts
+    else:
+        kept = (q + kv + f + h) if d.style == "llama" else 0
+    return block_input + mm * kept + mm * q + F32 * a
 
 
 def checkpointed_blocks(layers: int, every: int) -> int:
@@ -130,6 +162,7 @@ def activation_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> Activ
     head_bwd = head_fwd + 2 * F32 * d.vocab * T
     cache = 0
     if autocast:
+        # every matmul weight (an MoE block's router; its experts run outside autocast's list)
         matrices = d.layers * sum(m[0] * m[1] for m in d.block_matrices() if len(m) == 2)
         cache = 2 * (matrices + d.vocab * d.hidden)           # every matmul weight + LM head
     return ActivationTerms(per_layer=int(per_layer), recompute=int(recompute), head_forward=int(head_fwd),
