@@ -9,7 +9,6 @@ import hybrid
 from hybrid.cli import main
 from hybrid.errors import HybridError
 
-pytestmark = pytest.mark.unit
 
 
 def _cli_json(*argv):
@@ -19,6 +18,7 @@ def _cli_json(*argv):
     return json.loads(out.getvalue())
 
 
+@pytest.mark.unit
 def test_plan_takes_a_preset_and_chooses_what_the_cli_chooses():
     p = hybrid.plan("llama2-7b", cluster=hybrid.Cluster.build(8, 8, "h100-80gb"), seq_len=4096)
     cli = _cli_json("plan", "llama2-7b", "--nodes", "8", "--gpus-per-node", "8", "--gpu", "h100-80gb",
@@ -27,6 +27,7 @@ def test_plan_takes_a_preset_and_chooses_what_the_cli_chooses():
     assert p.to_dict()["strategies"] == cli["strategies"]
 
 
+@pytest.mark.unit
 def test_plan_takes_a_config_json(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 50257, "n_embd": 768, "n_layer": 12,
@@ -49,6 +50,7 @@ def test_estimate_takes_a_module_and_a_factory():
     assert by_name.total == by_module.total == by_factory.total
 
 
+@pytest.mark.unit
 def test_bad_training_argument_is_one_line():
     with pytest.raises(HybridError, match="unknown training argument.*seqlen.*valid: micro_batch"):
         hybrid.plan("gpt2", seqlen=1024)

@@ -7,7 +7,6 @@ import pytest
 from hybrid.presets import get_preset
 from hybrid.profile import profile_decoder, resolve_model
 
-pytestmark = pytest.mark.unit
 
 # Published counts (model cards: Mixtral-8x7B 46.7B total / 12.9B active; Qwen3-30B-A3B 30.5B /
 # 3.3B; OLMoE-1B-7B 6.9B / 1.3B). Totals to the parameter: HF `num_parameters()` of the released
@@ -16,6 +15,7 @@ PUBLISHED = {"mixtral-8x7b": (46_702_792_704, 12.9e9), "qwen3-30b-a3b": (30_532_
              "olmoe-1b-7b": (6_919_161_856, 1.3e9)}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_moe_presets_give_published_total_and_active_counts(name):
     total, active = PUBLISHED[name]
@@ -119,6 +119,7 @@ def test_mixtral_analytic_matches_the_trace_on_8x8():
     assert traced.allocated == pytest.approx(analytic.allocated, rel=0.03)
 
 
+@pytest.mark.unit
 def test_moe_config_json_reads_like_the_preset(tmp_path):
     import json
 
