@@ -198,7 +198,7 @@ def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: C
         return Candidate(strategy, dims, spec, None, False, f"not applicable: {e}")
     cost = step_cost(strategy, profile, spec, cluster, n, efficiency, tp, layout)
     cap, host = cluster.capacity_bytes, cluster.host_bytes_per_rank
-    tight = m.total > cap and m.needed <= cap
+    tight = m.total > cap and m.needed <= cap and m.cpu <= host
     fits = m.needed <= cap and m.cpu <= host
     if m.needed > cap:
         why = f"needs {fmt_bytes(m.total)} > {fmt_bytes(cap)}: {m.describe_largest()}"
