@@ -176,6 +176,8 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
             if runtime.rank == 0:
                 log.warning("hybrid: warning: %s is forced but %s", strategy, chosen.reason)
     chosen = _agree(the_plan.chosen, runtime, strategy, cluster)
+    if chosen.tight and runtime.rank == 0:
+        log.warning("hybrid: %s %s", chosen.label, chosen.reason)
     mesh = build_mesh(chosen.parallel, runtime, cluster.gpus_per_node)
     options = LoopOptions(gradient_accumulation, max_grad_norm, bool(find_unused_parameters))
     if chosen.pipeline is not None:

@@ -198,7 +198,7 @@ def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: C
         return Candidate(strategy, dims, spec, None, False, f"not applicable: {e}")
     cost = step_cost(strategy, profile, spec, cluster, n, efficiency, tp, layout)
     cap, host = cluster.capacity_bytes, cluster.host_bytes_per_rank
-    tight = m.total > cap and m.needed <= cap
+    tight = m.total > cap and m.needed <= cap and m.cpu <= host
     fits = m.needed <= cap and m.cpu <= host
     if m.needed > cap:
         why = f"needs {fmt_bytes(m.total)} > {fmt_bytes(cap)}: {m.describe_largest()}"
@@ -388,6 +388,11 @@ def _fits_with(profile, spec, cluster, cat, names, search_checkpointing, efficie
     return choose([judge(s, profile, sp, cluster, n, None, efficiency, t, p, sc) for s, n, sp, t, p, sc in todo])
 
 
+def _size(c: Candidate) -> str:
+    """A suggestion's memory: its total, or for a tight one what must fit and that it is tight."""
+    return f"{fmt_bytes(c.memory.needed)}, tight" if c.tight else fmt_bytes(c.memory.total)
+
+
 def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[str, Strategy],
             names: list[str], search_checkpointing: bool, efficiency: float | None = None,
             tp: int | None = None, pp: int | None = None) -> list[str]:
@@ -398,27 +403,27 @@ def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[
             c = p > pp and p <= profile.num_blocks and _fits_with(profile, spec, cluster, cat, names, True,
                                                                   efficiency, tp, p)
             if c:
-                out.append(f"--pp {p} ({c.label}: {fmt_bytes(c.memory.total)})")
+                out.append(f"--pp {p} ({c.label}: {_size(c)})")
                 break
     if tp is not None:      # tp was pinned: would another degree fit?
         for t in tp_degrees(profile, cluster.gpus_per_node):
             c = t > tp and _fits_with(profile, spec, cluster, cat, names, True, efficiency, t)
             if c:
-                out.append(f"--tp {t} ({c.label}: {fmt_bytes(c.memory.total)})")
+                out.append(f"--tp {t} ({c.label}: {_size(c)})")
                 break
     args = (cat, names, True, efficiency)
     if not search_checkpointing and spec.activation_checkpointing != "full":
         for ac in ("selective", "full"):
             c = _fits_with(profile, replace(spec, activation_checkpointing=ac), cluster, *args)
             if c:
-                out.append(f"--activation-checkpointing {ac} ({c.label}: {fmt_bytes(c.memory.total)})")
+                out.append(f"--activation-checkpointing {ac} ({c.label}: {_size(c)})")
                 break
     nodes = cluster.nodes
     while nodes < 4096:
         nodes *= 2
         c = _fits_with(profile, spec, replace(cluster, nodes=nodes), *args)
         if c:
-            out.append(f"--nodes {nodes} ({c.label} x{c.shard_size}: {fmt_bytes(c.memory.total)} per GPU)")
+            out.append(f"--nodes {nodes} ({c.label} x{c.shard_size}: {_size(c)} per GPU)")
             break
     if profile.decoder is not None:
         seq = spec.seq_len
@@ -426,16 +431,16 @@ def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[
             seq //= 2
             c = _fits_with(profile, replace(spec, seq_len=seq), cluster, *args)
             if c:
-                out.append(f"--seq-len {seq} ({c.label}: {fmt_bytes(c.memory.total)})")
+                out.append(f"--seq-len {seq} ({c.label}: {_size(c)})")
                 break
     if spec.micro_batch > 1:
         c = _fits_with(profile, replace(spec, micro_batch=1), cluster, *args)
         if c:
-            out.append(f"--micro-batch 1 ({c.label}: {fmt_bytes(c.memory.total)})")
+            out.append(f"--micro-batch 1 ({c.label}: {_size(c)})")
     for gpu in sorted(GPUS.values(), key=lambda g: g.memory_bytes):
         if gpu.memory_bytes > cluster.gpu.memory_bytes:
             c = _fits_with(profile, spec, replace(cluster, gpu=gpu), *args)
             if c:
-                out.append(f"--gpu {gpu.name} ({c.label}: {fmt_bytes(c.memory.total)})")
+                out.append(f"--gpu {gpu.name} ({c.label}: {_size(c)})")
                 break
     return out

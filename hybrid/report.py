@@ -191,9 +191,10 @@ def plot_compare(p: Plan, path: str) -> None:
                  f"(seq {p.spec.seq_len}, mb {p.spec.micro_batch}, {p.method})", fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     tput = [c.cost.tokens_per_s_per_gpu if c.cost and c.fits else 0 for c in cands]
-    ax2.barh([c.label for c in cands], tput, color=["#55A868" if c.fits else "#DDDDDD" for c in cands])
+    ax2.barh([c.label for c in cands], tput,
+             color=["#DDDDDD" if not c.fits else "#CCB974" if c.tight else "#55A868" for c in cands])
     ax2.invert_yaxis()
-    ax2.set_xlabel("predicted tokens/s per GPU (fitting only)")
+    ax2.set_xlabel("predicted tokens/s per GPU (fitting only; tight in yellow)")
     ax2.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -46,7 +46,8 @@ def test_torchtitan_command_loads_in_torchtitan(capsys, argv, world):
     par = cfg.parallelism
     assert (par.data_parallel_replicate_degree * par.data_parallel_shard_degree * par.tensor_parallel_degree
             * par.pipeline_parallel_degree) == world
-    assert cfg.training.seq_len == int(argv[argv.index("--seq-len") + 1]) if "--seq-len" in argv else 4096
+    want_seq = int(argv[argv.index("--seq-len") + 1]) if "--seq-len" in argv else 4096
+    assert cfg.training.seq_len == want_seq
     assert cfg.training.mixed_precision_param == "bfloat16" and cfg.compile.enable is False
     assert cfg.parallelism.pipeline_parallel_degree == (2 if "--pp" in argv else 1)
 
