@@ -59,6 +59,8 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
                    help="fraction of peak FLOP/s the cost model assumes (default: the GPU's figure, calibrated "
                         "on public runs: a100 0.62, h100 0.50; 0.45 for GPUs without public runs)")
     o.add_argument("--strategies-dir", action="append", default=[], help="extra catalogue directory (repeatable)")
+    o.add_argument("--calibration", help="a calibration file from `hybrid tune --save-calibration` (default: "
+                   "$HYBRID_CALIBRATION): the cluster's measured speed figures replace the catalogue's")
     o.add_argument("--json", action="store_true", help="print the JSON contract instead of a table")
     o.add_argument("--config", help="job file (YAML) with any of these options as keys; flags override it")
     o.add_argument("--save-config", help="write the options in effect to this job file")
@@ -218,8 +220,9 @@ def _plan(args, strategies=None, search=False):
             raise HybridError(f"--method {args.method} runs pp 1 only; use --method traced or analytic for "
                               f"--pp {args.pp}")
         pp = args.pp or 1            # traced: a pinned pp only (its busiest rank traced per candidate)
+    from .calibration import resolve
     return plan(src.profile, spec, cluster, cat, args.shard_size, strategies=strategies, tp=tp, pp=pp,
-                schedule=args.schedule,
+                schedule=args.schedule, calibration=resolve(args.calibration),
                 estimator=_estimator(args, src, cluster), method=args.method,
                 search_checkpointing=search and args.activation_checkpointing is None and args.method == "analytic",
                 efficiency=args.efficiency, search_shards=search), src

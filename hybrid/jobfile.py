@@ -22,7 +22,7 @@ JOB_KEYS = ("model", "params", "nodes", "gpus_per_node", "gpu", "gpu_memory", "h
             "headroom", "micro_batch",
             "seq_len", "gradient_accumulation", "precision", "optimizer", "activation_checkpointing", "attention",
             "shard_size", "tp", "pp", "schedule", "method", "implementation", "efficiency", "strategies_dir",
-            "strategy")
+            "strategy", "calibration")
 """What a job file may hold: the model, the cluster, the training step and the method (not output
 switches such as --json or --emit)."""
 _NUMBERS = {"nodes": int, "gpus_per_node": int, "micro_batch": int, "seq_len": int, "gradient_accumulation": int,
