@@ -3,11 +3,12 @@ measured trials (`hybrid tune --save-calibration cal.yaml`), read back by `hybri
 --calibration`, HYBRID_CALIBRATION and auto_wrap (pure: no torch).
 
 What is fitted: the cost model (hybrid/cost.py) prices a step as compute at `efficiency` x the
-GPU's peak, collectives at the link bandwidths (intra_node_bw; inter_node_bw when the trials span
-nodes) and buffer copies and the optimizer step at the device memory bandwidth (mem_bw). Each
-figure is scaled by a factor, and the factors minimise the squared log-ratio of re-predicted to
-measured step times over the trials (Levenberg-Marquardt on a finite-difference Jacobian). A
-figure none of the trials' predictions depends on is not fitted and keeps its catalogue value.
+GPU's peak, collectives at the link bandwidths and per-collective latencies (intra_node_*;
+inter_node_* when the trials span nodes) and buffer copies and the optimizer step at the device
+memory bandwidth (mem_bw). Each figure is scaled by a factor, and the factors minimise the squared
+log-ratio of re-predicted to measured step times over the trials (Levenberg-Marquardt on a
+finite-difference Jacobian). A figure none of the trials' predictions depends on is not fitted
+and keeps its catalogue value; n trials fit at most n - 1 figures, in the order of FIGURES.
 """
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ MODEL_ERROR = 0.119
 a tie the planner breaks by simplicity."""
 ENV = "HYBRID_CALIBRATION"
 """The variable naming a calibration file when no --calibration / calibration= is given."""
-FIGURES = ("efficiency", "intra_node_bw", "inter_node_bw", "mem_bw")
-"""The GPUSpec speed figures a calibration may fit (hybrid/cluster.py documents each)."""
+FIGURES = ("efficiency", "intra_node_bw", "intra_node_latency", "inter_node_bw", "inter_node_latency", "mem_bw")
+"""The GPUSpec speed figures a calibration may fit (hybrid/cluster.py documents each), in the
+order they are fitted when the trials are too few for all of them."""
 VERSION = 1
 
 
@@ -56,11 +58,17 @@ class Calibration:
     gpu: str
     """The accelerator the trials ran on (GPUSpec.name); plans for another are refused."""
     efficiency: float
-    """Fraction of the dense peak FLOP/s reached (replaces GPUSpec.efficiency)."""
+    """Fraction of the dense peak FLOP/s reached (replaces GPUSpec.efficiency); on CPU ranks
+    relative to cluster.cpu_spec's assumed peak, so it may exceed 1."""
     intra_node_bw: float
     """Bytes/s per GPU per direction inside a node."""
+    intra_node_latency: float
+    """Seconds per log2(n) step of a collective inside a node (gloo on CPU ranks: also the Python
+    around each collective, which the cost model has no other term for)."""
     inter_node_bw: float
     """Bytes/s per GPU per direction across nodes."""
+    inter_node_latency: float
+    """Seconds per log2(n) step of a collective across nodes."""
     mem_bw: float
     """Device memory bytes/s (buffer copies, the optimizer step)."""
     memory_ratio: float
@@ -96,7 +104,9 @@ class Calibration:
 
 
 def _fmt(key: str, v: float) -> str:
-    return f"{v:.3f}" if key == "efficiency" else f"{v / 1e9:.3g} GB/s"
+    if key == "efficiency":
+        return f"{v:.3g}"
+    return f"{v * 1e6:.3g} us" if key.endswith("latency") else f"{v / 1e9:.3g} GB/s"
 
 
 def save(cal: Calibration, path: str) -> None:
@@ -141,7 +151,7 @@ def load(path: str) -> Calibration:
         raise HybridError(f"{path}: gpu must be a GPU name, got {data['gpu']!r}")
     for key in (*FIGURES, "memory_ratio"):
         _number(path, key, data[key], positive=True)
-    if data["efficiency"] > 1:
+    if data["efficiency"] > 1 and data["gpu"] != "cpu":     # CPU ranks: relative to cpu_spec's assumed peak
         raise HybridError(f"{path}: efficiency must be in (0, 1], got {data['efficiency']!r}")
     _number(path, "error", data["error"])
     fitted = data["fitted"]
@@ -185,12 +195,13 @@ def resolve(path: str | None, environ=os.environ) -> Calibration | None:
 def fit(predict, cluster, measured: list[float], names=FIGURES, iterations: int = 60) -> tuple[dict, list[float]]:
     """Scale factors for the GPU figures `names` minimising sum(log(predict(c) / measured)^2),
     where predict(cluster) returns the predicted step times. Returns ({figure: value}, the
-    re-predicted times); figures the predictions do not depend on keep their value."""
+    re-predicted times); figures the predictions do not depend on keep their value, and with n
+    trials at most n - 1 figures are fitted (the first of `names` that matter)."""
     base = {k: getattr(cluster.gpu, k) for k in names}
 
     def at(logs: list[float], keys) -> list[float]:
         gpu = replace(cluster.gpu, **{k: base[k] * math.exp(x) for k, x in zip(keys, logs)})
-        if gpu.efficiency > 1:
+        if gpu.efficiency > 1 and gpu.is_cuda:
             gpu = replace(gpu, efficiency=1.0)
         return predict(replace(cluster, gpu=gpu))
 
@@ -204,6 +215,7 @@ def fit(predict, cluster, measured: list[float], names=FIGURES, iterations: int 
         step = [h if j == i else 0.0 for j in range(len(names))]
         if max(abs(a - b) for a, b in zip(residuals(step, names), zero)) > 1e-6:
             keys.append(k)
+    keys = keys[:max(1, len(measured) - 1)]  # one degree of freedom left, so the error means something
     x, lam = [0.0] * len(keys), 1e-3
     r = residuals(x, keys) if keys else zero
     cost = sum(v * v for v in r)
@@ -230,7 +242,7 @@ def fit(predict, cluster, measured: list[float], names=FIGURES, iterations: int 
         else:
             lam *= 10
     values = {k: base[k] * math.exp(v) for k, v in zip(keys, x)}
-    if values.get("efficiency", 0) > 1:
+    if values.get("efficiency", 0) > 1 and cluster.gpu.is_cuda:
         values["efficiency"] = 1.0
     return values, at(x, keys) if keys else predict(cluster)
 
@@ -274,5 +286,5 @@ def calibrate(cands, profile, cluster, measured_s: list[float], measured_bytes: 
     trials = tuple(Trial(c.label, c.shard_size, p, m, a, int(c.memory.allocated if c.memory else 0), int(b))
                    for c, p, m, a, b in zip(cands, before, measured_s, after, measured_bytes))
     error = max(abs(a - m) / m for a, m in zip(after, measured_s))
-    return Calibration(cluster.gpu.name, g.efficiency, g.intra_node_bw, g.inter_node_bw, g.mem_bw,
+    return Calibration(cluster.gpu.name, *(getattr(g, k) for k in FIGURES),
                        ratios[len(ratios) // 2] if ratios else 1.0, error, tuple(values), trials, job or {})

@@ -91,7 +91,7 @@ def save_job(path: str, args) -> None:
 
 
 _WRAP_KEYS = ("micro_batch", "seq_len", "gradient_accumulation", "precision", "activation_checkpointing",
-              "attention", "shard_size", "tp", "pp", "schedule", "strategy", "gpu_memory")
+              "attention", "shard_size", "tp", "pp", "schedule", "strategy", "gpu_memory", "calibration")
 """Job keys that are auto_wrap arguments of the same name."""
 _PLAN_ONLY = ("model", "params", "method", "implementation", "efficiency", "optimizer")
 """Keys that describe what `hybrid plan` estimates: auto_wrap has the module and the optimizer."""
