@@ -31,6 +31,9 @@ FIGURES = ("efficiency", "intra_node_bw", "intra_node_latency", "inter_node_bw",
 """The GPUSpec speed figures a calibration may fit (hybrid/cluster.py documents each), in the
 order they are fitted when the trials are too few for all of them."""
 VERSION = 1
+BOUND = 1000.0
+"""A fitted figure stays within this factor of the catalogue's: one the trials barely constrain
+(a term too small to matter in every trial) would otherwise drift without bound."""
 
 
 @dataclass(frozen=True)
@@ -230,7 +233,7 @@ def fit(predict, cluster, measured: list[float], names=FIGURES, iterations: int 
              for i in range(n)]
         g = [-sum(J[i][t] * r[t] for t in range(len(r))) for i in range(n)]
         dx = _solve(A, g)
-        trial = [a + b for a, b in zip(x, dx)]
+        trial = [max(-math.log(BOUND), min(math.log(BOUND), a + b)) for a, b in zip(x, dx)]
         rt = residuals(trial, keys)
         ct = sum(v * v for v in rt)
         if ct < cost:

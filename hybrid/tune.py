@@ -304,7 +304,9 @@ def format_tune(r: TuneResult) -> str:
         lines.append(line)
     if cal is not None:
         g = p.cluster.gpu
-        fitted = ", ".join(f"{k} {_fmt(k, getattr(cal, k))} (was {_fmt(k, getattr(g, k))})" for k in cal.fitted)
+        fitted = ", ".join(f"{k} {_fmt(k, getattr(cal, k))} (was {_fmt(k, getattr(g, k))}"
+                           + ("; at the fit's bound: the trials do not constrain it" if _at_bound(cal, g, k) else "")
+                           + ")" for k in cal.fitted)
         lines.append(f"calibration: {fitted or 'nothing to fit'}; measured memory {cal.memory_ratio:.2f}x the "
                      f"predicted allocated; re-predicted step times within {cal.error:.1%} of measured")
     return "\n".join(lines)
@@ -406,3 +408,9 @@ def to_dict(r: TuneResult) -> dict:
             "measured_tokens_per_s_per_gpu": tokens_per_s_per_gpu(c, t.seconds) if t.seconds else None,
             "measured_allocated_bytes": t.allocated, "measured_reserved_bytes": t.reserved})
     return out
+
+
+def _at_bound(cal, gpu, key: str) -> bool:
+    from .calibration import BOUND
+    ratio = getattr(cal, key) / getattr(gpu, key)
+    return ratio > 0.99 * BOUND or ratio < 1.01 / BOUND
