@@ -313,8 +313,10 @@ def cmd_tune(args) -> int:
         args.precision = None if cuda else "fp32"       # CPU ranks: fp32, as auto_wrap runs them
     args.method = "measured"                            # _job: this machine's CPU as the 'GPU' off CUDA
     opts = {k: v for k, v in vars(args).items() if k != "func"}
+    src, _, spec = _job(args)
+    opts.update(spec=spec, progress=Progress("measuring"))
     if "WORLD_SIZE" in os.environ:                      # under torchrun: this process is one rank
-        from .tune import run_cli
+        from .tune_run import run_cli
         out = run_cli(opts)
         from .mesh import shutdown
         shutdown()
@@ -322,8 +324,7 @@ def cmd_tune(args) -> int:
         import torch
 
         from .launch import run_ranks
-        from .tune import run_cli
-        src, _, _ = _job(args)
+        from .tune_run import run_cli
         if src.build is None or src.ref is None:
             raise HybridError(f"{src.profile.name} is a bare parameter count: tune needs a model to run")
         per_node = args.gpus_per_node or (torch.cuda.device_count() if cuda else 2)
