@@ -86,6 +86,12 @@ class Calibration:
     path: str = ""
     """The file it was read from (not written)."""
 
+    @property
+    def tie(self) -> float:
+        """The tie band of plans made with it: its error where the trials outnumber the fitted
+        figures (the residuals say something), else the corpus's MODEL_ERROR."""
+        return self.error if len(self.trials) > len(self.fitted) else MODEL_ERROR
+
     def apply(self, cluster):
         """The cluster with the fitted figures in place of the catalogue's."""
         if cluster.gpu.name != self.gpu:
@@ -96,7 +102,7 @@ class Calibration:
     def describe(self) -> str:
         fit = ", ".join(f"{k} {_fmt(k, getattr(self, k))}" for k in self.fitted) or "nothing fitted"
         return (f"calibrated by {self.path or 'hybrid tune'} on {len(self.trials)} trials ({fit}; measured memory "
-                f"{self.memory_ratio:.2f}x predicted, not applied); ties within its error {self.error:.1%}")
+                f"{self.memory_ratio:.2f}x predicted, not applied); ties within {self.tie:.1%}")
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -310,7 +310,7 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
          suggest_fixes: bool = True, search_shards: bool = True, tp: int | None = None,
          pp: int | None = None, schedule: str | None = None, calibration=None) -> Plan:
     """Judge every candidate and choose. A calibration (calibration.Calibration) replaces the
-    GPU's speed figures with the fitted ones and its error becomes the tie band. With search_checkpointing the planner also tries each
+    GPU's speed figures with the fitted ones and its error becomes the tie band (Calibration.tie). With search_checkpointing the planner also tries each
     activation-checkpointing setting (the spec's own is otherwise kept); tp None tries every valid
     tensor-parallel degree, an int pins it; pp None tries every pipeline degree the cluster
     allows (and the schedules that fit the micro-batch count), an int pins it, as `schedule`
@@ -318,7 +318,7 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
     check_job(profile, spec)
     tie = TIE
     if calibration is not None:
-        cluster, tie = calibration.apply(cluster), calibration.error
+        cluster, tie = calibration.apply(cluster), calibration.tie
     cat = catalogue if catalogue is not None else load_catalogue()
     names = strategies or list(cat)
     for n in names:

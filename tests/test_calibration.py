@@ -72,6 +72,8 @@ def test_fit_recovers_known_figures_and_plans_use_them(tmp_path, capsys):
     assert back.efficiency == cal.efficiency and back.trials == cal.trials
     p2, _ = _cpu_plan(back)
     assert p2.tie == cal.error and p2.cluster.gpu.efficiency == cal.efficiency
+    one = calibrate(cands[:1], p.model, cl, measured[:1], [1])
+    assert one.error < 1e-6 and one.tie == MODEL_ERROR      # one trial, one figure: no residual to go by
     for c in p2.candidates:                            # re-predicted step times are the measured ones
         if c in cands or any(c.label == d.label and c.shard_size == d.shard_size for d in cands):
             want = measured[[(d.label, d.shard_size) for d in cands].index((c.label, c.shard_size))]
