@@ -128,19 +128,11 @@ def load(path=CORPUS) -> tuple[dict, list[Point]]:
     return data["sources"], [Point(p) for p in data["points"]]
 
 
-def pct(pred: float, pub: float) -> str:
-    return f"{100 * (pred - pub) / pub:+.1f}%"
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--calibrate", action="store_true", help="fit and print the per-GPU efficiency and headroom")
-    ap.add_argument("--corpus", default=str(CORPUS))
-    args = ap.parse_args(argv)
-    sources, points = load(args.corpus)
+def fit(points: list[Point]):
+    """The candidate of each point, the efficiency that reproduces each point's tokens/s, the
+    point ids per GPU type, and loo(point): its tokens/s at the median efficiency of the other
+    points of its GPU type (None where it has none)."""
     cands = {p.id: p.candidate() for p in points}
-
-    # efficiency that reproduces each point, per GPU type; leave-one-out figure per point
     need = {p.id: p.efficiency_to_match(cands[p.id]) for p in points
             if p.published_tps and p.raw.get("calibrate", True)}
     by_gpu: dict[str, list[str]] = {}
@@ -151,6 +143,38 @@ def main(argv=None) -> int:
     def loo(p: Point) -> float | None:
         others = [need[i] for i in by_gpu[p.cluster.gpu.name] if i != p.id]
         return p.tokens_per_s(statistics.median(others), cands[p.id]) if others else None
+    return cands, need, by_gpu, loo
+
+
+def leave_one_out_errors(points: list[Point] | None = None) -> list[float]:
+    """Relative tokens/s errors (predicted - published) / published of every point with a
+    leave-one-out figure: what the speed model misses on a run it was not fitted on."""
+    points = load()[1] if points is None else points
+    cands, need, by_gpu, loo = fit(points)
+    out = []
+    for p in points:
+        lv = loo(p) if p.id in need else None
+        if lv is not None:
+            out.append((lv - p.published_tps) / p.published_tps)
+    return out
+
+
+def model_error(points: list[Point] | None = None) -> float:
+    """The median |leave-one-out error| of tokens/s: hybrid/calibration.py's MODEL_ERROR."""
+    return statistics.median(abs(e) for e in leave_one_out_errors(points))
+
+
+def pct(pred: float, pub: float) -> str:
+    return f"{100 * (pred - pub) / pub:+.1f}%"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calibrate", action="store_true", help="fit and print the per-GPU efficiency and headroom")
+    ap.add_argument("--corpus", default=str(CORPUS))
+    args = ap.parse_args(argv)
+    sources, points = load(args.corpus)
+    cands, need, by_gpu, loo = fit(points)
 
     rows = ["| point | model | GPUs | layout | allocated pred / pub | reserved pred / pub | fits pred / pub "
             "| tokens/s pred / pub | leave-one-out |",

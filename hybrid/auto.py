@@ -96,7 +96,8 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
               strategies_dir: tuple[str, ...] = (), verbose: bool = True, scheduler=None,
               gradient_accumulation: int = 1, max_grad_norm: float | None = None,
               find_unused_parameters: bool | None = None, tp: int | None = None,
-              config: str | None = None, pp: int | None = None, schedule: str | None = None) -> Wrapped:
+              config: str | None = None, pp: int | None = None, schedule: str | None = None,
+              tune: bool | int = False, calibration: str | None = None) -> Wrapped:
     """Wrap `model` for data-parallel training on the current process group (started here from
     torchrun's variables if needed, nccl+cuda or gloo+cpu).
 
@@ -119,6 +120,12 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
                 forced strategy); the gradient_accumulation micro-batches flow through them and
                 the loop is `loss = w.train_step(batch)`
     schedule    pipeline schedule: 1f1b | gpipe | interleaved (default: the planner chooses)
+    tune        measure before training (strategy "auto"): run the plan's best layouts (True: 3,
+                an int: that many, plus the plan's choice) for a few steps each on copies of this
+                model with this optimizer (synthetic token ids of the job's shape), then wrap with
+                the measured fastest (hybrid/tune.py)
+    calibration a calibration file (`hybrid tune --save-calibration`; default $HYBRID_CALIBRATION):
+                the cluster's measured speed figures replace the catalogue's in the plan
     config      a job file (`hybrid plan --save-config`): its values fill every argument left at
                 its default (arguments you pass win, as flags do over --config); nodes,
                 gpus_per_node and gpu become the cluster
@@ -155,18 +162,25 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
                      gradient_accumulation=gradient_accumulation)
     catalogue = load_catalogue(strategies_dir)
     search = activation_checkpointing is None
+    from .calibration import resolve
+    cal = resolve(calibration)
+    if tune is not False and strategy != "auto":
+        raise HybridError(f"tune= measures the planner's candidates; strategy={strategy!r} forces one: drop one of them")
     if strategy == "auto":
         the_plan = make_plan(profile, spec, cluster, catalogue, shard_size, search_checkpointing=search, tp=tp,
-                             pp=pp, schedule=schedule)
+                             pp=pp, schedule=schedule, calibration=cal)
         if the_plan.chosen is None:
             fixes = "; ".join(the_plan.suggestions) or "none found"
             raise HybridError(f"no strategy fits {profile.name} in {cluster.describe()}. Smallest changes that "
                               f"would: {fixes}. Run `hybrid plan` for every candidate and why it was rejected")
+        if tune is not False:
+            from .tune import tune_for_wrap
+            the_plan = tune_for_wrap(the_plan, model, optimizer, runtime, cluster, tune, max_grad_norm)
     else:
         get_strategy(strategy, catalogue)
         the_plan = make_plan(profile, spec, cluster, catalogue, shard_size, strategies=[strategy],
                              search_checkpointing=search, search_shards=False, tp=tp or 1, pp=pp or 1,
-                             schedule=schedule)
+                             schedule=schedule, calibration=cal)
         if the_plan.chosen is None:      # forced: run the least memory-hungry variant anyway
             usable = [c for c in the_plan.candidates if c.memory is not None]
             if not usable:

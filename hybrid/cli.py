@@ -1,4 +1,4 @@
-"""`hybrid estimate | plan | compare | measure | demo | export`: parse, call, print.
+"""`hybrid estimate | plan | compare | measure | tune | demo | export`: parse, call, print.
 Bad input exits 2 with one line that names the value and the fix."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
     g.add_argument("--gpus-per-node", type=int, default=None,
                    help="GPUs per machine (default 8; `measure` on a machine without CUDA: 2 CPU ranks)")
     g.add_argument("--gpu", default=None, help="GPU model from the catalogue (default h100-80gb; `measure` "
-                   "without CUDA: this machine's CPU)")
+                   "without CUDA: this machine's CPU; cpu: this machine's CPU ranks, as `tune` runs them)")
     g.add_argument("--gpu-memory", help="override the GPU's memory, e.g. 80GiB or 40GB")
     g.add_argument("--host-memory", help="override a node's host memory (offload), e.g. 1TiB")
     g.add_argument("--expandable-segments", choices=("on", "off"), default=None,
@@ -59,20 +59,23 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
                    help="fraction of peak FLOP/s the cost model assumes (default: the GPU's figure, calibrated "
                         "on public runs: a100 0.62, h100 0.50; 0.45 for GPUs without public runs)")
     o.add_argument("--strategies-dir", action="append", default=[], help="extra catalogue directory (repeatable)")
+    o.add_argument("--calibration", help="a calibration file from `hybrid tune --save-calibration` (default: "
+                   "$HYBRID_CALIBRATION): the cluster's measured speed figures replace the catalogue's")
     o.add_argument("--json", action="store_true", help="print the JSON contract instead of a table")
     o.add_argument("--config", help="job file (YAML) with any of these options as keys; flags override it")
     o.add_argument("--save-config", help="write the options in effect to this job file")
 
 
 def _job(args):
+    from .api import check_precision, default_precision
     from .cluster import Cluster
     from .jobfile import on_off
     from .profile import resolve_model
     from .spec import TrainSpec, default_seq_len
 
     src = resolve_model(args.model, args.params)
-    if args.method == "measured" and not _cuda():
-        # measured on CPU ranks: this machine's CPU, 2 ranks unless told, no CUDA context
+    if (args.method == "measured" and not _cuda()) or args.gpu == "cpu":
+        # measured on CPU ranks (or --gpu cpu): this machine's CPU, 2 ranks unless told, no CUDA context
         from .cluster import cpu_spec
         per_node = args.gpus_per_node or 2
         cluster = Cluster.build(args.nodes, per_node, cpu_spec(args.nodes * per_node), args.gpu_memory, args.host_memory,
@@ -81,10 +84,8 @@ def _job(args):
         cluster = Cluster.build(args.nodes, args.gpus_per_node or 8, args.gpu or "h100-80gb", args.gpu_memory,
                                 args.host_memory, args.headroom, on_off(args.expandable_segments))
     seq = args.seq_len if args.seq_len is not None else default_seq_len(src.profile.max_positions)
-    precision = args.precision or ("bf16-mixed" if cluster.gpu.bf16 or not cluster.gpu.is_cuda else "fp16-mixed")
-    if "bf16" in str(precision).lower() and cluster.gpu.is_cuda and not cluster.gpu.bf16:
-        raise HybridError(f"{cluster.gpu.name} has no bf16 (it needs Ampere or newer): use --precision fp16-mixed "
-                          "or fp32")
+    precision = args.precision or default_precision(cluster)
+    check_precision(precision, cluster)
     spec = TrainSpec(micro_batch=args.micro_batch, seq_len=seq, precision=precision,
                      gradient_accumulation=args.gradient_accumulation,
                      optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing or "none",
@@ -206,8 +207,9 @@ def _plan(args, strategies=None, search=False):
             raise HybridError(f"--method {args.method} runs pp 1 only; use --method traced or analytic for "
                               f"--pp {args.pp}")
         pp = args.pp or 1            # traced: a pinned pp only (its busiest rank traced per candidate)
+    from .calibration import resolve
     return plan(src.profile, spec, cluster, cat, args.shard_size, strategies=strategies, tp=tp, pp=pp,
-                schedule=args.schedule,
+                schedule=args.schedule, calibration=resolve(args.calibration),
                 estimator=_estimator(args, src, cluster), method=args.method,
                 search_checkpointing=search and args.activation_checkpointing is None and args.method == "analytic",
                 efficiency=args.efficiency, search_shards=search), src
@@ -277,6 +279,56 @@ def cmd_compare(args) -> int:
     if args.plot:
         plot_compare(p, args.plot)
         print(f"hybrid: wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def cmd_tune(args) -> int:
+    """Plan, then measure the best layouts here: in this process under torchrun, else on
+    nodes x gpus-per-node ranks spawned on this machine."""
+    import os
+
+    from .calibration import resolve
+    if args.method != "analytic":
+        raise HybridError(f"tune plans analytically and then measures; --method {args.method} does not apply")
+    for flag, v, low in (("--top", args.top, 1), ("--steps", args.steps, 1), ("--warmup", args.warmup, 1)):
+        if not low <= v <= 10**4:
+            raise HybridError(f"{flag} must be between {low} and 10000, got {v}")
+    if args.pp not in (None, 1):
+        raise HybridError(f"tune runs pp 1 layouts for now, got --pp {args.pp}; plan pipelines with `hybrid plan`")
+    _writable_file(args.save_calibration, "--save-calibration")
+    resolve(args.calibration)                           # a bad file fails here, before any rank starts
+    cuda = _cuda()
+    if args.precision is None:
+        args.precision = None if cuda else "fp32"       # CPU ranks: fp32, as auto_wrap runs them
+    args.method = "measured"                            # _job: this machine's CPU as the 'GPU' off CUDA
+    opts = {k: v for k, v in vars(args).items() if k != "func"}
+    src, _, spec = _job(args)
+    opts.update(spec=spec, progress=Progress("measuring"))
+    if "WORLD_SIZE" in os.environ:                      # under torchrun: this process is one rank
+        from .tune_run import run_cli
+        out = run_cli(opts)
+        from .mesh import shutdown
+        shutdown()
+    else:
+        import torch
+
+        from .launch import run_ranks
+        from .tune_run import run_cli
+        if src.build is None or src.ref is None:
+            raise HybridError(f"{src.profile.name} is a bare parameter count: tune needs a model to run")
+        per_node = args.gpus_per_node or (torch.cuda.device_count() if cuda else 2)
+        world = args.nodes * per_node
+        local = torch.cuda.device_count() if cuda else 8
+        if world > local:
+            raise HybridError(f"tune runs {world} ranks on this machine without torchrun, which has {local}; "
+                              "launch it with torchrun on the cluster, or use fewer --nodes/--gpus-per-node")
+        opts["gpus_per_node"] = per_node
+        out = run_ranks(world, run_cli, opts, local_world=per_node, quiet=True, timeout_s=6 * 3600)[0]
+    if out is not None:
+        text, data = out
+        print(json.dumps(data, indent=2) if args.json else text)
+        if args.save_calibration and data["calibration"] is not None:
+            print(f"hybrid: wrote {args.save_calibration}", file=sys.stderr)
     return 0
 
 
@@ -368,6 +420,16 @@ def build_parser() -> argparse.ArgumentParser:
     _common(m)
     m.add_argument("--strategy", required=True, help="catalogue name")
     m.set_defaults(func=cmd_estimate, method_override="measured")
+    t = sub.add_parser("tune", help="plan, then run the best layouts for a few steps here (torchrun, or CPU "
+                       "ranks) and choose the measured fastest; fit a calibration")
+    _common(t, search=True)
+    t.add_argument("--top", type=int, default=3, help="layouts to measure: the K predicted fastest (one per "
+                   "strategy), plus the plan's choice (default 3)")
+    t.add_argument("--steps", type=int, default=5, help="timed steps per layout (default 5)")
+    t.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2; memory is read here)")
+    t.add_argument("--strategies", help="comma-separated catalogue names to choose among (default: all)")
+    t.add_argument("--save-calibration", help="write the fitted calibration to this YAML file")
+    t.set_defaults(func=cmd_tune)
     d = sub.add_parser("demo", help="plan Llama-2-7B, then train a small GPT on 4 CPU ranks via auto_wrap")
     d.add_argument("--steps", type=int, default=60, help="training steps in part 2 (default 60)")
     d.add_argument("--nproc", type=int, default=4, help="CPU ranks (even; default 4 = 2 nodes x 2)")

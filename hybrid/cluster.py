@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass, field, replace
 
 from .errors import HybridError, unknown_name
+from .links import LATENCY_INTER, LATENCY_INTRA
 from .units import GiB, MiB, fmt_bytes, parse_bytes
 
 GB = 1e9
@@ -58,6 +59,10 @@ class GPUSpec:
     cost model's one speed factor. Calibrated on the public runs in benchmarks/public_runs.yaml
     where the corpus has points for the GPU (`benchmarks/public_runs.py --calibrate` fits it:
     one number per GPU type, no per-run factors); DEFAULT_EFFICIENCY elsewhere."""
+    intra_node_latency: float = LATENCY_INTRA
+    """Seconds per log2(n) step of one collective inside a node (hybrid/links.py)."""
+    inter_node_latency: float = LATENCY_INTER
+    """... across nodes. Both are replaced by a calibration's fitted figures (hybrid/calibration.py)."""
 
     def __post_init__(self):
         if self.memory_bytes <= 0:

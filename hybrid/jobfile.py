@@ -129,6 +129,7 @@ OPTIONS = {o.name: o for o in (
     Option("efficiency", "float", 0.01, 1.0),         # fraction of peak FLOP/s; public runs: 0.3-0.65
     Option("strategies_dir", "list"),
     Option("strategy", "str"),
+    Option("calibration", "str"),
 )}
 """Every job option and its one check (issue 21 generalises this table into the JobConfig)."""
 
@@ -214,7 +215,7 @@ def save_job(path: str, args) -> None:
 
 
 _WRAP_KEYS = ("micro_batch", "seq_len", "gradient_accumulation", "precision", "activation_checkpointing",
-              "attention", "shard_size", "tp", "pp", "schedule", "strategy", "gpu_memory")
+              "attention", "shard_size", "tp", "pp", "schedule", "strategy", "gpu_memory", "calibration")
 """Job keys that are auto_wrap arguments of the same name."""
 _PLAN_ONLY = ("model", "params", "method", "implementation", "efficiency", "optimizer")
 """Keys that describe what `hybrid plan` estimates: auto_wrap has the module and the optimizer."""

@@ -61,7 +61,8 @@ class Links:
     def latency(self, n: int) -> float:
         if n <= 1:
             return 0.0
-        lat = LATENCY_INTRA if n <= self.c.gpus_per_node else LATENCY_INTER
+        g = self.c.gpu
+        lat = g.intra_node_latency if n <= self.c.gpus_per_node else g.inter_node_latency
         return lat * math.log2(n)
 
     def collective(self, kind: str, nbytes: float, n: int, count: int = 1) -> float:
@@ -74,5 +75,5 @@ class Links:
             return 0.0
         inter = self.c.nodes > 1
         bw = self.c.gpu.inter_node_bw if inter else self.c.gpu.intra_node_bw
-        lat = LATENCY_INTER if inter else LATENCY_INTRA
+        lat = self.c.gpu.inter_node_latency if inter else self.c.gpu.intra_node_latency
         return ring(kind, nbytes, replicas, bw) + count * lat * math.log2(replicas)

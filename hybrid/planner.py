@@ -5,15 +5,17 @@ A candidate is a preset at one shard size and one activation-checkpointing setti
 CUDA context) is within the GPU's capacity; `tight` when only what must fit does (live tensors,
 context and the fragmentation floor the allocator cannot reclaim: it runs because the allocator
 frees its cache and retries, paying a synchronising cudaFree/cudaMalloc where it does); `OOM`
-otherwise. Among the candidates that fit the fastest wins, and near-ties (within TIE) go to the
-simpler one; a tight candidate is chosen only when none fits, and the plan names a faster tight
-one beside a fitting choice. When nothing fits, `suggest` finds the smallest change that would
-make something fit.
+otherwise. Among the candidates that fit the fastest wins, and those predicted within the model's
+error of it (calibration.MODEL_ERROR, or a calibration file's) are a tie that goes to the simpler
+one; a tight candidate is chosen only when none fits, and the plan names a faster tight one beside
+a fitting choice. When nothing fits, `suggest` finds the smallest change that would make something
+fit.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from .calibration import MODEL_ERROR
 from .catalogue import Strategy, load_catalogue
 from .parallel import ParallelDims, valid_shard_sizes
 from .cluster import GPUS, Cluster
@@ -27,8 +29,8 @@ from .report import format_plan
 from .spec import TrainSpec
 from .units import fmt_bytes
 
-TIE = 0.02
-"""Predicted step times within 2% are a tie, broken by simplicity (the cost model is not finer)."""
+TIE = MODEL_ERROR
+"""Predicted speeds within the model's error of the fastest are a tie, broken by simplicity."""
 CKPT_ORDER = {"none": 0, "selective": 1, "full": 2}
 """The modes the planner searches, simplest first (op and layer:N when asked for)."""
 MAX_PP = 64
@@ -94,8 +96,10 @@ class Candidate:
                 + ("" if ckpt == "none" else f"+ac:{ckpt}"))
 
     def simplicity(self) -> tuple:
-        return (self.strategy.rank(), ckpt_rank(self.spec.activation_checkpointing), self.pp, self.tp,
-                -self.shard_size)
+        """No host offload first, then fewer model-parallel dimensions (pipeline, then tensor
+        parallel), then the simpler data-parallel strategy, less recomputation, the wider shard group."""
+        return (self.strategy.offload, self.pp, self.tp, self.strategy.rank(),
+                ckpt_rank(self.spec.activation_checkpointing), -self.shard_size)
 
     def to_dict(self) -> dict:
         m = self.memory
@@ -133,6 +137,17 @@ class Plan:
     method: str = "analytic"
     suggestions: tuple[str, ...] = ()
     """When nothing fits: the smallest changes that would make something fit."""
+    tie: float = TIE
+    """Predicted speeds within this fraction of the fastest were a tie, broken by simplicity."""
+    calibration: object | None = None
+    """The calibration.Calibration the cluster's speed figures came from, if any."""
+
+    @property
+    def fastest(self) -> Candidate | None:
+        """The fitting candidate predicted fastest (the chosen one unless a tie went to a simpler one),
+        among those that fit with room when any does (as choose() picks)."""
+        fitting = [c for c in self.candidates if c.fits and not c.tight] or [c for c in self.candidates if c.fits]
+        return min(fitting, key=lambda c: c.cost.time_per_token) if fitting else None
 
     @property
     def dp_size(self) -> int:
@@ -161,7 +176,8 @@ class Plan:
             "gpus_per_node": self.cluster.gpus_per_node, "spec": self.spec.to_dict(),
             "global_batch": self.global_batch,
             "strategies": [x.to_dict() for x in self.candidates],
-            "suggestions": list(self.suggestions),
+            "suggestions": list(self.suggestions), "tie": self.tie,
+            "calibration": self.calibration.path if self.calibration is not None else None,
         }
 
 
@@ -313,14 +329,15 @@ def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, 
     return out
 
 
-def choose(cands) -> Candidate | None:
-    """The fastest candidate that fits; near-ties (TIE) go to the simpler one. Tight candidates
-    (they run only by the allocator's retries) are chosen only when none fits with room."""
+def choose(cands, tie: float = TIE) -> Candidate | None:
+    """The fastest candidate that fits; those predicted within `tie` of it (the model's error)
+    are a tie that goes to the simpler one. Tight candidates (they run only by the allocator's
+    retries) are chosen only when none fits with room."""
     fitting = [c for c in cands if c.fits and not c.tight] or [c for c in cands if c.fits]
     if not fitting:
         return None
     best = min(c.cost.time_per_token for c in fitting)
-    close = [c for c in fitting if c.cost.time_per_token <= best * (1 + TIE)]
+    close = [c for c in fitting if c.cost.time_per_token <= best * (1 + tie)]
     return min(close, key=lambda c: (c.simplicity(), c.cost.time_per_token))
 
 
@@ -329,13 +346,17 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
          strategies: list[str] | None = None, estimator=None, method: str = "analytic",
          search_checkpointing: bool = False, efficiency: float | None = None,
          suggest_fixes: bool = True, search_shards: bool = True, tp: int | None = None,
-         pp: int | None = None, schedule: str | None = None) -> Plan:
-    """Judge every candidate and choose. With search_checkpointing the planner also tries each
+         pp: int | None = None, schedule: str | None = None, calibration=None) -> Plan:
+    """Judge every candidate and choose. A calibration (calibration.Calibration) replaces the
+    GPU's speed figures with the fitted ones and its error becomes the tie band (Calibration.tie). With search_checkpointing the planner also tries each
     activation-checkpointing setting (the spec's own is otherwise kept); tp None tries every valid
     tensor-parallel degree, an int pins it; pp None tries every pipeline degree the cluster
     allows (and the schedules that fit the micro-batch count), an int pins it, as `schedule`
     pins the schedule."""
     check_job(profile, spec)
+    tie = TIE
+    if calibration is not None:
+        cluster, tie = calibration.apply(cluster), calibration.tie
     cat = catalogue if catalogue is not None else load_catalogue()
     names = strategies or list(cat)
     for n in names:
@@ -369,13 +390,13 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
     if hasattr(estimator, "expect"):                    # how many candidates it will see (progress)
         estimator.expect(len(todo))
     cands = [judge(s, profile, sp, cluster, n, estimator, efficiency, t, p, sc) for s, n, sp, t, p, sc in todo]
-    chosen = choose(cands)
+    chosen = choose(cands, tie)
     order = sorted(cands, key=lambda c: (not c.fits, c.tight, c.memory is None,
                                          c.cost.time_per_token if c.fits else (c.memory.total if c.memory else 0)))
     fixes = ()
     if chosen is None and suggest_fixes and estimator is None:
         fixes = tuple(suggest(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp, pp))
-    return Plan(profile, cluster, spec, tuple(order), chosen, method, fixes)
+    return Plan(profile, cluster, spec, tuple(order), chosen, method, fixes, tie, calibration)
 
 
 def _fits_with(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp=None,

@@ -19,7 +19,8 @@ def _header(p: Plan) -> list[str]:
             f"attention {s.attention}",
             f"global batch {p.global_batch} sequences = micro-batch {s.micro_batch} x accumulation "
             f"{s.gradient_accumulation} x {p.dp_size} data-parallel ranks",
-            f"cluster {p.cluster.describe()}; memory method {p.method}", ""]
+            f"cluster {p.cluster.describe()}; memory method {p.method}",
+            *([f"speed {p.calibration.describe()}"] if getattr(p, "calibration", None) is not None else []), ""]
 
 
 def _mem(c: Candidate, col: str) -> str:
@@ -126,6 +127,12 @@ def format_plan(p: Plan, summary: bool = False, top: int | None = None) -> str:
         if c.tight:
             verdict = ("nothing fits with the allocator's full reserve; fastest that fits tightly (it runs on "
                        "the allocator's retries)")
+        best = p.fastest
+        if best is not None and best is not c and best.cost.time_per_token < c.cost.time_per_token:
+            whose = "the calibration's" if p.calibration is not None else "the model's"
+            verdict = (f"within {whose} error ({p.tie:.1%}) of {best.label} (predicted "
+                       f"{c.cost.time_per_token / best.cost.time_per_token - 1:.1%} slower) and simpler; "
+                       "measure with hybrid tune")
         out.append(f"chosen: {c.label} ({c.parallel.describe()}): {verdict}, "
                    f"{c.cost.seconds:.3f} s/step, {c.cost.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
                    f"MFU {c.cost.mfu:.1%}; {c.reason}")

@@ -19,8 +19,8 @@ H100_64 = Cluster.build(8, 8, "h100-80gb")
 def test_gpt2_on_one_a100_node_is_plain_data_parallel():
     p = plan(resolve_model("gpt2").profile, TrainSpec(8, 1024), Cluster.build(1, 8, "a100-80gb"),
              search_checkpointing=True)
-    # replicated parameters, no recomputation (zero1 moves DDP's bytes and shards the step)
-    assert p.chosen.name in ("ddp", "zero1") and p.chosen.spec.activation_checkpointing == "none"
+    # replicated parameters, no recomputation: zero1 is predicted within the model's error of it
+    assert p.chosen.name == "ddp" and p.chosen.spec.activation_checkpointing == "none"
 
 
 def test_llama2_7b_on_8x8_h100_shards():
