@@ -19,7 +19,7 @@ import datetime
 import gc
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -57,10 +57,6 @@ class TuneResult:
     calibration: object | None = None
     steps: int = 0
     warmup: int = 0
-    extra: dict = field(default_factory=dict)
-
-    def candidate(self, t: Trial):
-        return self.plan.candidates[t.index]
 
 
 def select(plan, top: int) -> list[int]:

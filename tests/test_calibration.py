@@ -142,3 +142,17 @@ def test_not_yaml_and_not_a_mapping(tmp_path):
     bad.write_text("- 1\n")
     with pytest.raises(HybridError, match="a calibration file is a mapping"):
         load(str(bad))
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--top", "0"], "--top must be between 1 and 10000, got 0"),
+    (["--steps", "-1"], "--steps must be between 1 and 10000, got -1"),
+    (["--pp", "2"], "tune runs pp 1 layouts for now, got --pp 2"),
+    (["--method", "traced"], "--method traced does not apply"),
+    (["--save-calibration", "/nonexistent/dir/cal.yaml"], "directory '/nonexistent/dir' does not exist"),
+    (["--calibration", "/nonexistent.yaml"], "calibration file '/nonexistent.yaml' does not exist"),
+])
+def test_tune_refuses_bad_options_before_any_rank_starts(capsys, flags, match):
+    assert main(["tune", "tiny-gpt", *flags]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and match in err
