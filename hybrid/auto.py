@@ -103,7 +103,8 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
               strategies_dir: tuple[str, ...] = (), verbose: bool = True, scheduler=None,
               gradient_accumulation: int = 1, max_grad_norm: float | None = None,
               find_unused_parameters: bool | None = None, tp: int | None = None,
-              config: str | None = None, pp: int | None = None, schedule: str | None = None) -> Wrapped:
+              config: str | None = None, pp: int | None = None, schedule: str | None = None,
+              cp: int | None = None) -> Wrapped:
     """Wrap `model` for data-parallel training on the current process group (started here from
     torchrun's variables if needed, nccl+cuda or gloo+cpu).
 
@@ -126,6 +127,10 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
                 forced strategy); the gradient_accumulation micro-batches flow through them and
                 the loop is `loss = w.train_step(batch)`
     schedule    pipeline schedule: 1f1b | gpipe | interleaved (default: the planner chooses)
+    cp          context-parallel degree: each sequence split over cp ranks (default: the planner
+                chooses with strategy "auto" when seq_len >= 16384, else 1); the cp ranks of a
+                group read the same whole sequences (shard data with w.dp_size / w.dp_rank) and
+                each runs its 2 of 2cp chunks (hybrid/backends/cp.py)
     config      a job file (`hybrid plan --save-config`): its values fill every argument left at
                 its default (arguments you pass win, as flags do over --config); nodes,
                 gpus_per_node and gpu become the cluster
@@ -159,7 +164,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
     search = activation_checkpointing is None
     if strategy == "auto":
         the_plan = make_plan(profile, spec, cluster, catalogue, shard_size, search_checkpointing=search, tp=tp,
-                             pp=pp, schedule=schedule)
+                             pp=pp, schedule=schedule, cp=cp)
         if the_plan.chosen is None:
             fixes = "; ".join(the_plan.suggestions) or "none found"
             raise HybridError(f"no strategy fits {profile.name} in {cluster.describe()}. Smallest changes that "
@@ -168,7 +173,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
         get_strategy(strategy, catalogue)
         the_plan = make_plan(profile, spec, cluster, catalogue, shard_size, strategies=[strategy],
                              search_checkpointing=search, search_shards=False, tp=tp or 1, pp=pp or 1,
-                             schedule=schedule)
+                             schedule=schedule, cp=cp or 1)
         if the_plan.chosen is None:      # forced: run the least memory-hungry variant anyway
             usable = [c for c in the_plan.candidates if c.memory is not None]
             if not usable:

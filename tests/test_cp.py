@@ -1,0 +1,157 @@
+"""Context parallelism: cp ranks split each sequence and still end where one process ends (fp32,
+1e-5, 3 optimizer steps with accumulation, clipping and a scheduler); checkpoints move between
+layouts with and without cp."""
+import os
+
+import pytest
+import torch
+
+from hybrid.backends.cp import query_key_pairs, rank_positions
+from hybrid.errors import HybridError
+from hybrid.launch import run_ranks
+from hybrid.models import build_decoder
+from hybrid.presets import DecoderConfig
+from tests.test_backends import TINY
+from tests.test_loop import CLIP, adamw, check, global_batches, train, warmup
+
+GPT2 = DecoderConfig("gpt2", 512, 64, 2, 4, 256, 64, tied=True)
+
+
+def hf_llama():
+    """A tiny transformers Llama with grouped-query attention (4 heads, 2 key/value heads)."""
+    from hybrid.models import build_hf
+    torch.manual_seed(0)
+    return build_hf(TINY, device="cpu")
+
+
+def gpt2():
+    return build_decoder(GPT2, seed=0)
+
+
+MODELS = {"ours": None, "hf": hf_llama, "gpt2": gpt2}
+
+
+def run_cases(cases):
+    """cases: {label: (strategy, model, auto_wrap arguments)} -> {label: train() result}."""
+    return {label: train(s, model_fn=MODELS[m], **kw) for label, (s, m, kw) in cases.items()}
+
+
+def check_against(results, world, cases):
+    """Each case against one process on the same global batch (its model's own reference)."""
+    for model in {m for _, m, _ in cases.values()}:
+        check(results, world, [k for k, (_, m, _) in cases.items() if m == model], model_fn=MODELS[model])
+
+
+@pytest.mark.unit
+def test_each_rank_attends_the_same_number_of_query_key_pairs():
+    for seq, cp in ((16, 2), (64, 4), (4096, 8), (96, 3)):
+        pairs = query_key_pairs(seq, cp)
+        assert len(set(pairs)) == 1, (seq, cp, pairs)
+        assert sum(pairs) == seq * (seq + 1) // 2           # every causal pair once
+        held = sorted(p for r in range(cp) for p in rank_positions(seq, cp, r))
+        assert held == list(range(seq))                      # every token on exactly one rank
+    # the naive split (rank r holds the r-th contiguous 1/cp) is what the layout avoids
+    naive = [sum(p + 1 for p in range(r * 8, (r + 1) * 8)) for r in range(2)]
+    assert naive[0] != naive[1]
+    with pytest.raises(HybridError, match="sequence length 18 is not divisible by 4"):
+        rank_positions(18, 2, 0)
+
+
+@pytest.mark.gloo
+def test_cp2_on_two_ranks_equals_one_process():
+    cases = {"fsdp+cp2": ("fsdp", "ours", {"cp": 2}),
+             "ddp+cp2": ("ddp", "ours", {"cp": 2}),
+             "fsdp+cp2+full": ("fsdp", "ours", {"cp": 2, "activation_checkpointing": "full"}),
+             "fsdp+cp2+selective": ("fsdp", "ours", {"cp": 2, "activation_checkpointing": "selective"}),
+             "gpt2+cp2": ("fsdp", "gpt2", {"cp": 2}),
+             "hf+cp2": ("fsdp", "hf", {"cp": 2})}
+    check_against(run_ranks(2, run_cases, cases), 1, cases)
+
+
+@pytest.mark.gloo
+def test_cp2_by_dp2_and_by_tp2_on_four_ranks():
+    dp = {"fsdp+cp2+dp2": ("fsdp", "ours", {"cp": 2}), "ddp+cp2+dp2": ("ddp", "ours", {"cp": 2}),
+          "hsdp+cp2": ("hsdp", "ours", {"cp": 2, "shard_size": 1})}
+    tp = {"fsdp+cp2+tp2": ("fsdp", "ours", {"cp": 2, "tp": 2})}
+    res = run_ranks(4, run_cases, {**dp, **tp}, local_world=4)
+    check_against(res, 2, dp)
+    check_against(res, 1, tp)
+
+
+# --- what cannot run context parallel says so ----------------------------------------------------
+def refusals(_):
+    from hybrid import auto_wrap
+    out = {}
+    cases = {"zero3": dict(strategy="zero3", cp=2),
+             "window": dict(model=DecoderConfig("llama", 512, 64, 2, 4, 176, 64, sliding_window=8)),
+             "seq": dict(seq_len=18),
+             "loss_fn": dict()}
+    for key, kw in cases.items():
+        model = build_decoder(kw.pop("model", TINY), seed=0)
+        try:
+            w = auto_wrap(model, strategy=kw.pop("strategy", "fsdp"), precision="fp32",
+                          seq_len=kw.pop("seq_len", 16), cp=2, verbose=False)
+            if key == "loss_fn":
+                w.train_step(torch.zeros(1, 16, dtype=torch.long), loss_fn=lambda logits, labels: logits.sum())
+            out[key] = None
+        except HybridError as e:
+            out[key] = str(e)
+    return out
+
+
+@pytest.mark.gloo
+def test_what_cannot_split_the_sequence_is_a_one_line_error():
+    e = run_ranks(2, refusals, None)[0]
+    assert "not applicable with cp > 1" in e["zero3"] and "fsdp or ddp" in e["zero3"]
+    assert "sliding-window attention (window 8 < sequence 16)" in e["window"]
+    assert "--cp 2 is not a valid context-parallel degree" in e["seq"] and "into 4 equal chunks" in e["seq"]
+    assert "train_step(loss_fn=) with cp > 1" in e["loss_fn"]
+
+
+# --- checkpoints: cp changes no saved name or shape -------------------------------------------------
+GLOBAL, STEPS_BEFORE, STEPS_AFTER = 4, 2, 2
+
+
+def _batches():
+    return global_batches(1, STEPS_BEFORE + STEPS_AFTER, ga=GLOBAL, seed=5)
+
+
+def _wrap(strategy, cp, seed):
+    from hybrid import auto_wrap
+    return auto_wrap(build_decoder(TINY, seed=seed), optimizer=adamw, scheduler=warmup, max_grad_norm=CLIP,
+                     strategy=strategy, precision="fp32", micro_batch=1, seq_len=16, cp=cp, verbose=False)
+
+
+def _steps(w, start, stop):
+    """train_step on this data-parallel rank's share of each global batch; the step's mean loss."""
+    out = []
+    for ids in _batches()[start:stop]:
+        per = GLOBAL // w.dp_size
+        out.append(w.train_step(ids[w.dp_rank * per:(w.dp_rank + 1) * per]))
+    return out
+
+
+def save_under_cp_then_resume_under_dp4(path):
+    w = _wrap("fsdp", 2, 0)
+    first = _steps(w, 0, STEPS_BEFORE)
+    w.save(path)
+    rest = _steps(w, STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER)
+    r = _wrap("fsdp", 1, 7)                        # other weights: everything must come from disk
+    r.load(path)
+    assert (w.dp_size, r.dp_size) == (2, 4)
+    return first + rest, _steps(r, STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER)
+
+
+def resume_on_two(path):
+    r = _wrap("fsdp", 1, 7)
+    r.load(path)
+    return _steps(r, STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER)
+
+
+@pytest.mark.gloo
+def test_saved_under_cp2_dp2_resumes_under_dp4_and_on_two_ranks(tmp_path):
+    path = str(tmp_path / "ckpt")
+    losses, dp4 = run_ranks(4, save_under_cp_then_resume_under_dp4, path, local_world=4)[0]
+    two = run_ranks(2, resume_on_two, path)[0]
+    for got in (dp4, two):
+        assert max(abs(a - b) for a, b in zip(got, losses[STEPS_BEFORE:])) < 1e-5, (got, losses)
