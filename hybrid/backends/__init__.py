@@ -12,7 +12,7 @@ def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options=None)
     cp = mesh["cp"].size() if mesh is not None and "cp" in (mesh.mesh_dim_names or ()) else 1
     if cp > 1:
         from .cp import check_context_parallel
-        strategy.family_obj.check_cp(strategy, cp)
+        strategy.family_obj.check_cp(strategy, cp, mesh["tp"].size())
         check_context_parallel(model, cp, spec.seq_len)
     engine = strategy.family_obj.runtime().apply(strategy, model, optimizer_factory, mesh, spec, runtime, options)
     if cp > 1:

@@ -88,7 +88,7 @@ class Family:
     """Whether the family runs over context-parallel groups (cp > 1): its gradient reduction
     spans dp x cp (FSDP shards over dp_shard x cp; DDP all-reduces over dp_replicate x cp)."""
 
-    def check_cp(self, s, cp: int) -> None:
+    def check_cp(self, s, cp: int, tp: int = 1) -> None:
         if cp > 1 and not self.supports_cp:
             from ..memory.layout import NotApplicable
             raise NotApplicable(f"{s.name}: not applicable with cp > 1 (ZeRO partitions over the whole world, "

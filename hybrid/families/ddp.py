@@ -20,6 +20,12 @@ class DDPFamily(Family):
     def sharded_optimizer(self, s):
         return False
 
+    def check_cp(self, s, cp, tp=1):
+        if cp > 1 and tp > 1:
+            from ..memory.layout import NotApplicable
+            raise NotApplicable(f"{s.name} with tp and cp: replicas of tensor-parallel groups run through FSDP2's "
+                                "replication, which has no cp dimension here; use an fsdp strategy with tp and cp")
+
     def layout(self, s, p, spec, n, cl) -> Layout:
         b = spec.bytes
         grads = p.trainable_params * b.grad

@@ -61,7 +61,7 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
     if tp > 1:
         strategy.family_obj.check_tp(strategy, tp)
     if cp > 1:
-        strategy.family_obj.check_cp(strategy, cp)
+        strategy.family_obj.check_cp(strategy, cp, tp)
         if profile.decoder is None:
             raise NotApplicable("context parallelism splits a transformer's sequence; this model has no known "
                                 "decoder shape: use cp 1")
@@ -85,7 +85,7 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
         if cp > 1:
             act = with_gathered_kv(act, whole.decoder, whole_spec, cp, tp, lay.autocast)
             notes.append(f"context parallel {cp}: each rank holds {whole_spec.seq_len // cp} tokens of each "
-                         f"sequence and keeps every layer's gathered K/V; FSDP shards over dp_shard x cp")
+                         "sequence and keeps every layer's gathered K/V (or recomputes them with checkpointing)")
         if profile.stage is not None:
             act = _stage_activations(act, profile.stage)
     elif profile.activation_bytes_per_sample is not None:
