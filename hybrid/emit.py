@@ -90,6 +90,12 @@ def torchtitan_toml(c: Candidate, p: Plan) -> str:
              f"fsdp_reshard_after_forward = \"{'default' if s.reshard_after_forward else 'never'}\"",
              f"tensor_parallel_degree = {d.tp}",
              f"pipeline_parallel_degree = {d.pp}"]
+    if d.cp > 1:
+        if s.family_obj.name != "fsdp":
+            raise HybridError(f"{c.label}: torchtitan's context parallelism shards parameters with FSDP2 over "
+                              "dp_shard x cp (its dp_shard_cp mesh); emit an fsdp or hsdp layout with cp")
+        # torchtitan's all-gather of K/V shards per layer: the method hybrid runs and estimates
+        lines += [f"context_parallel_degree = {d.cp}", "context_parallel_rotate_method = \"allgather\""]
     if c.pipeline is not None:
         # torchtitan's schedule names (torch.distributed.pipelining class names without "Schedule");
         # its micro-batch is a slice of local_batch_size

@@ -148,7 +148,11 @@ def build_mesh(dims: ParallelDims | int, runtime: Runtime, gpus_per_node: int | 
         validate_shard_size(dims, runtime.world_size, per_node)
         dims = ParallelDims.data_parallel(runtime.world_size, dims)
     dims.validate(runtime.world_size, per_node)
-    return dims.build_mesh(runtime.device_type)
+    mesh = dims.build_mesh(runtime.device_type)
+    if dims.cp > 1:       # the flattened dims FSDP and DDP use, made here on every rank alike (collective)
+        fsdp_mesh(mesh)
+        replica_group(mesh)
+    return mesh
 
 
 def _flat(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:

@@ -275,6 +275,11 @@ def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, 
                 g = t * cp
                 if cl.world_size % g or not (cl.gpus_per_node % g == 0 or g % cl.gpus_per_node == 0):
                     continue                      # cp x tp inside a node or on whole nodes (ParallelDims)
+                if cp > 1 and not cp_pinned:
+                    try:
+                        s.family_obj.check_cp(s, cp, t)
+                    except NotApplicable:
+                        continue
                 groups = cl.world_size // g
                 if s.shard_is_free and shard_size is None and search_shards and p == 1:
                     default = s.shard_size(cl, None, t, cp)

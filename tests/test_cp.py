@@ -6,7 +6,6 @@ import os
 import pytest
 import torch
 
-from hybrid.backends.cp import query_key_pairs, rank_positions
 from hybrid.errors import HybridError
 from hybrid.launch import run_ranks
 from hybrid.models import build_decoder
@@ -40,21 +39,6 @@ def check_against(results, world, cases):
     """Each case against one process on the same global batch (its model's own reference)."""
     for model in {m for _, m, _ in cases.values()}:
         check(results, world, [k for k, (_, m, _) in cases.items() if m == model], model_fn=MODELS[model])
-
-
-@pytest.mark.unit
-def test_each_rank_attends_the_same_number_of_query_key_pairs():
-    for seq, cp in ((16, 2), (64, 4), (4096, 8), (96, 3)):
-        pairs = query_key_pairs(seq, cp)
-        assert len(set(pairs)) == 1, (seq, cp, pairs)
-        assert sum(pairs) == seq * (seq + 1) // 2           # every causal pair once
-        held = sorted(p for r in range(cp) for p in rank_positions(seq, cp, r))
-        assert held == list(range(seq))                      # every token on exactly one rank
-    # the naive split (rank r holds the r-th contiguous 1/cp) is what the layout avoids
-    naive = [sum(p + 1 for p in range(r * 8, (r + 1) * 8)) for r in range(2)]
-    assert naive[0] != naive[1]
-    with pytest.raises(HybridError, match="sequence length 18 is not divisible by 4"):
-        rank_positions(18, 2, 0)
 
 
 @pytest.mark.gloo

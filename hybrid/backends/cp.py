@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import HybridError
+from ..memory.cp import rank_chunks, rank_positions
 
 IGNORE = -100
 """The label that is not scored (transformers' and torch's ignore_index)."""
@@ -35,27 +36,6 @@ ATTENTION_NAME = "hybrid_cp"
 """The name our attention function is registered under in transformers' AttentionInterface."""
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 """transformers models whose attention is plain causal SDPA with RoPE from position_ids."""
-
-
-# --- the layout of a sequence (pure) ------------------------------------------------------------
-def rank_chunks(cp: int, rank: int) -> tuple[int, int]:
-    """The two chunks (of 2cp) rank `rank` of a cp group holds: an early one and its mirror."""
-    return rank, 2 * cp - 1 - rank
-
-
-def rank_positions(seq: int, cp: int, rank: int) -> list[int]:
-    """Global positions of the tokens a cp rank holds, in the order it holds them."""
-    if seq % (2 * cp):
-        raise HybridError(f"context parallelism cp {cp} cuts each sequence into {2 * cp} equal chunks, and the "
-                          f"sequence length {seq} is not divisible by {2 * cp}; use a sequence length that is")
-    L = seq // (2 * cp)
-    return [c * L + i for c in rank_chunks(cp, rank) for i in range(L)]
-
-
-def query_key_pairs(seq: int, cp: int) -> list[int]:
-    """Causal query-key pairs each cp rank's attention computes (a query at position p sees p + 1
-    keys): equal on every rank, which is what the chunk layout is for."""
-    return [sum(p + 1 for p in rank_positions(seq, cp, r)) for r in range(cp)]
 
 
 # --- the K/V all-gather with autograd ------------------------------------------------------------
@@ -114,13 +94,17 @@ def cp_attention(q, k, v, group, scale: float | None = None) -> torch.Tensor:
     keys = _in_sequence_order(_GatherSequence.apply(k, group), cp)
     values = _in_sequence_order(_GatherSequence.apply(v, group), cp)
     gqa = q.shape[1] != k.shape[1]
+    # a traced estimate (fake process group, fake tensors: shapes only) runs the mask-free causal
+    # kernel, which saves what CUDA's flash kernel saves when it takes the lower-right mask (q, k,
+    # v, output, logsumexp); the CPU kernel would materialise the mask a GPU never holds
+    traced = dist.get_backend(group) == "fake"
     out = []
     for half, chunk in enumerate(rank_chunks(cp, rank)):
         end = (chunk + 1) * L                         # the keys at or before this chunk's last query
         qc = q[:, :, half * L:(half + 1) * L]
-        out.append(F.scaled_dot_product_attention(qc, keys[:, :, :end], values[:, :, :end],
-                                                  attn_mask=lower_right_bias(L, end), scale=scale,
-                                                  enable_gqa=gqa))
+        mask = dict(is_causal=True) if traced else dict(attn_mask=lower_right_bias(L, end))
+        out.append(F.scaled_dot_product_attention(qc, keys[:, :, :end], values[:, :, :end], scale=scale,
+                                                  enable_gqa=gqa, **mask))
     return torch.cat(out, dim=2)
 
 
@@ -199,8 +183,9 @@ class ContextParallel:
         ids, labels = _parse(args, kwargs)
         pos = self.positions(ids.shape[1], ids.device)
         L = ids.shape[1] // (2 * self.size)
-        for chunk in rank_chunks(self.size, self.rank):
-            lower_right_bias(L, (chunk + 1) * L)
+        if dist.get_backend(self.group) != "fake":
+            for chunk in rank_chunks(self.size, self.rank):
+                lower_right_bias(L, (chunk + 1) * L)
         local = ids.index_select(1, pos)
         if self.hf:
             out = engine.forward(input_ids=local, position_ids=pos.unsqueeze(0))

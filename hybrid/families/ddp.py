@@ -52,6 +52,9 @@ class DDPFamily(Family):
         return Comm(sync_bwd=sync, sync_tail=sync / buckets, copied_sync=copied)
 
     def accelerate(self, c, layer_class):
+        if c.parallel.cp > 1:
+            raise HybridError(f"{c.label}: Accelerate runs context parallelism only under FSDP2 (parallelism_config "
+                              "cp_size); emit an fsdp layout (--strategy fsdp or hsdp) or pin --cp 1")
         if c.parallel.tp > 1:
             raise HybridError(f"{c.label}: Accelerate runs tensor parallelism only under FSDP2; emit an fsdp layout "
                               "(--strategy fsdp or hsdp) or pin --tp 1")

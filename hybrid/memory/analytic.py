@@ -115,6 +115,8 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
         "step": dict(grads=lay.grads_end + lay.grads_step, activations=0, temporaries=lay.scratch,
                      buffers=lay.buffers_step),
     }
+    if cp > 1:     # backends/cp.py scores the loss outside the model's forward: the root regathers after it
+        moments["loss"]["buffers"] -= lay.regathered
     st = profile.stage
     staged = st is not None and st.pp > 1
     ends = [act.recompute + unit_grads] if staged else []      # a stage's backward ends in its first block

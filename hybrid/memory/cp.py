@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ..errors import HybridError
 from ..presets import DecoderConfig
 from ..spec import TrainSpec, layer_every
 from .activations import ActivationTerms, checkpointed_blocks
@@ -25,6 +26,27 @@ from .activations import ActivationTerms, checkpointed_blocks
 LONG_SEQ = 16384
 """Sequences at least this long make the planner try cp > 1 (unless --cp pins it): below, the
 activations rarely force it, and every cp rank pays the K/V exchange."""
+
+
+# --- the layout of a sequence (backends/cp.py runs it) ----------------------------------------
+def rank_chunks(cp: int, rank: int) -> tuple[int, int]:
+    """The two chunks (of 2cp) rank `rank` of a cp group holds: an early one and its mirror."""
+    return rank, 2 * cp - 1 - rank
+
+
+def rank_positions(seq: int, cp: int, rank: int) -> list[int]:
+    """Global positions of the tokens a cp rank holds, in the order it holds them."""
+    if seq % (2 * cp):
+        raise HybridError(f"context parallelism cp {cp} cuts each sequence into {2 * cp} equal chunks, and the "
+                          f"sequence length {seq} is not divisible by {2 * cp}; use a sequence length that is")
+    L = seq // (2 * cp)
+    return [c * L + i for c in rank_chunks(cp, rank) for i in range(L)]
+
+
+def query_key_pairs(seq: int, cp: int) -> list[int]:
+    """Causal query-key pairs each cp rank's attention computes (a query at position p sees p + 1
+    keys): equal on every rank, which is what the chunk layout is for."""
+    return [sum(p + 1 for p in rank_positions(seq, cp, r)) for r in range(cp)]
 
 
 def local_spec(spec: TrainSpec, cp: int) -> TrainSpec:
