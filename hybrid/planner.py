@@ -174,8 +174,8 @@ def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: C
             m = max(stages, key=lambda b: b.total)
         else:
             m = estimate(strategy, profile, spec, cluster, n, tp, cp)
-        if estimator is not None and tp == 1 and pp == 1 and cp == 1:
-            m = estimator(strategy, spec, n)
+        if estimator is not None and tp == 1 and pp == 1:
+            m = estimator(strategy, spec, n) if cp == 1 else estimator(strategy, spec, n, cp=cp)
         elif estimator is not None and pp > 1 and hasattr(estimator, "stage"):
             busiest = max(range(pp), key=lambda r: stages[r].total)
             m = estimator.stage(strategy, spec, n, tp, layout, busiest)

@@ -139,3 +139,20 @@ def test_saved_under_cp2_dp2_resumes_under_dp4_and_on_two_ranks(tmp_path):
     two = run_ranks(2, resume_on_two, path)[0]
     for got in (dp4, two):
         assert max(abs(a - b) for a, b in zip(got, losses[STEPS_BEFORE:])) < 1e-5, (got, losses)
+
+
+@pytest.mark.fakepg
+def test_traced_estimate_runs_the_cp_code_and_agrees_with_the_analytic_one(capsys):
+    """`--method traced` with --cp runs backends/cp.py on fake tensors (benchmarks/cp_accuracy.py
+    holds the full table); the analytic model is within 3% of it."""
+    from hybrid.cli import main
+    args = ["estimate", "llama3.1-8b", "--strategy", "fsdp", "--seq-len", "131072", "--cp", "8",
+            "--activation-checkpointing", "full", "--json"]
+    assert main(args + ["--method", "traced"]) == 0
+    import json
+    traced = json.loads(capsys.readouterr().out)["strategies"][0]
+    assert main(args) == 0
+    analytic = json.loads(capsys.readouterr().out)["strategies"][0]
+    assert traced["parallel"]["cp"] == 8 and "traced" in " ".join(traced["notes"])
+    t, a = traced["allocated_bytes"], analytic["allocated_bytes"]
+    assert abs(a / t - 1) < 0.03, (a, t)
