@@ -342,6 +342,9 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
                               f"{profile.num_blocks} blocks); valid: {', '.join(map(str, valid))}")
     if schedule is not None:
         PipelineLayout(2, schedule, 1, (1, 1))             # the name check, one line
+    if (cp or 1) > 1 and (pp or 1) > 1:
+        raise HybridError(f"--cp {cp} with --pp {pp}: pipeline stages do not carry the sequence positions context "
+                          "parallelism needs; use --pp 1 with --cp, or --cp 1 with --pp")
     cps = cp_degrees(profile, spec, cluster, cp if cp is not None or estimator is None else 1)
     todo = [(c, item) for c in cps
             for item in enumerate_candidates(cat, profile, spec, cluster, names, shard_size, search_checkpointing,

@@ -156,3 +156,33 @@ def test_traced_estimate_runs_the_cp_code_and_agrees_with_the_analytic_one(capsy
     assert traced["parallel"]["cp"] == 8 and "traced" in " ".join(traced["notes"])
     t, a = traced["allocated_bytes"], analytic["allocated_bytes"]
     assert abs(a / t - 1) < 0.03, (a, t)
+
+
+@pytest.mark.gpu
+def test_cuda_kernels_take_the_lower_right_causal_bias_with_gqa():
+    """The GPU-only part: on CUDA, SDPA runs the chunks' lower-right causal bias in its flash or
+    memory-efficient kernel (bf16, grouped-query heads). With a cp group of one the rank holds
+    chunks 0 and 1, so the result must be plain causal attention over the whole sequence."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from hybrid.backends.cp import cp_attention
+    from hybrid.mesh import free_port
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("nccl")
+    try:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(2, h, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+                   for h in (8, 2, 2))
+        out = cp_attention(q, k, v, dist.group.WORLD)
+        out.float().square().sum().backward()
+        grads = [t.grad.clone() for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        ref.float().square().sum().backward()
+        assert (out - ref).abs().max().item() < 2e-2
+        for a, t in zip(grads, (q, k, v)):
+            assert (a - t.grad).abs().max().item() < 5e-2
+    finally:
+        dist.destroy_process_group()

@@ -82,3 +82,9 @@ def test_cli_cp_flag_job_key_and_hand_off(capsys, tmp_path):
     assert json.loads(capsys.readouterr().out)["chosen_candidate"]["parallel"]["cp"] == 4
     assert main(["plan", "llama3.1-8b", "--seq-len", "32768", "--cp", "5"]) == 2
     assert "--cp 5 is not a valid context-parallel degree" in capsys.readouterr().err
+
+
+def test_cp_with_pipeline_stages_is_a_one_line_error():
+    src = resolve_model("llama3.1-8b")
+    with pytest.raises(HybridError, match=r"--cp 2 with --pp 2: .* use --pp 1 with --cp"):
+        plan(src.profile, TrainSpec(1, 32768, gradient_accumulation=2), Cluster.build(2, 8, "h100-80gb"), cp=2, pp=2)
