@@ -116,7 +116,7 @@ def _why_cp(p: Plan) -> list[str]:
     """When the chosen layout splits the sequence (cp > 1): what the best layout without context
     parallelism (recomputation, tp) would give instead."""
     c = p.chosen
-    if c is None or c.cp == 1:
+    if c is None or c.cp == 1 or not any(x.cp == 1 for x in p.candidates):     # --cp pinned: no rival
         return []
     rivals = [x for x in p.candidates if x.cp == 1 and x.fits]
     if not rivals:

@@ -112,7 +112,9 @@ class FSDPFamily(Family):
         dims = c.parallel
         settings = {
             "strategy": s.name,
-            "mesh": {"shape": [dims.dp_replicate, dims.dp_shard], "dim_names": ["dp_replicate", "dp_shard"],
+            # with context parallelism FSDP shards over dp_shard x cp flattened (hybrid.mesh.fsdp_mesh)
+            "mesh": {"shape": [dims.dp_replicate, dims.dp_shard * dims.cp],
+                     "dim_names": ["dp_replicate", "dp_shard" if dims.cp == 1 else "dp_shard_cp"],
                      "hybrid_sharding": dims.dp_replicate > 1, "parallel": dims.to_dict()},
             "fully_shard": {
                 "units": [profile.block_class, "root"] if profile.block_class else ["root"],
