@@ -28,6 +28,8 @@ CKPT_ORDER = {"none": 0, "selective": 1, "full": 2}
 """The modes the planner searches, simplest first (op and layer:N when asked for)."""
 MAX_PP = 64
 """The deepest pipeline the planner tries unpinned (Llama 3 405B trained with 16 stages)."""
+MAX_CP_TRIES = 8
+"""Context-parallel degrees a failed plan's suggestions try (the smallest divisors of the world)."""
 
 
 def ckpt_rank(mode: str) -> float:
@@ -413,6 +415,14 @@ def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[
             c = t > tp and _fits_with(profile, spec, cluster, cat, names, True, efficiency, t)
             if c:
                 out.append(f"--tp {t} ({c.label}: {fmt_bytes(c.memory.total)})")
+                break
+    if pp in (None, 1) and profile.decoder is not None:   # would splitting the sequence fit?
+        from .parallel import divisors
+        for k in divisors(cluster.world_size)[1:MAX_CP_TRIES]:
+            c = spec.seq_len % (2 * k) == 0 and _fits_with(profile, spec, cluster, cat, names, True, efficiency,
+                                                           tp, 1, k)
+            if c:
+                out.append(f"--cp {k} ({c.label}: {fmt_bytes(c.memory.total)})")
                 break
     args = (cat, names, True, efficiency)
     if not search_checkpointing and spec.activation_checkpointing != "full":

@@ -88,3 +88,11 @@ def test_cp_with_pipeline_stages_is_a_one_line_error():
     src = resolve_model("llama3.1-8b")
     with pytest.raises(HybridError, match=r"--cp 2 with --pp 2: .* use --pp 1 with --cp"):
         plan(src.profile, TrainSpec(1, 32768, gradient_accumulation=2), Cluster.build(2, 8, "h100-80gb"), cp=2, pp=2)
+
+
+def test_a_plan_that_fits_nothing_suggests_splitting_the_sequence():
+    src = resolve_model("llama3.1-8b")
+    p = plan(src.profile, TrainSpec(1, 131072, activation_checkpointing="selective"), Cluster.build(1, 8, "h100-80gb"),
+             strategies=["fsdp"], tp=1, cp=1, pp=1)
+    assert p.chosen is None
+    assert any(s.startswith("--cp 8 (fsdp+cp8+ac:full") for s in p.suggestions), p.suggestions
