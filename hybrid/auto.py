@@ -97,7 +97,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
               gradient_accumulation: int = 1, max_grad_norm: float | None = None,
               find_unused_parameters: bool | None = None, tp: int | None = None,
               config: str | None = None, pp: int | None = None, schedule: str | None = None,
-              tune: bool | int = False, calibration: str | None = None) -> Wrapped:
+              tune: bool | int = False, calibration: str | None = None, cp: int | None = None) -> Wrapped:
     """Wrap `model` for data-parallel training on the current process group (started here from
     torchrun's variables if needed, nccl+cuda or gloo+cpu).
 
@@ -126,6 +126,10 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
                 the measured fastest (hybrid/tune.py)
     calibration a calibration file (`hybrid tune --save-calibration`; default $HYBRID_CALIBRATION):
                 the cluster's measured speed figures replace the catalogue's in the plan
+    cp          context-parallel degree: each sequence split over cp ranks (default: the planner
+                chooses with strategy "auto" when seq_len >= 16384, else 1); the cp ranks of a
+                group read the same whole sequences (shard data with w.dp_size / w.dp_rank) and
+                each runs its 2 of 2cp chunks (hybrid/backends/cp.py)
     config      a job file (`hybrid plan --save-config`): its values fill every argument left at
                 its default (arguments you pass win, as flags do over --config); nodes,
                 gpus_per_node and gpu become the cluster
@@ -168,7 +172,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
         raise HybridError(f"tune= measures the planner's candidates; strategy={strategy!r} forces one: drop one of them")
     if strategy == "auto":
         the_plan = make_plan(profile, spec, cluster, catalogue, shard_size, search_checkpointing=search, tp=tp,
-                             pp=pp, schedule=schedule, calibration=cal)
+                             pp=pp, schedule=schedule, calibration=cal, cp=cp)
         if the_plan.chosen is None:
             fixes = "; ".join(the_plan.suggestions) or "none found"
             raise HybridError(f"no strategy fits {profile.name} in {cluster.describe()}. Smallest changes that "
@@ -180,7 +184,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
         get_strategy(strategy, catalogue)
         the_plan = make_plan(profile, spec, cluster, catalogue, shard_size, strategies=[strategy],
                              search_checkpointing=search, search_shards=False, tp=tp or 1, pp=pp or 1,
-                             schedule=schedule, calibration=cal)
+                             schedule=schedule, calibration=cal, cp=cp or 1)
         if the_plan.chosen is None:      # forced: run the least memory-hungry variant anyway
             usable = [c for c in the_plan.candidates if c.memory is not None]
             if not usable:

@@ -105,21 +105,24 @@ class Strategy:
         """Whether the planner / --shard-size may choose this strategy's shard size."""
         return self.family_obj.shard_is_free(self)
 
-    def shard_size(self, cluster, override: int | None = None, tp: int = 1) -> int:
+    def shard_size(self, cluster, override: int | None = None, tp: int = 1, cp: int = 1) -> int:
         """Ranks per shard group (dp_shard) on this cluster, validated against the node/world
-        shape; with tensor parallelism the 'node' and 'world' rules count tp groups, not GPUs."""
+        shape; with tensor or context parallelism the 'node' and 'world' rules count cp x tp
+        groups, not GPUs."""
         world, per_node = cluster.world_size, cluster.gpus_per_node
+        g = tp * cp
         if override is not None and self.shard_is_free:
             n = override
         else:
-            n = {"none": 1, "node": per_node // tp, "world": world // tp}.get(self.shard) or int(self.shard)
-        if tp == 1:
+            n = {"none": 1, "node": max(per_node // g, 1), "world": world // g}.get(self.shard) or int(self.shard)
+        if g == 1:
             validate_shard_size(n, world, per_node)
         else:
             from .parallel import ParallelDims
-            if n < 1 or (world // tp) % n:
-                raise HybridError(f"shard size {n} does not divide the {world // tp} tensor-parallel groups")
-            ParallelDims(dp_replicate=world // tp // n, dp_shard=n, tp=tp).validate(world, per_node)
+            what = "tensor-parallel" if cp == 1 else "context x tensor-parallel"
+            if n < 1 or (world // g) % n:
+                raise HybridError(f"shard size {n} does not divide the {world // g} {what} groups")
+            ParallelDims(dp_replicate=world // g // n, dp_shard=n, cp=cp, tp=tp).validate(world, per_node)
         return n
 
     def hpz_size(self, cluster) -> int | None:

@@ -45,6 +45,9 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
                    "where they divide the GPUs per node and the heads; estimate/compare use 1)")
     t.add_argument("--pp", type=int, help="pipeline stages (default: plan tries every divisor of the nodes, or of "
                    "one node's GPUs; estimate/compare use 1); micro-batches = --gradient-accumulation")
+    t.add_argument("--cp", type=int, help="context-parallel degree: each sequence split over this many ranks in 2cp "
+                   "chunks (default: plan tries every divisor of the GPUs that divides the sequence into 2cp chunks "
+                   "when --seq-len >= 16384, else 1; estimate/compare use 1)")
     t.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved"),
                    help="pipeline schedule (default: plan tries 1f1b, or gpipe with fewer micro-batches than "
                         "stages, and interleaved)")
@@ -122,11 +125,12 @@ def _estimator(args, src, cluster):
     verb = "tracing" if args.method == "traced" else "measuring"
     progress = Progress(verb)
 
-    def estimator(strategy, spec, n):
+    def estimator(strategy, spec, n, cp=1):
         if args.method == "measured":
             check_host_memory(src, strategy, spec, cluster, n if strategy.shard_is_free else None)
-        progress.begin(f"{strategy.name} (shard {n})")
-        result = run(src, strategy, spec, cluster, n if strategy.shard_is_free else None, prefer_hf=prefer_hf)
+        progress.begin(f"{strategy.name} (shard {n}{f', cp {cp}' if cp > 1 else ''})")
+        result = run(src, strategy, spec, cluster, n if strategy.shard_is_free else None, prefer_hf=prefer_hf,
+                     **({"cp": cp} if cp > 1 else {}))
         progress.end(f"{result.seconds:.1f}s ({result.implementation})")
         impl = {"transformers": "the transformers model", "hybrid": "hybrid's own implementation",
                 "factory": "the factory's model"}[result.implementation]
@@ -208,8 +212,11 @@ def _plan(args, strategies=None, search=False):
                               f"--pp {args.pp}")
         pp = args.pp or 1            # traced: a pinned pp only (its busiest rank traced per candidate)
     from .calibration import resolve
+    cp = args.cp if args.cp is not None else (None if search and args.method == "analytic" else 1)
+    if cp != 1 and args.method == "measured":
+        raise HybridError(f"--method measured runs cp 1 only; use --method traced or analytic for --cp {args.cp}")
     return plan(src.profile, spec, cluster, cat, args.shard_size, strategies=strategies, tp=tp, pp=pp,
-                schedule=args.schedule, calibration=resolve(args.calibration),
+                schedule=args.schedule, calibration=resolve(args.calibration), cp=cp,
                 estimator=_estimator(args, src, cluster), method=args.method,
                 search_checkpointing=search and args.activation_checkpointing is None and args.method == "analytic",
                 efficiency=args.efficiency, search_shards=search), src

@@ -99,6 +99,20 @@ def tp_comm_seconds(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, tp
     return 8 * d.layers * Links(cluster).collective("all_gather", nbytes, tp)
 
 
+def cp_comm_seconds(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, tp: int, cp: int) -> float:
+    """Context parallelism, per micro-batch: every layer all-gathers the sequence's K and V over
+    the cp group in forward, reduce-scatters their gradients in backward, and gathers again when
+    the block is recomputed (hybrid/memory/cp.py); issued synchronously by the runtime, so none of
+    it hides. A cp group is cp ranks tp apart: inside a node while cp x tp fits in one (NVLink),
+    else over the NICs (Links on a cluster of tp groups, as the data-parallel terms are priced)."""
+    if cp == 1 or profile.decoder is None:
+        return 0.0
+    from .memory.cp import kv_collectives_per_layer, kv_exchange_bytes
+    groups = replace(cluster, gpus_per_node=max(cluster.gpus_per_node // tp, 1))
+    one = Links(groups).collective("all_gather", kv_exchange_bytes(profile.decoder, spec, tp), cp)
+    return kv_collectives_per_layer(spec) * profile.decoder.layers * one
+
+
 def _busiest_rank(profile: ModelProfile, layout, seq_len: int) -> ModelProfile:
     """The pipeline rank with the most FLOPs per token (its blocks, and the head on the last)."""
     from .profile import stage_share
@@ -147,12 +161,15 @@ def p2p_seconds(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, tp: in
 
 
 def step_cost(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
-              shard_size: int, efficiency: float | None = None, tp: int = 1, layout=None) -> StepCost:
+              shard_size: int, efficiency: float | None = None, tp: int = 1, layout=None,
+              cp: int = 1) -> StepCost:
     """With tp > 1 each rank computes 1/tp of the FLOPs, the families' data-parallel traffic is
     priced on the rank's tensor-parallel share over groups of tp groups (a cluster whose 'GPUs' are
     tp groups), and the tp collectives are added, unhidden. With a pipeline layout (pp > 1) the
     busiest rank's share of the model and the stage's ranks take their place, and the bubble and
-    point-to-point sends are added."""
+    point-to-point sends are added. With cp > 1 each rank computes 1/cp of every sequence's
+    FLOPs (the chunk layout balances the causal attention), FSDP's shard group is dp_shard x cp,
+    and the K/V exchange (cp_comm_seconds) is added, unhidden."""
     pp = layout.pp if layout is not None else 1
     efficiency = efficiency or cluster.gpu.efficiency
     whole = profile
@@ -161,15 +178,17 @@ def step_cost(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluste
         from .pipeline import stage_cluster
         cluster = stage_cluster(cluster, pp)
         profile = _busiest_rank(profile, layout, spec.seq_len)
-    g, N = cluster.gpu, shard_size
-    tp_time = tp_comm_seconds(profile, spec, cluster, tp)
+    g, N = cluster.gpu, shard_size * cp
+    from .memory.cp import local_spec
+    tp_time = tp_comm_seconds(profile, local_spec(spec, cp), cluster, tp) + cp_comm_seconds(profile, spec, cluster,
+                                                                                              tp, cp)
     stage = profile
     profile = tp_share(profile, tp)
     cluster = replace(cluster, gpus_per_node=cluster.gpus_per_node // tp)
     W = cluster.world_size
     T = spec.micro_batch * spec.seq_len
     recompute = spec.activation_checkpointing == "full"
-    flops = model_flops_per_token(stage, spec.seq_len, recompute) * T / tp
+    flops = model_flops_per_token(stage, spec.seq_len, recompute) * T / tp / cp
     # fp32 matmuls run on TF32 tensor cores at half the dense bf16 rate (A100 datasheet: 156 vs
     # 312 TFLOP/s; H100 SXM: 495 vs 989); V100/T4 have no TF32, an upper bound there
     peak = g.bf16_flops * (0.5 if spec.precision == "fp32" else 1.0)
@@ -201,7 +220,7 @@ def step_cost(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluste
     exposed_s = max((ga - 1) * micro + last + comm.after_step, 0.0) + copies + ga * tp_time + p2p
     bubble_s = (pp - 1) / layout.virtual * (compute + tp_time) if pp > 1 else 0.0
     seconds = ga * compute + bubble_s + exposed_s + comm.offload + optimizer
-    tokens = ga * T / tp / pp                  # a tp group and a pipeline share their micro-batches
+    tokens = ga * T / tp / pp / cp             # tp, cp groups and a pipeline share their micro-batches
     return StepCost(seconds=seconds, compute_s=ga * compute, bubble_s=bubble_s,
                     comm_s=ga * comm.fwd + (ga * comm.bwd + comm.sync_bwd) + comm.after_step + ga * tp_time + p2p,
                     exposed_comm_s=exposed_s, offload_s=comm.offload, optimizer_s=optimizer,

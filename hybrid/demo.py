@@ -88,7 +88,7 @@ def worker(steps: int, traced: int = 0) -> None:
     if rank == 0:
         print(format_plan(w.plan, summary=True))
         dims = w.parallel
-        print(f"\nmesh {dims.describe()} {tuple(w.mesh.shape)} (pp, dp_replicate, dp_shard, tp): shard groups "
+        print(f"\nmesh {dims.describe()} {tuple(w.mesh.shape)} (pp, dp_replicate, dp_shard, cp, tp): shard groups "
               f"{sorted(set(map(tuple, groups)))} stay inside a node; gradients are all-reduced across the "
               f"{dims.dp_replicate} replicas\n", flush=True)
     data = synthetic_corpus(steps * world * MICRO_BATCH, SEQ, DEMO_MODEL.vocab)

@@ -115,6 +115,13 @@ def _torchtitan_groups(c: Candidate, p: Plan) -> list[list[str]]:
             ["--parallelism.fsdp_reshard_after_forward", "default" if s.reshard_after_forward else "never"],
             ["--parallelism.tensor_parallel_degree", str(d.tp)],
             ["--parallelism.pipeline_parallel_degree", str(d.pp)]]
+    if d.cp > 1:
+        if s.family_obj.name != "fsdp":
+            raise HybridError(f"{c.label}: torchtitan's context parallelism shards parameters with FSDP2 over "
+                              "dp_shard x cp (its dp_shard_cp mesh); emit an fsdp or hsdp layout with cp")
+        # torchtitan's all-gather of K/V shards per layer: the method hybrid runs and estimates
+        args += [["--parallelism.context_parallel_degree", str(d.cp)],
+                 ["--parallelism.context_parallel_rotate_method", "allgather"]]
     if c.pipeline is not None:
         args += [["--parallelism.pipeline_parallel_schedule", TORCHTITAN_SCHEDULES[c.pipeline.schedule]],
                  ["--parallelism.pipeline_parallel_microbatch_size", str(spec.micro_batch)]]

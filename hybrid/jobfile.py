@@ -123,6 +123,7 @@ OPTIONS = {o.name: o for o in (
     Option("shard_size", "int", 1, _SIZE),
     Option("tp", "int", 1, 10**6),
     Option("pp", "int", 1, 10**6),
+    Option("cp", "int", 1, 10**6),
     Option("schedule", "str", choices=("1f1b", "gpipe", "interleaved")),
     Option("method", "str", choices=("analytic", "traced", "measured")),
     Option("implementation", "str", choices=("auto", "transformers", "hybrid")),
@@ -215,7 +216,7 @@ def save_job(path: str, args) -> None:
 
 
 _WRAP_KEYS = ("micro_batch", "seq_len", "gradient_accumulation", "precision", "activation_checkpointing",
-              "attention", "shard_size", "tp", "pp", "schedule", "strategy", "gpu_memory", "calibration")
+              "attention", "shard_size", "tp", "pp", "cp", "schedule", "strategy", "gpu_memory", "calibration")
 """Job keys that are auto_wrap arguments of the same name."""
 _PLAN_ONLY = ("model", "params", "method", "implementation", "efficiency", "optimizer")
 """Keys that describe what `hybrid plan` estimates: auto_wrap has the module and the optimizer."""

@@ -1,6 +1,6 @@
 """Process group start-up, the named DeviceMesh of a ParallelDims, bounded waits and shutdown.
 
-The mesh is ("pp", "dp_replicate", "dp_shard", "tp") (hybrid/parallel.py says why in that order);
+The mesh is ("pp", "dp_replicate", "dp_shard", "cp", "tp") (hybrid/parallel.py says why in that order);
 every shape is validated before any collective is called.
 """
 from __future__ import annotations
@@ -148,7 +148,44 @@ def build_mesh(dims: ParallelDims | int, runtime: Runtime, gpus_per_node: int | 
         validate_shard_size(dims, runtime.world_size, per_node)
         dims = ParallelDims.data_parallel(runtime.world_size, dims)
     dims.validate(runtime.world_size, per_node)
-    return dims.build_mesh(runtime.device_type)
+    mesh = dims.build_mesh(runtime.device_type)
+    if dims.cp > 1:       # the flattened dims FSDP and DDP use, made here on every rank alike (collective)
+        fsdp_mesh(mesh)
+        replica_group(mesh)
+    return mesh
+
+
+def _flat(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """The 1D mesh of `names` flattened (made once per mesh, then found by its name)."""
+    name = "_".join(names)
+    try:
+        return mesh[name]
+    except (KeyError, RuntimeError, ValueError):
+        return mesh[names]._flatten(name)
+
+
+def fsdp_shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks FSDP shards parameters over: dp_shard, and with context parallelism dp_shard x cp
+    flattened (the cp ranks hold the same parameters, so they share the shards: torchtitan's
+    dp_shard_cp)."""
+    return mesh["dp_shard"] if mesh["cp"].size() == 1 else _flat(mesh, ("dp_shard", "cp"))
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """FSDP2's mesh: (dp_replicate, shard) when replicated (HSDP, 2D), else the shard mesh (1D)."""
+    if mesh["dp_replicate"].size() == 1:
+        return fsdp_shard_mesh(mesh)
+    if mesh["cp"].size() == 1:
+        return mesh["dp_replicate", "dp_shard"]
+    _flat(mesh, ("dp_shard", "cp"))
+    return mesh["dp_replicate", "dp_shard_cp"]
+
+
+def replica_group(mesh: DeviceMesh):
+    """DDP's all-reduce group: every rank holding a whole replica, dp_replicate x dp_shard x cp."""
+    if mesh["cp"].size() == 1 and mesh["dp_shard"].size() == 1:
+        return mesh["dp_replicate"].get_group()
+    return _flat(mesh, ("dp_replicate", "dp_shard", "cp")).get_group()
 
 
 def shard_group_ranks(mesh: DeviceMesh) -> list[int]:

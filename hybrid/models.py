@@ -56,6 +56,9 @@ class Attention(nn.Module):
             self.k_proj = nn.Linear(h, kv, bias=False)
             self.v_proj = nn.Linear(h, kv, bias=False)
         self.o_proj = nn.Linear(h, h, bias=cfg.style == "gpt2")
+        self.cp_group = None
+        """Set by context parallelism (backends/cp.py): x holds this rank's chunks of the sequence,
+        and attention gathers the whole sequence's keys and values over this group."""
 
     def forward(self, x, rope, mask=None):
         # head counts come from the projections' outputs: under tensor parallelism each rank holds
@@ -74,7 +77,10 @@ class Attention(nn.Module):
             cos, sin = rope
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-        if mask is None:          # the mask-free causal flash path, GQA kept
+        if self.cp_group is not None:      # this rank's query chunks over the gathered sequence
+            from .backends.cp import cp_attention
+            y = cp_attention(q, k, v, self.cp_group)
+        elif mask is None:        # the mask-free causal flash path, GQA kept
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kvh != a)
         else:
             if kvh != a:          # kernels that take a mask want every head's k and v
@@ -166,19 +172,22 @@ class Decoder(nn.Module):
         if self.config.style == "llama":
             self.inv_freq.copy_(self._inv_freq())
 
-    def _rope(self, s: int, dtype: torch.dtype, device):
-        return None if self.pos_embed is not None else rope_tables(self.inv_freq, s, dtype, device)
+    def _rope(self, s: int, dtype: torch.dtype, device, positions=None):
+        return None if self.pos_embed is not None else rope_tables(self.inv_freq, s, dtype, device, positions)
 
     def _mask(self, b: int, s: int, device):
         return causal_mask(self.blocks[0].attn.attention, self.config.sliding_window, b, s, device)
 
-    def forward(self, input_ids, labels=None):
+    def forward(self, input_ids, labels=None, position_ids=None):
+        """position_ids: (s,) global positions of the tokens (context parallelism gives each rank
+        its chunks of the sequence); default 0..s-1."""
         s = input_ids.shape[1]
         x = self.embed(input_ids)
         if self.pos_embed is not None:
-            x = x + self.pos_embed(torch.arange(s, device=input_ids.device))
-        rope = self._rope(s, x.dtype, x.device)
-        mask = self._mask(input_ids.shape[0], s, x.device)
+            x = x + self.pos_embed(torch.arange(s, device=input_ids.device) if position_ids is None else position_ids)
+        rope = self._rope(s, x.dtype, x.device, position_ids)
+        cp = self.blocks[0].attn.cp_group is not None if len(self.blocks) else False
+        mask = None if cp else self._mask(input_ids.shape[0], s, x.device)
         for block in self.blocks:
             x = block(x, rope, mask)
         logits = self.lm_head(self.norm(x))
@@ -186,9 +195,9 @@ class Decoder(nn.Module):
         return CausalLMOutput(loss=loss, logits=logits)
 
 
-def rope_tables(inv_freq, s: int, dtype: torch.dtype, device):
-    """Rotary cos/sin tables for positions 0..s-1."""
-    t = torch.arange(s, device=device, dtype=torch.float32)
+def rope_tables(inv_freq, s: int, dtype: torch.dtype, device, positions=None):
+    """Rotary cos/sin tables for positions 0..s-1 (or the given positions)."""
+    t = (torch.arange(s, device=device) if positions is None else positions).to(device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq.to(device))
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)

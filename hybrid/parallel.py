@@ -1,11 +1,13 @@
 """ParallelDims: the one value that says how the world's ranks are laid out (pure until build_mesh).
 
-    ParallelDims(dp_replicate, dp_shard, tp, pp)      dp_replicate * dp_shard * tp * pp == world
+    ParallelDims(dp_replicate, dp_shard, cp, tp, pp)   dp_replicate * dp_shard * cp * tp * pp == world
 
-The mesh is ("pp", "dp_replicate", "dp_shard", "tp") with tp innermost: torchrun numbers ranks
-node by node, so the innermost dimensions are consecutive ranks. tp groups (the most traffic) stay
-inside a node (NVLink); a dp_shard x tp block is inside a node or spans whole nodes; replicas and
-pipeline stages (the least traffic) cross nodes. Every rule is checked once, here, and every error
+The mesh is ("pp", "dp_replicate", "dp_shard", "cp", "tp") with tp innermost: torchrun numbers
+ranks node by node, so the innermost dimensions are consecutive ranks. tp groups (the most traffic)
+stay inside a node (NVLink); a cp x tp block (a K/V all-gather per layer) and a dp_shard x cp x tp
+block (FSDP shards parameters over dp_shard x cp, as torchtitan does) are inside a node or span
+whole nodes; replicas and pipeline stages (the least traffic) cross nodes. cp ranks read the same
+sequences (each holds two of its 2cp chunks), so the data ranks are dp_replicate x dp_shard. Every rule is checked once, here, and every error
 prints the equation and the valid choices. Nothing outside this value computes rank groups.
 """
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 
 from .errors import HybridError
 
-DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
+DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def divisors(n: int) -> list[int]:
@@ -62,7 +64,10 @@ class ParallelDims:
     dp_replicate: int = 1
     """Data-parallel replicas: full copies (DDP), or copies of each shard group (HSDP)."""
     dp_shard: int = 1
-    """Ranks one copy of the model state is sharded over (FSDP/ZeRO); 1 = not sharded."""
+    """Data-parallel ranks one copy of the model state is sharded over (FSDP/ZeRO); 1 = not sharded
+    (FSDP also shards over cp: its shard group is dp_shard x cp)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split into 2cp chunks, two per rank; 1 = not split."""
     tp: int = 1
     """Tensor-parallel degree: each matrix split over this many ranks of one node."""
     pp: int = 1
@@ -84,21 +89,21 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp_size(self) -> int:
-        """Ranks that read different data: every rank of one tp group and one stage reads the same."""
+        """Ranks that read different data: every rank of one cp x tp group and one stage reads the same."""
         return self.dp_replicate * self.dp_shard
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     def validate(self, world: int, gpus_per_node: int) -> "ParallelDims":
         """The layout fits this world and node size; returns self."""
-        eq = (f"pp({self.pp}) x dp_replicate({self.dp_replicate}) x dp_shard({self.dp_shard}) x tp({self.tp}) "
-              f"= {self.world_size}")
+        eq = (f"pp({self.pp}) x dp_replicate({self.dp_replicate}) x dp_shard({self.dp_shard}) x cp({self.cp}) "
+              f"x tp({self.tp}) = {self.world_size}")
         if gpus_per_node < 1 or world % gpus_per_node:
             raise HybridError(f"world size {world} is not a multiple of {gpus_per_node} ranks per node")
         if self.world_size != world:
@@ -117,21 +122,30 @@ class ParallelDims:
             else:
                 raise HybridError(f"pp {self.pp} must divide the {nodes} nodes (each stage on whole nodes), or the "
                                   f"GPUs of a single node")
-        if self.tp == 1:                  # the data-parallel messages users know from --shard-size
+        if self.cp > 1:                   # a cp x tp group: inside a node or whole nodes
+            group = self.cp * self.tp
+            if not (gpus_per_node % group == 0 or group % gpus_per_node == 0):
+                valid = [c for c in divisors(world // self.tp) if (c * self.tp) % gpus_per_node == 0
+                         or gpus_per_node % (c * self.tp) == 0]
+                raise HybridError(f"cp {self.cp} x tp {self.tp} = {group} ranks neither divides the {gpus_per_node} "
+                                  f"GPUs per node nor is a whole number of nodes, so a context-parallel group would "
+                                  f"straddle nodes; valid cp: {', '.join(map(str, valid))}")
+        if self.tp == 1 and self.cp == 1:  # the data-parallel messages users know from --shard-size
             validate_shard_size(self.dp_shard, world, gpus_per_node)
-        block = self.dp_shard * self.tp
+        block = self.dp_shard * self.cp * self.tp
         inside = block <= gpus_per_node and gpus_per_node % block == 0
         whole_nodes = block > gpus_per_node and block % gpus_per_node == 0
         if not (inside or whole_nodes):
-            valid = ", ".join(map(str, valid_shard_sizes(world, gpus_per_node, self.tp)))
+            valid = ", ".join(map(str, valid_shard_sizes(world, gpus_per_node, self.cp * self.tp)))
             where = ("does not divide the" if block <= gpus_per_node else "spans nodes but is not a whole number of")
-            raise HybridError(f"dp_shard {self.dp_shard} x tp {self.tp} = {block} ranks {where} {gpus_per_node} GPUs "
-                              f"per node, so a shard group would straddle nodes; valid dp_shard sizes: {valid}")
+            inner = f"x cp {self.cp} " if self.cp > 1 else ""
+            raise HybridError(f"dp_shard {self.dp_shard} {inner}x tp {self.tp} = {block} ranks {where} {gpus_per_node} "
+                              f"GPUs per node, so a shard group would straddle nodes; valid dp_shard sizes: {valid}")
         return self
 
     def build_mesh(self, device_type: str):
-        """The named DeviceMesh ("pp", "dp_replicate", "dp_shard", "tp"); size-1 dims are kept so
-        every sub-mesh can be asked for by name."""
+        """The named DeviceMesh ("pp", "dp_replicate", "dp_shard", "cp", "tp"); size-1 dims are kept
+        so every sub-mesh can be asked for by name."""
         from torch.distributed.device_mesh import init_device_mesh
         return init_device_mesh(device_type, self.shape, mesh_dim_names=DIM_NAMES)
 

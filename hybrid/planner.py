@@ -35,6 +35,8 @@ CKPT_ORDER = {"none": 0, "selective": 1, "full": 2}
 """The modes the planner searches, simplest first (op and layer:N when asked for)."""
 MAX_PP = 64
 """The deepest pipeline the planner tries unpinned (Llama 3 405B trained with 16 stages)."""
+MAX_CP_TRIES = 8
+"""Context-parallel degrees a failed plan's suggestions try (the smallest divisors of the world)."""
 
 
 def ckpt_rank(mode: str) -> float:
@@ -88,17 +90,23 @@ class Candidate:
         return self.parallel.pp
 
     @property
+    def cp(self) -> int:
+        return self.parallel.cp
+
+    @property
     def label(self) -> str:
         ckpt = self.spec.activation_checkpointing
         pipe = "" if self.pipeline is None else f"+pp{self.pp}" + (
             "" if self.pipeline.schedule == "1f1b" else f":{self.pipeline.schedule}")
-        return (self.name + ("" if self.tp == 1 else f"+tp{self.tp}") + pipe
-                + ("" if ckpt == "none" else f"+ac:{ckpt}"))
+        return (self.name + ("" if self.cp == 1 else f"+cp{self.cp}") + ("" if self.tp == 1 else f"+tp{self.tp}")
+                + pipe + ("" if ckpt == "none" else f"+ac:{ckpt}"))
 
     def simplicity(self) -> tuple:
-        """No host offload first, then fewer model-parallel dimensions (pipeline, then tensor
-        parallel), then the simpler data-parallel strategy, less recomputation, the wider shard group."""
-        return (self.strategy.offload, self.pp, self.tp, self.strategy.rank(),
+        """No host offload first, then fewer model-parallel dimensions (pipeline, tensor parallel,
+        then context parallel: tp splits every matrix and adds four activation collectives per block,
+        cp leaves the matrices whole and exchanges K/V once per layer), then the simpler
+        data-parallel strategy, less recomputation, the wider shard group."""
+        return (self.strategy.offload, self.pp, self.tp, self.cp, self.strategy.rank(),
                 ckpt_rank(self.spec.activation_checkpointing), -self.shard_size)
 
     def to_dict(self) -> dict:
@@ -183,15 +191,15 @@ class Plan:
 
 def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
           shard_size: int | None = None, estimator=None, efficiency: float | None = None, tp: int = 1,
-          pp: int = 1, schedule: str | None = None) -> Candidate:
+          pp: int = 1, schedule: str | None = None, cp: int = 1) -> Candidate:
     """Estimate one candidate and say whether and why it fits. `estimator(strategy, spec, n)`
     replaces the analytic memory model (traced, measured) for tp 1; the analytic one still rules
     out strategies that cannot run the job at all, before anything expensive runs. With pp > 1
     the blocks are split into stages (pipeline_layout) and every pipeline rank is estimated on
     the stage's share of the cluster; the largest is the candidate's memory."""
     stage_cl = stage_cluster(cluster, pp)
-    n = strategy.shard_size(stage_cl, shard_size, tp)
-    dims = ParallelDims(dp_replicate=stage_cl.world_size // tp // n, dp_shard=n, tp=tp, pp=pp).validate(
+    n = strategy.shard_size(stage_cl, shard_size, tp, cp)
+    dims = ParallelDims(dp_replicate=stage_cl.world_size // tp // cp // n, dp_shard=n, cp=cp, tp=tp, pp=pp).validate(
         cluster.world_size, cluster.gpus_per_node)
     layout, stages = None, ()
     try:
@@ -201,10 +209,10 @@ def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: C
                            for r in range(pp))
             m = max(stages, key=lambda b: b.total)
         else:
-            m = estimate(strategy, profile, spec, cluster, n, tp)
+            m = estimate(strategy, profile, spec, cluster, n, tp, cp)
         floor = m.floor            # the model's shape and the allocator's, whatever the estimator
         if estimator is not None and tp == 1 and pp == 1:
-            m = estimator(strategy, spec, n)
+            m = estimator(strategy, spec, n) if cp == 1 else estimator(strategy, spec, n, cp=cp)
         elif estimator is not None and pp > 1 and hasattr(estimator, "stage"):
             busiest = max(range(pp), key=lambda r: stages[r].total)
             m = estimator.stage(strategy, spec, n, tp, layout, busiest)
@@ -212,7 +220,7 @@ def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: C
             m = replace(m, floor=floor, overhead=max(m.overhead, m.context + floor))
     except NotApplicable as e:
         return Candidate(strategy, dims, spec, None, False, f"not applicable: {e}")
-    cost = step_cost(strategy, profile, spec, cluster, n, efficiency, tp, layout)
+    cost = step_cost(strategy, profile, spec, cluster, n, efficiency, tp, layout, cp)
     cap, host = cluster.capacity_bytes, cluster.host_bytes_per_rank
     tight = m.total > cap and m.needed <= cap and m.cpu <= host
     fits = m.needed <= cap and m.cpu <= host
@@ -287,13 +295,15 @@ def pipeline_layout(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, 
 def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, spec: TrainSpec,
                          cluster: Cluster, names: list[str], shard_size: int | None,
                          search_checkpointing: bool, search_shards: bool = True,
-                         tp: int | None = 1, pp: int | None = 1, schedule: str | None = None) -> list[tuple]:
+                         tp: int | None = 1, pp: int | None = 1, schedule: str | None = None,
+                         cp: int = 1, cp_pinned: bool = False) -> list[tuple]:
     """Every preset x tensor-parallel degree (tp None: every valid one for families that run
     over tp groups; an int pins it) x pipeline degree and schedule (pp None: 1, and for
     families that run stages every pp the cluster allows, pipeline.pp_degrees; an int pins it)
     x its shard sizes (a free-shard preset: every valid size, or with pp > 1 its default one;
-    --shard-size pins it) x checkpointing {none, selective, full} when it can apply. Items: (strategy, shard
-    size, spec, tp, pp, schedule)."""
+    --shard-size pins it) x checkpointing {none, selective, full} when it can apply, at one
+    context-parallel degree `cp` (families without cp are left out unless it is pinned). Items:
+    (strategy, shard size, spec, tp, pp, schedule)."""
     can_ckpt = profile.num_blocks > 0 and (profile.decoder is not None or profile.activation_bytes_per_sample)
     ckpts = list(CKPT_ORDER) if search_checkpointing and can_ckpt else [spec.activation_checkpointing]
     if pp is None:
@@ -304,8 +314,12 @@ def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, 
     out = []
     for name in names:
         s = catalogue[name]
+        if cp > 1 and not s.family_obj.supports_cp and not cp_pinned:
+            continue
         for p in stages:
             if p > 1 and not s.family_obj.supports_pp and pp is None:
+                continue
+            if p > 1 and cp > 1:                  # stages do not carry sequence positions (backends/cp.py)
                 continue
             cl = stage_cluster(cluster, p)
             scheds = [schedule] if schedule else schedules_for(p, spec.gradient_accumulation, profile.num_blocks // p)
@@ -314,13 +328,21 @@ def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, 
                     continue
                 if cl.gpus_per_node % t:          # a pinned tp wider than a stage's GPUs
                     continue
-                groups = cl.world_size // t
+                g = t * cp
+                if cl.world_size % g or not (cl.gpus_per_node % g == 0 or g % cl.gpus_per_node == 0):
+                    continue                      # cp x tp inside a node or on whole nodes (ParallelDims)
+                if cp > 1 and not cp_pinned:
+                    try:
+                        s.family_obj.check_cp(s, cp, t)
+                    except NotApplicable:
+                        continue
+                groups = cl.world_size // g
                 if s.shard_is_free and shard_size is None and search_shards and p == 1:
-                    default = s.shard_size(cl, None, t)
-                    sizes = sorted({default, *(n for n in valid_shard_sizes(cl.world_size, cl.gpus_per_node, t)
+                    default = s.shard_size(cl, None, t, cp)
+                    sizes = sorted({default, *(n for n in valid_shard_sizes(cl.world_size, cl.gpus_per_node, g)
                                                if 1 < n < groups)})
                 else:
-                    sizes = [s.shard_size(cl, shard_size, t)]
+                    sizes = [s.shard_size(cl, shard_size, t, cp)]
                 for n in sizes:
                     for ac in ckpts:
                         for sched in scheds:
@@ -346,13 +368,15 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
          strategies: list[str] | None = None, estimator=None, method: str = "analytic",
          search_checkpointing: bool = False, efficiency: float | None = None,
          suggest_fixes: bool = True, search_shards: bool = True, tp: int | None = None,
-         pp: int | None = None, schedule: str | None = None, calibration=None) -> Plan:
+         pp: int | None = None, schedule: str | None = None, calibration=None,
+         cp: int | None = None) -> Plan:
     """Judge every candidate and choose. A calibration (calibration.Calibration) replaces the
     GPU's speed figures with the fitted ones and its error becomes the tie band (Calibration.tie). With search_checkpointing the planner also tries each
     activation-checkpointing setting (the spec's own is otherwise kept); tp None tries every valid
     tensor-parallel degree, an int pins it; pp None tries every pipeline degree the cluster
     allows (and the schedules that fit the micro-batch count), an int pins it, as `schedule`
-    pins the schedule."""
+    pins the schedule. cp None tries every context-parallel degree (cp_degrees) when the
+    sequence is long (memory/cp.LONG_SEQ), an int pins it."""
     check_job(profile, spec)
     tie = TIE
     if calibration is not None:
@@ -381,15 +405,22 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
                               f"{profile.num_blocks} blocks); valid: {', '.join(map(str, valid))}")
     if schedule is not None:
         PipelineLayout(2, schedule, 1, (1, 1))             # the name check, one line
-    todo = enumerate_candidates(cat, profile, spec, cluster, names, shard_size, search_checkpointing,
-                                search_shards=search_shards and estimator is None,
-                                tp=tp if tp is not None or estimator is None else 1,
-                                pp=pp if pp is not None or estimator is None else 1, schedule=schedule)
+    if (cp or 1) > 1 and (pp or 1) > 1:
+        raise HybridError(f"--cp {cp} with --pp {pp}: pipeline stages do not carry the sequence positions context "
+                          "parallelism needs; use --pp 1 with --cp, or --cp 1 with --pp")
+    cps = cp_degrees(profile, spec, cluster, cp if cp is not None or estimator is None else 1)
+    todo = [(c, item) for c in cps
+            for item in enumerate_candidates(cat, profile, spec, cluster, names, shard_size, search_checkpointing,
+                                             search_shards=search_shards and estimator is None,
+                                             tp=tp if tp is not None or estimator is None else 1,
+                                             pp=pp if pp is not None or estimator is None else 1, schedule=schedule,
+                                             cp=c, cp_pinned=cp is not None)]
     if estimator is not None and (pp or 1) > 1:         # a traced pipeline: its families and schedules
-        todo = [t for t in todo if t[0].family_obj.supports_pp and (schedule or t[5]) != "interleaved"]
+        todo = [(c, t) for c, t in todo if t[0].family_obj.supports_pp and (schedule or t[5]) != "interleaved"]
     if hasattr(estimator, "expect"):                    # how many candidates it will see (progress)
         estimator.expect(len(todo))
-    cands = [judge(s, profile, sp, cluster, n, estimator, efficiency, t, p, sc) for s, n, sp, t, p, sc in todo]
+    cands = [judge(s, profile, sp, cluster, n, estimator, efficiency, t, p, sc, c)
+             for c, (s, n, sp, t, p, sc) in todo]
     chosen = choose(cands, tie)
     order = sorted(cands, key=lambda c: (not c.fits, c.tight, c.memory is None,
                                          c.cost.time_per_token if c.fits else (c.memory.total if c.memory else 0)))
@@ -400,13 +431,32 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
 
 
 def _fits_with(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp=None,
-               pp=None) -> Candidate | None:
+               pp=None, cp=1) -> Candidate | None:
     try:
         check_job(profile, spec)
     except HybridError:
         return None
-    todo = enumerate_candidates(cat, profile, spec, cluster, names, None, search_checkpointing, tp=tp, pp=pp)
-    return choose([judge(s, profile, sp, cluster, n, None, efficiency, t, p, sc) for s, n, sp, t, p, sc in todo])
+    todo = enumerate_candidates(cat, profile, spec, cluster, names, None, search_checkpointing, tp=tp, pp=pp, cp=cp)
+    return choose([judge(s, profile, sp, cluster, n, None, efficiency, t, p, sc, cp)
+                   for s, n, sp, t, p, sc in todo])
+
+
+def cp_degrees(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cp: int | None) -> list[int]:
+    """Context-parallel degrees to try: the pinned one (checked: it divides the world and cuts
+    the sequence into 2cp equal chunks), else 1, and when the sequence is at least LONG_SEQ every
+    divisor of the world that cuts it so (hybrid/backends/cp.py's layout)."""
+    from .memory.cp import LONG_SEQ
+    from .parallel import divisors
+    world, s = cluster.world_size, spec.seq_len
+    valid = [c for c in divisors(world) if s % (2 * c) == 0] if profile.decoder is not None else [1]
+    if cp is None:
+        return valid if s >= LONG_SEQ else [1]
+    if cp not in valid:
+        why = ("the model has no known decoder shape" if profile.decoder is None else
+               f"it must divide the {world} GPUs and cut the sequence of {s} into {2 * cp} equal chunks")
+        raise HybridError(f"--cp {cp} is not a valid context-parallel degree for {profile.name} ({why}); valid: "
+                          f"{', '.join(map(str, valid))}")
+    return [cp]
 
 
 def _size(c: Candidate) -> str:
@@ -431,6 +481,14 @@ def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[
             c = t > tp and _fits_with(profile, spec, cluster, cat, names, True, efficiency, t)
             if c:
                 out.append(f"--tp {t} ({c.label}: {_size(c)})")
+                break
+    if pp in (None, 1) and profile.decoder is not None:   # would splitting the sequence fit?
+        from .parallel import divisors
+        for k in divisors(cluster.world_size)[1:MAX_CP_TRIES]:
+            c = spec.seq_len % (2 * k) == 0 and _fits_with(profile, spec, cluster, cat, names, True, efficiency,
+                                                           tp, 1, k)
+            if c:
+                out.append(f"--cp {k} ({c.label}: {_size(c)})")
                 break
     args = (cat, names, True, efficiency)
     if not search_checkpointing and spec.activation_checkpointing != "full":

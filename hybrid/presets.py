@@ -230,6 +230,9 @@ PRESETS: dict[str, DecoderConfig] = {
     "llama2-70b": _llama(32000, 8192, 80, 64, 28672, 4096, kv=8),
     "llama3-8b": _llama(128256, 4096, 32, 32, 14336, 8192, kv=8, theta=500000.0),
     "llama3-70b": _llama(128256, 8192, 80, 64, 28672, 8192, kv=8, theta=500000.0),
+    # Llama 3.1 8B/70B: Llama 3's shapes with 128K positions (max_position_embeddings 131072)
+    "llama3.1-8b": _llama(128256, 4096, 32, 32, 14336, 131072, kv=8, theta=500000.0),
+    "llama3.1-70b": _llama(128256, 8192, 80, 64, 28672, 131072, kv=8, theta=500000.0),
     "llama3.1-405b": _llama(128256, 16384, 126, 128, 53248, 131072, kv=8, theta=500000.0),
     "llama3.2-1b": _llama(128256, 2048, 16, 32, 8192, 131072, kv=8, tied=True, theta=500000.0),
     "llama3.2-3b": _llama(128256, 3072, 28, 24, 8192, 131072, kv=8, tied=True, theta=500000.0),

@@ -143,11 +143,28 @@ def format_plan(p: Plan, summary: bool = False, top: int | None = None) -> str:
                        f"tokens/s per GPU (+{c.cost.time_per_token / t.cost.time_per_token - 1:.0%}): it fits only "
                        "when the allocator frees its cache, so it is not chosen; to run it anyway, pass its "
                        "--strategy and --activation-checkpointing")
+        out += _why_cp(p)
     else:
         out.append(f"nothing fits in {fmt_bytes(p.cluster.capacity_bytes)} per GPU")
         if p.suggestions:
             out.append("smallest changes that would fit: " + "; ".join(p.suggestions))
     return "\n".join(out + _notes(p, [c] if c else rows))
+
+
+def _why_cp(p: Plan) -> list[str]:
+    """When the chosen layout splits the sequence (cp > 1): what the best layout without context
+    parallelism (recomputation, tp) would give instead."""
+    c = p.chosen
+    if c is None or c.cp == 1 or not any(x.cp == 1 for x in p.candidates):     # --cp pinned: no rival
+        return []
+    rivals = [x for x in p.candidates if x.cp == 1 and x.fits]
+    if not rivals:
+        return [f"why cp {c.cp}: no layout without context parallelism fits (recomputation and tp do not divide "
+                "the sequence's activations enough)"]
+    best = min(rivals, key=lambda x: x.cost.time_per_token)
+    gain = best.cost.time_per_token / c.cost.time_per_token - 1
+    return [f"why cp {c.cp}: the best layout without it, {best.label}, runs {best.cost.tokens_per_s_per_gpu:,.0f} "
+            f"tokens/s per GPU ({gain:.1%} {'slower' if gain >= 0 else 'faster, within the tie band'})"]
 
 
 def format_estimate(p: Plan) -> str:

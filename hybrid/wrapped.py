@@ -94,13 +94,18 @@ class Wrapped:
 
     @property
     def dp_rank(self) -> int:
-        """This rank's index among the data-parallel ranks (equal to the rank when tp = pp = 1)."""
+        """This rank's index among the data-parallel ranks (equal to the rank when cp = tp = pp = 1)."""
         return self.mesh["dp_replicate"].get_local_rank() * self.parallel.dp_shard + \
             self.mesh["dp_shard"].get_local_rank()
 
     def __call__(self, *args, **kwargs):
+        """The model's forward. With cp > 1 pass whole sequences (the same on every rank of a cp
+        group): each rank runs its chunks, the loss is the whole sequences' mean, the logits
+        this rank's chunks (hybrid.backends.cp.rank_positions says which)."""
         self.engine.set_sync(self.sync_gradients)
         with self._guard("forward"):
+            if self.engine.cp is not None:
+                return self.engine.cp.forward(self.engine, args, kwargs)
             return call_with_batch(self.engine.forward, args, kwargs)
 
     def backward(self, loss) -> None:
@@ -153,6 +158,9 @@ class Wrapped:
         if ids.dim() < 2 or ids.shape[0] % ga:
             raise HybridError(f"train_step needs a batch of gradient_accumulation ({ga}) x micro_batch sequences "
                               f"(batch, seq); got shape {tuple(ids.shape)}")
+        if loss_fn is not None and self.engine.cp is not None:
+            raise HybridError("train_step(loss_fn=) with cp > 1: each rank holds only its chunks of the logits; "
+                              "use the model's own loss (labels in the batch) or cp 1")
         if getattr(self.engine, "pipelined", False):
             with self._guard("train_step"):
                 local, result = self.engine.train_step(ids, labels, loss_fn, self.max_grad_norm)

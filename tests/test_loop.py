@@ -53,15 +53,15 @@ def reference(world, steps=STEPS, model_fn=None, frozen=None):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms, sched.get_last_lr()
 
 
-def train(strategy, steps=STEPS, frozen=None, tp=None, model_fn=None):
-    """The loop as users write it; tensor-parallel ranks of one group read the same micro-batch
-    (the data is sharded by w.dp_rank / w.dp_size)."""
+def train(strategy, steps=STEPS, frozen=None, tp=None, model_fn=None, **wrap):
+    """The loop as users write it; tensor- and context-parallel ranks of one group read the same
+    micro-batch (the data is sharded by w.dp_rank / w.dp_size); `wrap`: more auto_wrap arguments."""
     from hybrid import auto_wrap
     model = (model_fn or (lambda: build_decoder(TINY, seed=0)))()
     if frozen:
         frozen(model)
     w = auto_wrap(model, optimizer=adamw, scheduler=warmup, gradient_accumulation=GA, max_grad_norm=CLIP,
-                  strategy=strategy, precision="fp32", micro_batch=MB, seq_len=SEQ, verbose=False, tp=tp)
+                  strategy=strategy, precision="fp32", micro_batch=MB, seq_len=SEQ, verbose=False, tp=tp, **wrap)
     rank, world = w.dp_rank, w.dp_size
     norms, syncs = [], []
     for ids in global_batches(world, steps):
@@ -81,8 +81,8 @@ def train_many(strategies):
     return {s: train(s) for s in strategies}
 
 
-def check(results, world, strategies):
-    ref, ref_norms, ref_lr = reference(world)
+def check(results, world, strategies, model_fn=None):
+    ref, ref_norms, ref_lr = reference(world, model_fn=model_fn)
     assert ref_norms[0] > CLIP                     # clipping really acts
     for s in strategies:
         for rank, res in enumerate(results):

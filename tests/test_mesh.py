@@ -27,7 +27,7 @@ def test_two_torchrun_nodes_have_node_local_shard_groups(tmp_path):
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     for r, info in enumerate(ranks):
-        assert info["mesh"] == [1, 2, 2, 1]          # (pp, dp_replicate, dp_shard, tp)
+        assert info["mesh"] == [1, 2, 2, 1, 1]       # (pp, dp_replicate, dp_shard, cp, tp)
         assert info["shard_ranks"] == ([0, 1] if r < 2 else [2, 3])
         assert info["nodes_in_group"] == [info["node"]] * 2  # every peer on my node
         assert info["node"] == r // 2

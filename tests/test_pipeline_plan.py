@@ -53,7 +53,7 @@ def test_pinned_pipeline_plans_and_rejects():
     p = plan(prof, TrainSpec(1, 8192, activation_checkpointing="full", gradient_accumulation=8), cl,
              strategies=["fsdp"], tp=8, pp=4, schedule="1f1b")
     c = p.chosen
-    assert c.parallel.shape == (4, 1, 4, 8) and c.pipeline.schedule == "1f1b"
+    assert c.parallel.shape == (4, 1, 4, 1, 8) and c.pipeline.schedule == "1f1b"
     assert sum(c.pipeline.blocks) == 80 and len(c.stage_memory) == 4
     assert c.memory.total == max(m.total for m in c.stage_memory) and c.cost.bubble_s > 0
     with pytest.raises(HybridError, match="--pp 3 is not a valid pipeline degree"):

@@ -19,6 +19,8 @@ PUBLISHED = {
     "llama2-70b": 68_976_648_192,
     "llama3-8b": 8_030_261_248,
     "llama3-70b": 70_553_706_496,
+    "llama3.1-8b": 8_030_261_248,         # Meta-Llama-3.1-8B: the same shapes, 128K positions
+    "llama3.1-70b": 70_553_706_496,
     "mistral-7b": 7_241_732_096,
     "llama3.2-1b": 1_235_814_400,
 }

@@ -39,6 +39,7 @@ class Engine(ABC):
         self.optimizer = optimizer
         self.scaler = scaler        # torch.amp.GradScaler (fp16-mixed) or None
         self.tp = tp                # backends.tp.TensorParallel when tp > 1, else None
+        self.cp = None              # backends.cp.ContextParallel when cp > 1, else None
         self._unscaled = False
 
     def _tp_context(self):

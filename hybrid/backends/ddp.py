@@ -7,6 +7,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import HybridError
+from ..mesh import replica_group
 from .base import (Engine, LoopOptions, apply_activation_checkpointing, carry_plain_outputs, compute_dtype,
                    make_scaler, materialize, prepare, to_cpu_state)
 
@@ -50,11 +51,15 @@ def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: Loop
     materialize(model, runtime.device)                  # a meta-built model: every rank holds it all
     model.to(device=runtime.device, dtype=dtype)
     if mesh["tp"].size() > 1:
+        if mesh["cp"].size() > 1:
+            raise HybridError(f"{strategy.name} with tp and cp: replication over tensor-parallel groups runs through "
+                              "FSDP2 on the dp_replicate mesh, which has no cp dimension here; use an fsdp strategy "
+                              "with tp and cp")
         return _replicate_over_tp(strategy, model, optimizer_factory, mesh, spec, runtime)
     apply_activation_checkpointing(model, spec.activation_checkpointing)
     unpack = carry_plain_outputs(model)
     ddp = DDP(model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
-              process_group=mesh["dp_replicate"].get_group(), bucket_cap_mb=strategy.bucket_cap_mb,
+              process_group=replica_group(mesh), bucket_cap_mb=strategy.bucket_cap_mb,
               gradient_as_bucket_view=strategy.gradient_as_bucket_view, static_graph=strategy.static_graph,
               find_unused_parameters=options.find_unused_parameters)
     ddp.register_forward_hook(unpack)

@@ -46,8 +46,10 @@ def _param_groups(module):
 
 
 def dp_mesh(mesh):
-    """HSDP: replicate over dp_replicate, shard over dp_shard (a 2D mesh); else 1D over dp_shard."""
-    return mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+    """HSDP: replicate over dp_replicate, shard over dp_shard (x cp) (a 2D mesh); else 1D over
+    dp_shard (x cp): hybrid.mesh.fsdp_mesh."""
+    from ..mesh import fsdp_mesh
+    return fsdp_mesh(mesh)
 
 
 def fsdp_kwargs(strategy, mesh, spec, runtime) -> dict:

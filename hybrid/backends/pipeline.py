@@ -174,10 +174,10 @@ def _tied_group(tied, chunks, layout, mesh, pp_rank):
     creates every pair's group (new_group is collective)."""
     if not tied or layout.pp == 1:
         return None
-    ranks = mesh.mesh                                     # (pp, dp_replicate, dp_shard, tp) tensor of ranks
+    ranks = mesh.mesh                                     # (pp, dp_replicate, dp_shard, cp, tp) tensor of ranks
     me = dist.get_rank()
     mine = None
-    for coord in torch.cartesian_prod(*[torch.arange(n) for n in ranks.shape[1:]]).reshape(-1, 3).tolist():
+    for coord in torch.cartesian_prod(*[torch.arange(n) for n in ranks.shape[1:]]).reshape(-1, ranks.dim() - 1).tolist():
         r0, r1 = int(ranks[(0, *coord)]), int(ranks[(-1, *coord)])
         g = mesh["pp"].get_group() if layout.pp == 2 and me in (r0, r1) else None
         if layout.pp > 2:

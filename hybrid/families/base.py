@@ -84,6 +84,16 @@ class Family:
             raise NotApplicable(f"{s.name}: not applicable with tp > 1 (use an fsdp or ddp strategy over the "
                                 "tensor-parallel groups)")
 
+    supports_cp: bool = True
+    """Whether the family runs over context-parallel groups (cp > 1): its gradient reduction
+    spans dp x cp (FSDP shards over dp_shard x cp; DDP all-reduces over dp_replicate x cp)."""
+
+    def check_cp(self, s, cp: int, tp: int = 1) -> None:
+        if cp > 1 and not self.supports_cp:
+            from ..memory.layout import NotApplicable
+            raise NotApplicable(f"{s.name}: not applicable with cp > 1 (ZeRO partitions over the whole world, "
+                                "the cp ranks included; use an fsdp or ddp strategy with cp)")
+
     def sharded_optimizer(self, s) -> bool:
         """Whether the optimizer step runs on 1/N of the parameters."""
         return True

@@ -20,6 +20,12 @@ class DDPFamily(Family):
     def sharded_optimizer(self, s):
         return False
 
+    def check_cp(self, s, cp, tp=1):
+        if cp > 1 and tp > 1:
+            from ..memory.layout import NotApplicable
+            raise NotApplicable(f"{s.name} with tp and cp: replicas of tensor-parallel groups run through FSDP2's "
+                                "replication, which has no cp dimension here; use an fsdp strategy with tp and cp")
+
     def layout(self, s, p, spec, n, cl) -> Layout:
         b = spec.bytes
         grads = p.trainable_params * b.grad
@@ -46,6 +52,9 @@ class DDPFamily(Family):
         return Comm(sync_bwd=sync, sync_tail=sync / buckets, copied_sync=copied)
 
     def accelerate(self, c, layer_class):
+        if c.parallel.cp > 1:
+            raise HybridError(f"{c.label}: Accelerate runs context parallelism only under FSDP2 (parallelism_config "
+                              "cp_size); emit an fsdp layout (--strategy fsdp or hsdp) or pin --cp 1")
         if c.parallel.tp > 1:
             raise HybridError(f"{c.label}: Accelerate runs tensor parallelism only under FSDP2; emit an fsdp layout "
                               "(--strategy fsdp or hsdp) or pin --tp 1")

@@ -92,6 +92,9 @@ class DeepSpeedFamily(Family):
     supports_pp = False
     """DeepSpeed's own PipelineModule engine is a different runtime (its own schedules and
     checkpoints): not driven from here, so ZeRO candidates have pp 1."""
+    supports_cp = False
+    """ZeRO partitions over the whole world; DeepSpeed's own sequence parallelism (Ulysses) is a
+    different runtime, not driven from here."""
     """DeepSpeed's AutoTP training path (0.16+) composes with ZeRO 1/2 only, on CUDA, and shards
     by its own module rules: not driven from here (the plan says "not applicable with tp > 1")."""
 

@@ -58,6 +58,10 @@ class FSDPFamily(Family):
         # gathered for backward); blocks are gathered one at a time plus one prefetched.
         gathered_blocks = 2 * unit if s.reshard_after_forward else every_block + unit
         lay.buffers_start = c * (root + (unit if s.reshard_after_forward else every_block))
+        # resharded after forward (reshard_after_forward=True is passed explicitly, so FSDP2 reshards
+        # the root too), the root and the last block are gathered again by the root's pre-backward
+        # hook on its outputs: after the loss backward when the loss is computed outside (traced)
+        lay.regathered = lay.buffers_start if s.reshard_after_forward else 0
         # in a block's backward: root params + the head's unsharded grad, two blocks gathered (the
         # block and the prefetched one, whose all-gather output and copy-out overlap it), and the
         # block's reduce-scatter input in the reduce dtype (its grads themselves: unit_grads)
@@ -117,7 +121,9 @@ class FSDPFamily(Family):
         layer = transformers_layer_class(profile)
         settings = {
             "strategy": s.name,
-            "mesh": {"shape": [dims.dp_replicate, dims.dp_shard], "dim_names": ["dp_replicate", "dp_shard"],
+            # with context parallelism FSDP shards over dp_shard x cp flattened (hybrid.mesh.fsdp_mesh)
+            "mesh": {"shape": [dims.dp_replicate, dims.dp_shard * dims.cp],
+                     "dim_names": ["dp_replicate", "dp_shard" if dims.cp == 1 else "dp_shard_cp"],
                      "hybrid_sharding": dims.dp_replicate > 1, "parallel": dims.to_dict()},
             "fully_shard": {
                 "units": [layer, "root"] if layer else ["root"],
@@ -144,8 +150,12 @@ class FSDPFamily(Family):
                                 "fsdp_activation_checkpointing": ac != "none"},
                 "parallelism_config": {"parallelism_config_dp_replicate_size": d.dp_replicate,
                                        "parallelism_config_dp_shard_size": d.dp_shard,
-                                       "parallelism_config_tp_size": d.tp, "parallelism_config_cp_size": 1}}
+                                       "parallelism_config_tp_size": d.tp, "parallelism_config_cp_size": d.cp}}
         notes = []
+        if d.cp > 1:    # Accelerate's torch CP: all-gather of K/V, as hybrid runs and estimates it
+            keys["parallelism_config"]["parallelism_config_cp_comm_strategy"] = "allgather"
+            notes.append("context parallelism: run forward and backward inside accelerator.maybe_context_parallel("
+                         "buffers=[input_ids, labels, position_ids], buffer_seq_dims=[1, 1, 1]); SDPA attention only")
         if ac == "selective":
             notes.append("Accelerate's fsdp_activation_checkpointing recomputes whole blocks (the plan's "
                          "'selective' keeps matmul outputs): less memory, more compute than estimated")

@@ -20,6 +20,7 @@ from ..profile import ModelProfile, tp_share
 from ..spec import TrainSpec
 from .activations import ActivationTerms, activation_terms, largest_transient
 from .breakdown import MemoryBreakdown, fragmentation_floor, overhead_bytes
+from .cp import local_spec, with_gathered_kv
 from .layout import FP32, NotApplicable, reduce_bytes
 
 __all__ = ["NotApplicable", "check_job", "estimate", "layout_of"]
@@ -45,7 +46,7 @@ def layout_of(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluste
 
 
 def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
-             shard_size: int | None = None, tp: int = 1) -> MemoryBreakdown:
+             shard_size: int | None = None, tp: int = 1, cp: int = 1) -> MemoryBreakdown:
     """Per-GPU memory of one rank. With tp > 1 the rank holds its tensor-parallel share of the
     model (profile.tp_share) and every per-layer and head activation term is split tp ways
     (sequence parallelism and vocab-parallel logits, Korthikanti et al. arXiv 2205.05198), except
@@ -53,14 +54,21 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
     ColwiseParallel saves for backward). A pipeline rank's share (profile.stage, from
     stage_share) keeps its in-flight micro-batches' activations, the logits only on the last
     stage, the receive buffers, and the moment its backward ends with the other micro-batches
-    still in flight."""
+    still in flight. With cp > 1 (memory/cp.py) FSDP shards over dp_shard x cp, every
+    per-token term is a sequence S / cp long, and each layer keeps the gathered K and V."""
     check_job(profile, spec)
-    n = strategy.shard_size(cluster, shard_size, tp)
+    n = strategy.shard_size(cluster, shard_size, tp, cp)
     if tp > 1:
         strategy.family_obj.check_tp(strategy, tp)
-    whole = profile
+    if cp > 1:
+        strategy.family_obj.check_cp(strategy, cp, tp)
+        if profile.decoder is None:
+            raise NotApplicable("context parallelism splits a transformer's sequence; this model has no known "
+                                "decoder shape: use cp 1")
+    whole, whole_spec = profile, spec
+    spec = local_spec(spec, cp)
     profile = tp_share(profile, tp)
-    lay = layout_of(strategy, profile, spec, cluster, n)
+    lay = layout_of(strategy, profile, spec, cluster, n * cp)
     notes = list(lay.notes)
     if profile.decoder:
         act = activation_terms(profile.decoder, spec, lay.autocast)
@@ -74,6 +82,10 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
                                   autocast_cache=int(act.autocast_cache / tp), layers=act.layers)
             notes.append(f"tensor parallel {tp}: matrices, embedding and head split {tp} ways; sequence-parallel "
                          "activations; vocab-parallel logits")
+        if cp > 1:
+            act = with_gathered_kv(act, whole.decoder, whole_spec, cp, tp, lay.autocast)
+            notes.append(f"context parallel {cp}: each rank holds {whole_spec.seq_len // cp} tokens of each "
+                         "sequence and keeps every layer's gathered K/V (or recomputes them with checkpointing)")
         if profile.stage is not None:
             act = _stage_activations(act, profile.stage)
     elif profile.activation_bytes_per_sample is not None:
@@ -103,6 +115,8 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
         "step": dict(grads=lay.grads_end + lay.grads_step, activations=0, temporaries=lay.scratch,
                      buffers=lay.buffers_step),
     }
+    if cp > 1:     # backends/cp.py scores the loss outside the model's forward: the root regathers after it
+        moments["loss"]["buffers"] -= lay.regathered
     st = profile.stage
     staged = st is not None and st.pp > 1
     ends = [act.recompute + unit_grads] if staged else []      # a stage's backward ends in its first block

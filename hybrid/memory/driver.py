@@ -81,7 +81,10 @@ def tracked_steps(engine: Engine, batch, tracker: MemoryTracker, steps: int = 2,
     try:
         for i in range(steps):
             tracker.phase = "forward"
-            out = call_with_batch(engine.forward, (batch,), {})
+            if engine.cp is not None:          # whole sequences in, this rank's chunks run
+                out = engine.cp.forward(engine, (batch,), {})
+            else:
+                out = call_with_batch(engine.forward, (batch,), {})
             loss = out.loss if hasattr(out, "loss") else out
             tracker.phase = "loss"
             engine.backward(loss)

@@ -24,6 +24,8 @@ class Layout:
     grads_end: float = 0
     grads_step: float = 0       # extra gradient copies made for the step (DeepSpeed fp32 partition)
     buffers_start: float = 0    # communication buffers at the loss backward
+    regathered: float = 0       # ... of which gathered in the root's pre-backward, after a loss computed
+                                #     outside the model's forward (context parallelism) has run backward
     buffers_mid: float = 0      # ... while a block is in backward
     buffers_end: float = 0      # ... when backward finishes
     buffers_step: float = 0
