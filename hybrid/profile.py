@@ -176,7 +176,8 @@ def tp_share(profile: ModelProfile, tp: int) -> ModelProfile:
 
 
 HF_LAYERS = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "qwen2": "Qwen2DecoderLayer",
-             "gpt2": "GPT2Block"}
+             "gpt2": "GPT2Block", "mixtral": "MixtralDecoderLayer", "olmoe": "OlmoeDecoderLayer",
+             "qwen3_moe": "Qwen3MoeDecoderLayer"}
 """transformers' decoder-layer class per model_type, for presets and config.json files (a
 module's profile already names the class it found)."""
 

@@ -169,3 +169,23 @@ def test_mixtral_trains_like_one_process_on_four_ranks():
             assert r["steps"] == STEPS
             diff = max((r["state"][k] - ref[k]).abs().max().item() for k in ref)
             assert diff < 1e-5, f"{s} rank {rank}: max abs diff {diff:.2e}"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_emitted_configs_wrap_the_transformers_moe_layer(name):
+    """The hand-off names the class FSDP/Accelerate wrap in the transformers model users train
+    (the class transformers' own _no_split_modules names)."""
+    from hybrid.profile import transformers_layer_class
+    expected = {"mixtral-8x7b": "MixtralDecoderLayer", "qwen3-30b-a3b": "Qwen3MoeDecoderLayer",
+                "olmoe-1b-7b": "OlmoeDecoderLayer"}[name]
+    assert transformers_layer_class(resolve_model(name).profile) == expected
+
+
+@pytest.mark.fakepg
+def test_the_moe_layer_table_is_what_transformers_says():
+    from hybrid.models import build_hf
+    from hybrid.profile import HF_LAYERS
+    for name in sorted(PUBLISHED):
+        cfg = dataclasses.replace(get_preset(name), layers=1)
+        assert set(build_hf(cfg)._no_split_modules) == {HF_LAYERS[cfg.hf_model_type]}

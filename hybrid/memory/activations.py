@@ -176,6 +176,7 @@ def largest_transient(d: DecoderConfig, spec: TrainSpec, autocast: bool, tp: int
     split tp ways under tensor parallelism."""
     c = 2 if autocast else spec.bytes.compute
     T = spec.micro_batch * spec.seq_len
-    mlp = c * d.ffn * T
+    # an MoE block's experts: one m-wide intermediate per routed (token, expert) pair
+    mlp = c * (d.moe_ffn * d.top_k if d.moe else d.ffn) * T
     scores = F32 * d.heads * spec.seq_len * T if spec.attention == "eager" else 0
     return int(max(mlp, scores) / tp)
