@@ -22,7 +22,7 @@ from .cluster import GPUS, Cluster
 from .cost import StepCost, step_cost
 from .errors import HybridError
 from .memory.analytic import NotApplicable, check_job, estimate
-from .memory.breakdown import EXPANDABLE_HEADROOM, MemoryBreakdown
+from .memory.breakdown import MemoryBreakdown, fragmentation_floor, overhead_bytes
 from .pipeline import VIRTUAL, PipelineLayout, balanced_split, even_split, pp_degrees, schedules_for, stage_cluster
 from .profile import ModelProfile, stage_share, tp_degrees
 from .report import format_plan
@@ -253,8 +253,11 @@ def room(m: MemoryBreakdown, cluster: Cluster) -> str:
     """What buys room for a tight candidate."""
     out = "room: more activation checkpointing or a smaller micro-batch"
     if not cluster.expandable_segments and cluster.headroom is None:
-        es = m.allocated * (1 + EXPANDABLE_HEADROOM) + m.context
-        fit = "fits" if es <= cluster.capacity_bytes else "still tight"
+        # with expandable segments the floor is their part-used pages, whatever the transients
+        es = m.allocated + overhead_bytes(replace(cluster, expandable_segments=True), m.tensors)
+        floor = fragmentation_floor(replace(cluster, expandable_segments=True), 0)
+        fit = ("fits" if es <= cluster.capacity_bytes else
+               "still tight" if m.allocated + m.context + floor <= cluster.capacity_bytes else "still OOM")
         out = (f"room: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ({fmt_bytes(es)} with it: {fit}), "
                "more activation checkpointing or a smaller micro-batch")
     return out

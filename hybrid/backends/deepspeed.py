@@ -250,7 +250,7 @@ def extension_cache(environ=os.environ, prefix: str = sys.prefix, base_prefix: s
     torch is rebuilt (about a minute) on each switch. Inside a virtual environment, unless the
     user set it, the cache is the environment's own, <venv>/torch_extensions (as setup.sh builds
     it). Returns the directory in effect (None: torch's default)."""
-    if "TORCH_EXTENSIONS_DIR" not in environ and prefix != base_prefix:
+    if "TORCH_EXTENSIONS_DIR" not in environ and prefix != base_prefix and os.access(prefix, os.W_OK):
         environ["TORCH_EXTENSIONS_DIR"] = os.path.join(prefix, "torch_extensions")
     return environ.get("TORCH_EXTENSIONS_DIR")
 
