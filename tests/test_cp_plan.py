@@ -6,7 +6,7 @@ from hybrid.cli import main
 from hybrid.cluster import Cluster
 from hybrid.errors import HybridError
 from hybrid.memory.analytic import estimate
-from hybrid.memory.cp import gathered_kv_bytes, query_key_pairs, rank_positions
+from hybrid.memory.cp import concatenated_output_bytes, gathered_kv_bytes, query_key_pairs, rank_positions
 from hybrid.parallel import ParallelDims
 from hybrid.planner import plan
 from hybrid.profile import resolve_model
@@ -43,17 +43,19 @@ def test_parallel_dims_with_cp():
 
 
 def test_a_cp_rank_holds_a_sequence_cp_times_shorter_plus_the_gathered_kv():
-    src, cat = resolve_model("llama3.1-8b"), load_catalogue()
+    src, catalogue = resolve_model("llama3.1-8b"), load_catalogue()
     cl = Cluster.build(1, 8, "h100-80gb")
     long, short = TrainSpec(1, 65536), TrainSpec(1, 8192)
-    with_cp = estimate(cat["fsdp"], src.profile, long, cl, None, 1, 8)
-    alone = estimate(cat["fsdp"], src.profile, short, cl, None, 1, 1)
+    with_cp = estimate(catalogue["fsdp"], src.profile, long, cl, None, 1, 8)
+    alone = estimate(catalogue["fsdp"], src.profile, short, cl, None, 1, 1)
     kv = gathered_kv_bytes(src.profile.decoder, long, 8)
     assert kv == 2 * 2 * 65536 * 1024 * 7 / 8                       # K and V, bf16, 7/8 from the peers
-    assert with_cp.activations == pytest.approx(alone.activations + 32 * kv, rel=1e-6)
+    cat = concatenated_output_bytes(src.profile.decoder, long, 8)
+    assert cat == 2 * 8192 * 4096                                   # the two chunks' outputs joined, bf16
+    assert with_cp.activations == pytest.approx(alone.activations + 32 * (kv + cat), rel=1e-6)
     assert with_cp.params == alone.params                           # fsdp over dp_shard 1 x cp 8: 8 ways
     with pytest.raises(HybridError, match="not applicable with cp > 1"):
-        estimate(cat["zero3"], src.profile, long, cl, None, 1, 8)
+        estimate(catalogue["zero3"], src.profile, long, cl, None, 1, 8)
 
 
 def test_long_sequences_are_planned_with_cp_and_short_ones_without():

@@ -5,9 +5,12 @@ the 2cp chunks, hybrid/backends/cp.py), so each per-token activation term and th
 ones of a sequence S / cp long. Attention is where the method shows: each layer all-gathers the
 whole sequence's K and V (Llama 3's method, arXiv 2407.21783 §3.3) and SDPA keeps them for its
 backward instead of the rank's own K and V: 2 x b x S x kv_dim in the compute dtype per layer,
-less the rank's S / cp share the plain layer already counts. Under any recomputation (full,
-selective, op: the gather is not one of the ops they keep) the block's gathered K and V exist only
-while it is recomputed; layer:N keeps them in the blocks it does not recompute.
+less the rank's S / cp share the plain layer already counts. The rank's two query chunks run as
+two SDPA calls whose outputs are concatenated: o_proj keeps that concatenation (b x S/cp x h)
+besides SDPA's own two outputs, where a single SDPA's output is also o_proj's input (seen in the
+traced runs: a clone per layer). Under any recomputation (full, selective, op: neither the gather
+nor the concatenation is an op they keep) these exist only while the block is recomputed; layer:N
+keeps them in the blocks it does not recompute.
 
 Communication per layer and micro-batch: the forward all-gather of K and V (each rank receives
 (cp-1)/cp of the gathered bytes), the backward reduce-scatter of their gradients (the same bytes),
@@ -64,12 +67,19 @@ def gathered_kv_bytes(d: DecoderConfig, spec: TrainSpec, cp: int, tp: int = 1, a
     return 2 * c * spec.micro_batch * spec.seq_len * d.kv_dim / tp * (1 - 1 / cp)
 
 
+def concatenated_output_bytes(d: DecoderConfig, spec: TrainSpec, cp: int, tp: int = 1, autocast: bool = False) -> float:
+    """Bytes of one layer's concatenated attention output (b x S/cp x h / tp, compute dtype)."""
+    c = 2 if autocast else spec.bytes.compute
+    return c * spec.micro_batch * spec.seq_len / cp * d.hidden / tp
+
+
 def with_gathered_kv(act: ActivationTerms, d: DecoderConfig, spec: TrainSpec, cp: int, tp: int,
                      autocast: bool) -> ActivationTerms:
-    """Add the gathered K and V to a cp rank's activation terms (spec: the whole sequence)."""
+    """Add the gathered K and V and the concatenated attention output to a cp rank's activation
+    terms (spec: the whole sequence)."""
     if cp == 1:
         return act
-    extra = gathered_kv_bytes(d, spec, cp, tp, autocast)
+    extra = gathered_kv_bytes(d, spec, cp, tp, autocast) + concatenated_output_bytes(d, spec, cp, tp, autocast)
     mode = spec.activation_checkpointing
     if mode == "none":
         kept = extra
