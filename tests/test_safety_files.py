@@ -338,7 +338,7 @@ def killer():
 threading.Thread(target=killer, daemon=True).start()
 before = signal.getsignal(signal.SIGTERM)
 try:
-    export({ckpt!r}, out, max_shard="1MiB")
+    export({ckpt!r}, out, max_shard="64KiB")
 except (SystemExit, KeyboardInterrupt) as e:
     print("interrupted", type(e).__name__, signal.getsignal(signal.SIGTERM) == before)
     sys.exit(3)
@@ -532,3 +532,121 @@ def test_a_full_disk_during_save_is_one_line_and_the_last_version_stays(tmp_path
     assert [e for e in os.listdir(p) if e.startswith("data-")] == [meta_of(p)["data"]]
     assert not [e for e in os.listdir(p) if e.startswith(".meta.json.")]
     assert run_ranks(1, load_each, [p])[0] == [None]
+
+
+# --- 6. job files and flags: one check per key, ranges, no silent defaults -------------------------
+def _run(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _one_line(rc, out, err):
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    return rc == 2 and out == "" and len(lines) == 1 and lines[0].startswith("hybrid: error: ") \
+        and "Traceback" not in err
+
+
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+
+
+@pytest.mark.unit
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path, capsys):
+    job = tmp_path / "bomb.yaml"
+    job.write_text(BOMB)
+    assert len(BOMB) < 600
+    start = time.monotonic()
+    rc, out, err = _run(capsys, "plan", "gpt2", "--config", str(job), "--json")
+    assert _one_line(rc, out, err) and "alias" in err, err
+    from hybrid.jobfile import wrap_options
+    with pytest.raises(HybridError, match="YAML alias"):
+        wrap_options(str(job))
+    assert time.monotonic() - start < 2
+
+
+@pytest.mark.unit
+def test_a_strategy_file_alias_bomb_is_refused(tmp_path, capsys):
+    d = tmp_path / "strategies"
+    d.mkdir()
+    (d / "s.yaml").write_text("name: bomb\nfamily: ddp\n" + BOMB.replace("a:", "x_a:", 1))
+    rc, out, err = _run(capsys, "plan", "gpt2", "--strategies-dir", str(d), "--json")
+    assert _one_line(rc, out, err) and "alias" in err, err
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("text,match", [
+    ("nodes: .inf\n", "nodes must be an integer, got inf"),
+    ("gpu: [a100-80gb]\n", "gpu must be a string, got list"),
+    ("model: 7\n", "model must be a string, got int"),
+    ("strategies_dir: [[a, b]]\n", "strategies_dir must be a string, got list"),
+    ("seq_len: 0\n", "seq_len must be a positive integer, got 0"),
+    ("gpus_per_node: 0\n", "gpus_per_node must be a positive integer"),
+    ("efficiency: 1.0e-320\n", "efficiency must be at least 0.01"),
+    ("headroom: -1\n", "headroom must be at least 0"),
+    ("precision: ''\n", "precision is empty"),
+    ("model: " + "x" * 100000 + "\n", "model is 100000 characters long"),
+    ("nodez" + "z" * 1000 + ": 1\n", "unknown key 'nodezzz"),
+    ("nodes: " + "9" * 5000 + "\n", "not a job file hybrid reads"),
+    ("nodes: " + "9" * 20 + "\n", "nodes must be at most 1e+09"),
+    ("- " * 200 + "x\n", "levels of nesting"),
+], ids=lambda v: v[:20] if isinstance(v, str) else None)
+def test_job_file_values_one_line_short(tmp_path, capsys, text, match):
+    job = tmp_path / "job.yaml"
+    job.write_text(text)
+    rc, out, err = _run(capsys, "plan", "gpt2", "--config", str(job), "--json")
+    assert _one_line(rc, out, err) and match in err, err
+    assert len(err) < 600                       # the value is cut, never printed whole (the key list is ~280)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("text,match", [("seq_len: 0\n", "seq_len must be a positive integer"),
+                                        ("nodes: 0\n", "nodes must be a positive integer"),
+                                        ("gpu: ''\n", "gpu is empty")])
+def test_auto_wrap_job_file_zero_is_an_error_not_a_default(tmp_path, text, match):
+    from hybrid.jobfile import wrap_options
+    job = tmp_path / "job.yaml"
+    job.write_text(text)
+    with pytest.raises(HybridError, match=match):
+        wrap_options(str(job))
+
+
+@pytest.mark.unit
+def test_auto_wrap_arguments_go_through_the_same_checks():
+    from hybrid.jobfile import check_arguments
+    for kw, match in (({"seq_len": 0}, "seq_len must be a positive integer"), ({"precision": ""}, "precision is empty"),
+                      ({"tp": 0}, "tp must be a positive integer"), ({"micro_batch": 1.5}, "must be an integer")):
+        with pytest.raises(HybridError, match=match):
+            check_arguments(kw, "auto_wrap")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("argv,match", [
+    (["--gpus-per-node", "0"], "--gpus-per-node must be a positive integer, got 0"),
+    (["--gpu="], "--gpu is empty"),
+    (["--precision="], "--precision is empty"),
+    (["--activation-checkpointing="], "--activation-checkpointing is empty"),
+    (["--efficiency", "1e-320"], "--efficiency must be at least 0.01"),
+    (["--efficiency", "nan"], "--efficiency must be a finite number"),
+    (["--headroom", "inf"], "--headroom must be a finite number"),
+    (["--nodes", "2000000000"], "--nodes must be at most 1e+09"),
+    (["--tp", "0"], "--tp must be a positive integer"),
+    (["--strategy="], "--strategy is empty"),
+    (["--gpu-memory="], "--gpu-memory is empty"),
+])
+def test_zero_empty_and_out_of_range_flags_are_errors(capsys, argv, match):
+    rc, out, err = _run(capsys, "plan", "gpt2", *argv, "--json")
+    assert _one_line(rc, out, err) and match in err, err
+
+
+FACTORY = "import sys\ndef exits():\n    sys.exit(0)\ndef exits_on_import():\n    pass\n"
+
+
+@pytest.mark.unit
+def test_a_factory_raising_system_exit_is_a_clear_error(tmp_path):
+    (tmp_path / "exitfactories.py").write_text(FACTORY)
+    (tmp_path / "exitmodule.py").write_text("import sys\nsys.exit(0)\ndef f():\n    pass\n")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    for spec, match in (("exitfactories:exits", "raised SystemExit"), ("exitmodule:f", "SystemExit")):
+        rc, out, err = _cli(["plan", spec, "--json"], env=env)
+        assert rc == 2 and out == "" and match in err and len(err.strip().splitlines()) == 1, (spec, rc, err)
