@@ -456,30 +456,38 @@ def resume_with(path, kind, strategy="ddp"):
     handler.emit = lambda r: records.append(r.getMessage())
     logging.getLogger("hybrid").addHandler(handler)
     logging.getLogger("hybrid").setLevel(logging.INFO)
-    if kind == "momentum":
-        w = _wrap(strategy, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), seed=3)
-    else:
-        w = _wrap(seed=3)
-    w.load(path)
-    state = {k: v.clone() for k, v in w.state_dict().items()}
-    _train(w)                                              # and it trains on
+    try:
+        if kind == "momentum":
+            w = _wrap(strategy, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), seed=3)
+        else:
+            w = _wrap(strategy, seed=3)
+        w.load(path)
+        state = {k: v.clone() for k, v in w.state_dict().items()}
+        _train(w)                                              # and it trains on
+    finally:
+        logging.getLogger("hybrid").removeHandler(handler)
     return records, state
 
 
-@pytest.mark.gloo
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_adding_momentum_starts_it_fresh_with_one_log_line(tmp_path, strategy):
-    run_ranks(1, save_plain_sgd, str(tmp_path / "c"), strategy)
-    records, _ = run_ranks(1, resume_with, str(tmp_path / "c"), "momentum", strategy)[0]
-    assert any("no optimizer state momentum_buffer" in r and "starts fresh" in r for r in records), records
+def optimizer_changes(tmp):
+    """In one job: SGD saved without momentum, resumed with it (ddp, fsdp); AdamW saved with frozen
+    parameters, resumed with all of them trainable."""
+    save_plain_sgd(os.path.join(tmp, "sgd"), "ddp")
+    out = {s: resume_with(os.path.join(tmp, "sgd"), "momentum", s)[0] for s in ("ddp", "fsdp")}
+    saved = save_frozen(os.path.join(tmp, "frozen"))
+    records, loaded = resume_with(os.path.join(tmp, "frozen"), "unfrozen")
+    out["unfrozen"] = records
+    out["same"] = all(torch.equal(saved[k], loaded[k]) for k in saved)
+    return out
 
 
 @pytest.mark.gloo
-def test_unfreezing_parameters_starts_their_state_fresh(tmp_path):
-    saved = run_ranks(1, save_frozen, str(tmp_path / "c"))[0]
-    records, loaded = run_ranks(1, resume_with, str(tmp_path / "c"), "unfrozen")[0]
-    assert any("no optimizer state" in r and "exp_avg" in r and "starts fresh" in r for r in records), records
-    assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+def test_added_momentum_and_unfrozen_parameters_start_fresh_with_one_log_line(tmp_path):
+    out = run_ranks(1, optimizer_changes, str(tmp_path))[0]
+    for s in ("ddp", "fsdp"):
+        assert any("no optimizer state momentum_buffer" in r and "starts fresh" in r for r in out[s]), out[s]
+    assert any("no optimizer state" in r and "exp_avg" in r and "starts fresh" in r for r in out["unfrozen"]), out
+    assert out["same"]
 
 
 # --- 5. save: deletes only what it can prove it wrote; a full disk is one line -----------------------
@@ -494,17 +502,6 @@ def save_n(path, n, keep_copy):
             with open(os.path.join(path, ".meta.json.deadbeef"), "w") as f:
                 f.write("left by a save that crashed")
     return sorted(os.listdir(path))
-
-
-@pytest.mark.gloo
-def test_save_keeps_a_users_copy_of_a_version_and_cleans_its_temp_files(tmp_path):
-    p = str(tmp_path / "c")
-    entries = run_ranks(1, save_n, p, 3, True)[0]
-    mine = [e for e in entries if e.endswith("-mine")]
-    assert len(mine) == 1 and os.path.isfile(os.path.join(p, mine[0], "HYBRID_DATA"))
-    assert ".meta.json.deadbeef" not in entries
-    ours = [e for e in entries if e.startswith("data-") and not e.endswith("-mine")]
-    assert ours == [meta_of(p)["data"]]
 
 
 def save_with_small_fsize(path, limit):
@@ -524,14 +521,24 @@ def save_with_small_fsize(path, limit):
         resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 
 
+def save_cases(copy_dir, full_dir):
+    return save_n(copy_dir, 3, True), save_with_small_fsize(full_dir, 4096), load_each([full_dir])
+
+
 @pytest.mark.gloo
-def test_a_full_disk_during_save_is_one_line_and_the_last_version_stays(tmp_path):
+def test_save_keeps_a_users_copy_of_a_version_and_cleans_its_temp_files_and_a_full_disk_is_one_line(tmp_path):
     p = str(tmp_path / "c")
-    msg = run_ranks(1, save_with_small_fsize, p, 4096)[0]
+    entries, msg, loaded = run_ranks(1, save_cases, p, str(tmp_path / "full"))[0]
+    mine = [e for e in entries if e.endswith("-mine")]
+    assert len(mine) == 1 and os.path.isfile(os.path.join(p, mine[0], "HYBRID_DATA"))
+    assert ".meta.json.deadbeef" not in entries
+    ours = [e for e in entries if e.startswith("data-") and not e.endswith("-mine")]
+    assert ours == [meta_of(p)["data"]]
+    p = str(tmp_path / "full")
     assert msg and "cannot write checkpoint" in msg and "previous version is still in force" in msg, msg
     assert [e for e in os.listdir(p) if e.startswith("data-")] == [meta_of(p)["data"]]
     assert not [e for e in os.listdir(p) if e.startswith(".meta.json.")]
-    assert run_ranks(1, load_each, [p])[0] == [None]
+    assert loaded == [None]
 
 
 # --- 6. job files and flags: one check per key, ranges, no silent defaults -------------------------
