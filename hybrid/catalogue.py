@@ -179,6 +179,8 @@ def load_yaml(text: str):
     loader = _BudgetLoader(text)
     try:
         return loader.get_single_data()
+    except (ValueError, OverflowError, RecursionError) as e:     # an int of 5,000 digits, deep flow nesting
+        raise yaml.YAMLError(str(e).splitlines()[0][:120] if str(e) else type(e).__name__) from None
     finally:
         loader.dispose()
 

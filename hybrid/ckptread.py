@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import zlib
+
+import torch
 
 from .errors import HybridError, short
 from .safeio import META_LIMIT, SafeReader, check_relative, open_confined, read_bounded
@@ -181,3 +184,103 @@ def first_line(e: BaseException) -> str:
         return e.strerror
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0][:200] if text else ''}"
+
+
+# --- what load applies, checked before anything of the job changes ---------------------------------
+def _same_kind(saved, live, depth: int = 0) -> bool:
+    """Whether a saved scheduler/scaler value has the shape of the live one (numbers for numbers,
+    equally long lists, the same keys), so that applying it cannot fail later."""
+    if depth > 8:
+        return False
+    if isinstance(live, bool) or live is None:
+        return saved is None or isinstance(saved, type(live)) or live is None
+    if isinstance(live, (int, float)):
+        return isinstance(saved, (int, float)) and not isinstance(saved, bool)
+    if isinstance(live, (list, tuple)):
+        return isinstance(saved, (list, tuple)) and len(saved) == len(live) and all(
+            _same_kind(s, v, depth + 1) for s, v in zip(saved, live))
+    if isinstance(live, dict):
+        return isinstance(saved, dict) and set(saved) <= set(live) and all(
+            _same_kind(saved[k], live[k], depth + 1) for k in saved)
+    if isinstance(live, torch.Tensor):
+        return isinstance(saved, torch.Tensor) and saved.shape == live.shape and saved.dtype == live.dtype
+    return isinstance(saved, type(live))
+
+
+def check_loop(wrapped, state) -> None:
+    if not isinstance(state, dict):
+        raise HybridError(f"loop.pt holds a {type(state).__name__}, not the loop state hybrid writes")
+    for key in ("optimizer_steps", "skipped_steps"):
+        v = state.get(key, 0)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise HybridError(f"loop.pt: {key} is {short(v)}, not a count")
+    live = {"scheduler": wrapped.scheduler.state_dict() if wrapped.scheduler is not None else None,
+            "scaler": wrapped.engine.scaler_state()}
+    for key, now in live.items():
+        saved = state.get(key)
+        if saved is not None and now is not None and not _same_kind(saved, now):
+            raise HybridError(f"loop.pt: the saved {key} state does not match this job's {key} "
+                              f"({type(getattr(wrapped, key, None) or wrapped.engine).__name__}); build the same "
+                              f"{key} as the run that saved it")
+
+
+def check_rng(state) -> None:
+    """Apply the saved RNG states to scratch generators: what fails here would fail on the real ones."""
+    if not isinstance(state, dict) or "python" not in state or "torch" not in state:
+        raise HybridError("the RNG state is not the dict hybrid writes")
+    try:
+        random.Random().setstate(state["python"])
+        torch.Generator().set_state(state["torch"])
+        if "cuda" in state and not (isinstance(state["cuda"], torch.Tensor) and state["cuda"].dtype == torch.uint8):
+            raise TypeError("cuda state is not a byte tensor")
+        if "numpy" in state:
+            import numpy as np
+            kind, keys, pos, has_gauss, cached = state["numpy"]
+            np.random.RandomState().set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+    except Exception as e:  # noqa: BLE001 - any malformed state is the same verdict
+        raise HybridError(f"the RNG state is malformed ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:80] if str(e) else ''})") from None
+
+
+def plan_load(path: str, template: dict, md) -> tuple[dict, dict, list[str]]:
+    """What DCP will load: the template less the optimizer entries the checkpoint lacks (they start
+    fresh), every other entry present with this job's shape. (to load, fresh values, log lines)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # the keys DCP uses
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    flat, mappings = flatten_state_dict(template)
+    stored = md.state_dict_metadata
+    fresh, kinds = set(), {}
+    for key, value in flat.items():
+        entry = stored.get(key)
+        where = mappings[key]
+        if entry is None:
+            if len(where) >= 2 and where[0] == "optim" and str(where[1]).startswith(("state.", "param_groups.")):
+                fresh.add(where[:2])
+                kind = str(where[1]).rsplit(".", 1)[-1]
+                kinds.setdefault(kind, set()).add(str(where[1]))
+                continue
+            raise HybridError(f"checkpoint {path!r} has no value for {short(key)}, which this job holds; it is of "
+                              "a different model (or a model with other buffers)")
+        if isinstance(value, torch.Tensor) != isinstance(entry, TensorStorageMetadata):
+            raise HybridError(f"checkpoint {path!r} stores {short(key)} as "
+                              f"{'a tensor' if isinstance(entry, TensorStorageMetadata) else 'plain data'}; this "
+                              f"job holds {'a tensor' if isinstance(value, torch.Tensor) else 'plain data'} there")
+        if isinstance(value, torch.Tensor) and tuple(entry.size) != tuple(value.shape):
+            raise HybridError(f"checkpoint {path!r} has {short(key)} of shape {tuple(entry.size)}; this job holds "
+                              f"{tuple(value.shape)}")
+    notes = []
+    state_kinds = {k: len(v) for k, v in kinds.items() if any(n.startswith("state.") for n in v)}
+    if state_kinds:
+        notes.append(f"hybrid: checkpoint {path} has no optimizer state "
+                     f"{', '.join(f'{k} ({n} parameters)' for k, n in sorted(state_kinds.items()))}: the run that "
+                     "saved it kept none (SGD without momentum, or frozen parameters); it starts fresh")
+    unused = sorted({k.rsplit(".", 1)[-1] for k in stored if k.startswith("optim.state.") and k not in flat})
+    if unused:
+        notes.append(f"hybrid: checkpoint {path} holds optimizer state this job does not use "
+                     f"({', '.join(unused[:5])}; frozen parameters or another optimizer setting): ignored")
+    to_load = {k: dict(v) if isinstance(v, dict) else v for k, v in template.items()}
+    values = {}
+    for top, key in fresh:
+        values.setdefault(top, {})[key] = to_load[top].pop(key)
+    return to_load, values, notes

@@ -169,14 +169,14 @@ def export(ckpt: str, out: str, dtype: str | None = None, max_shard: str = "5GB"
     import torch
 
     ckpt = os.path.abspath(ckpt)
+    meta = read_meta(ckpt)              # first: "this is no checkpoint" says more than where OUT lies
     out = _target(out, overwrite, ckpt)
     cast = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if dtype not in cast:
         raise HybridError(f"unknown dtype {short(dtype)}. Available: fp32, bf16, fp16")
     limit = parse_bytes(max_shard)
-    if not 1 << 20 <= limit <= 1 << 50:
-        raise HybridError(f"--max-shard-size must be between 1MiB and 1PiB, got {short(max_shard)}")
-    meta = read_meta(ckpt)
+    if not 1 << 10 <= limit <= 1 << 50:
+        raise HybridError(f"--max-shard-size must be between 1KiB and 1PiB, got {short(max_shard)}")
     check_files(ckpt, meta)
     r = reader(ckpt, meta)
     keys, config = plan_keys(meta)

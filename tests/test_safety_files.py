@@ -338,7 +338,7 @@ def killer():
 threading.Thread(target=killer, daemon=True).start()
 before = signal.getsignal(signal.SIGTERM)
 try:
-    export({ckpt!r}, out, max_shard="1MiB")
+    export({ckpt!r}, out, max_shard="64KiB")
 except (SystemExit, KeyboardInterrupt) as e:
     print("interrupted", type(e).__name__, signal.getsignal(signal.SIGTERM) == before)
     sys.exit(3)
@@ -456,30 +456,38 @@ def resume_with(path, kind, strategy="ddp"):
     handler.emit = lambda r: records.append(r.getMessage())
     logging.getLogger("hybrid").addHandler(handler)
     logging.getLogger("hybrid").setLevel(logging.INFO)
-    if kind == "momentum":
-        w = _wrap(strategy, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), seed=3)
-    else:
-        w = _wrap(seed=3)
-    w.load(path)
-    state = {k: v.clone() for k, v in w.state_dict().items()}
-    _train(w)                                              # and it trains on
+    try:
+        if kind == "momentum":
+            w = _wrap(strategy, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), seed=3)
+        else:
+            w = _wrap(strategy, seed=3)
+        w.load(path)
+        state = {k: v.clone() for k, v in w.state_dict().items()}
+        _train(w)                                              # and it trains on
+    finally:
+        logging.getLogger("hybrid").removeHandler(handler)
     return records, state
 
 
-@pytest.mark.gloo
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_adding_momentum_starts_it_fresh_with_one_log_line(tmp_path, strategy):
-    run_ranks(1, save_plain_sgd, str(tmp_path / "c"), strategy)
-    records, _ = run_ranks(1, resume_with, str(tmp_path / "c"), "momentum", strategy)[0]
-    assert any("no optimizer state momentum_buffer" in r and "starts fresh" in r for r in records), records
+def optimizer_changes(tmp):
+    """In one job: SGD saved without momentum, resumed with it (ddp, fsdp); AdamW saved with frozen
+    parameters, resumed with all of them trainable."""
+    save_plain_sgd(os.path.join(tmp, "sgd"), "ddp")
+    out = {s: resume_with(os.path.join(tmp, "sgd"), "momentum", s)[0] for s in ("ddp", "fsdp")}
+    saved = save_frozen(os.path.join(tmp, "frozen"))
+    records, loaded = resume_with(os.path.join(tmp, "frozen"), "unfrozen")
+    out["unfrozen"] = records
+    out["same"] = all(torch.equal(saved[k], loaded[k]) for k in saved)
+    return out
 
 
 @pytest.mark.gloo
-def test_unfreezing_parameters_starts_their_state_fresh(tmp_path):
-    saved = run_ranks(1, save_frozen, str(tmp_path / "c"))[0]
-    records, loaded = run_ranks(1, resume_with, str(tmp_path / "c"), "unfrozen")[0]
-    assert any("no optimizer state" in r and "exp_avg" in r and "starts fresh" in r for r in records), records
-    assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+def test_added_momentum_and_unfrozen_parameters_start_fresh_with_one_log_line(tmp_path):
+    out = run_ranks(1, optimizer_changes, str(tmp_path))[0]
+    for s in ("ddp", "fsdp"):
+        assert any("no optimizer state momentum_buffer" in r and "starts fresh" in r for r in out[s]), out[s]
+    assert any("no optimizer state" in r and "exp_avg" in r and "starts fresh" in r for r in out["unfrozen"]), out
+    assert out["same"]
 
 
 # --- 5. save: deletes only what it can prove it wrote; a full disk is one line -----------------------
@@ -494,17 +502,6 @@ def save_n(path, n, keep_copy):
             with open(os.path.join(path, ".meta.json.deadbeef"), "w") as f:
                 f.write("left by a save that crashed")
     return sorted(os.listdir(path))
-
-
-@pytest.mark.gloo
-def test_save_keeps_a_users_copy_of_a_version_and_cleans_its_temp_files(tmp_path):
-    p = str(tmp_path / "c")
-    entries = run_ranks(1, save_n, p, 3, True)[0]
-    mine = [e for e in entries if e.endswith("-mine")]
-    assert len(mine) == 1 and os.path.isfile(os.path.join(p, mine[0], "HYBRID_DATA"))
-    assert ".meta.json.deadbeef" not in entries
-    ours = [e for e in entries if e.startswith("data-") and not e.endswith("-mine")]
-    assert ours == [meta_of(p)["data"]]
 
 
 def save_with_small_fsize(path, limit):
@@ -524,11 +521,139 @@ def save_with_small_fsize(path, limit):
         resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 
 
+def save_cases(copy_dir, full_dir):
+    return save_n(copy_dir, 3, True), save_with_small_fsize(full_dir, 4096), load_each([full_dir])
+
+
 @pytest.mark.gloo
-def test_a_full_disk_during_save_is_one_line_and_the_last_version_stays(tmp_path):
+def test_save_keeps_a_users_copy_of_a_version_and_cleans_its_temp_files_and_a_full_disk_is_one_line(tmp_path):
     p = str(tmp_path / "c")
-    msg = run_ranks(1, save_with_small_fsize, p, 4096)[0]
+    entries, msg, loaded = run_ranks(1, save_cases, p, str(tmp_path / "full"))[0]
+    mine = [e for e in entries if e.endswith("-mine")]
+    assert len(mine) == 1 and os.path.isfile(os.path.join(p, mine[0], "HYBRID_DATA"))
+    assert ".meta.json.deadbeef" not in entries
+    ours = [e for e in entries if e.startswith("data-") and not e.endswith("-mine")]
+    assert ours == [meta_of(p)["data"]]
+    p = str(tmp_path / "full")
     assert msg and "cannot write checkpoint" in msg and "previous version is still in force" in msg, msg
     assert [e for e in os.listdir(p) if e.startswith("data-")] == [meta_of(p)["data"]]
     assert not [e for e in os.listdir(p) if e.startswith(".meta.json.")]
-    assert run_ranks(1, load_each, [p])[0] == [None]
+    assert loaded == [None]
+
+
+# --- 6. job files and flags: one check per key, ranges, no silent defaults -------------------------
+def _run(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _one_line(rc, out, err):
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    return rc == 2 and out == "" and len(lines) == 1 and lines[0].startswith("hybrid: error: ") \
+        and "Traceback" not in err
+
+
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+
+
+@pytest.mark.unit
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path, capsys):
+    job = tmp_path / "bomb.yaml"
+    job.write_text(BOMB)
+    assert len(BOMB) < 600
+    start = time.monotonic()
+    rc, out, err = _run(capsys, "plan", "gpt2", "--config", str(job), "--json")
+    assert _one_line(rc, out, err) and "alias" in err, err
+    from hybrid.jobfile import wrap_options
+    with pytest.raises(HybridError, match="YAML alias"):
+        wrap_options(str(job))
+    assert time.monotonic() - start < 2
+
+
+@pytest.mark.unit
+def test_a_strategy_file_alias_bomb_is_refused(tmp_path, capsys):
+    d = tmp_path / "strategies"
+    d.mkdir()
+    (d / "s.yaml").write_text("name: bomb\nfamily: ddp\n" + BOMB.replace("a:", "x_a:", 1))
+    rc, out, err = _run(capsys, "plan", "gpt2", "--strategies-dir", str(d), "--json")
+    assert _one_line(rc, out, err) and "alias" in err, err
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("text,match", [
+    ("nodes: .inf\n", "nodes must be an integer, got inf"),
+    ("gpu: [a100-80gb]\n", "gpu must be a string, got list"),
+    ("model: 7\n", "model must be a string, got int"),
+    ("strategies_dir: [[a, b]]\n", "strategies_dir must be a string, got list"),
+    ("seq_len: 0\n", "seq_len must be a positive integer, got 0"),
+    ("gpus_per_node: 0\n", "gpus_per_node must be a positive integer"),
+    ("efficiency: 1.0e-320\n", "efficiency must be at least 0.01"),
+    ("headroom: -1\n", "headroom must be at least 0"),
+    ("precision: ''\n", "precision is empty"),
+    ("model: " + "x" * 100000 + "\n", "model is 100000 characters long"),
+    ("nodez" + "z" * 1000 + ": 1\n", "unknown key 'nodezzz"),
+    ("nodes: " + "9" * 5000 + "\n", "not a job file hybrid reads"),
+    ("nodes: " + "9" * 20 + "\n", "nodes must be at most 1e+09"),
+    ("- " * 200 + "x\n", "levels of nesting"),
+], ids=lambda v: v[:20] if isinstance(v, str) else None)
+def test_job_file_values_one_line_short(tmp_path, capsys, text, match):
+    job = tmp_path / "job.yaml"
+    job.write_text(text)
+    rc, out, err = _run(capsys, "plan", "gpt2", "--config", str(job), "--json")
+    assert _one_line(rc, out, err) and match in err, err
+    assert len(err) < 600                       # the value is cut, never printed whole (the key list is ~280)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("text,match", [("seq_len: 0\n", "seq_len must be a positive integer"),
+                                        ("nodes: 0\n", "nodes must be a positive integer"),
+                                        ("gpu: ''\n", "gpu is empty")])
+def test_auto_wrap_job_file_zero_is_an_error_not_a_default(tmp_path, text, match):
+    from hybrid.jobfile import wrap_options
+    job = tmp_path / "job.yaml"
+    job.write_text(text)
+    with pytest.raises(HybridError, match=match):
+        wrap_options(str(job))
+
+
+@pytest.mark.unit
+def test_auto_wrap_arguments_go_through_the_same_checks():
+    from hybrid.jobfile import check_arguments
+    for kw, match in (({"seq_len": 0}, "seq_len must be a positive integer"), ({"precision": ""}, "precision is empty"),
+                      ({"tp": 0}, "tp must be a positive integer"), ({"micro_batch": 1.5}, "must be an integer")):
+        with pytest.raises(HybridError, match=match):
+            check_arguments(kw, "auto_wrap")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("argv,match", [
+    (["--gpus-per-node", "0"], "--gpus-per-node must be a positive integer, got 0"),
+    (["--gpu="], "--gpu is empty"),
+    (["--precision="], "--precision is empty"),
+    (["--activation-checkpointing="], "--activation-checkpointing is empty"),
+    (["--efficiency", "1e-320"], "--efficiency must be at least 0.01"),
+    (["--efficiency", "nan"], "--efficiency must be a finite number"),
+    (["--headroom", "inf"], "--headroom must be a finite number"),
+    (["--nodes", "2000000000"], "--nodes must be at most 1e+09"),
+    (["--tp", "0"], "--tp must be a positive integer"),
+    (["--strategy="], "--strategy is empty"),
+    (["--gpu-memory="], "--gpu-memory is empty"),
+])
+def test_zero_empty_and_out_of_range_flags_are_errors(capsys, argv, match):
+    rc, out, err = _run(capsys, "plan", "gpt2", *argv, "--json")
+    assert _one_line(rc, out, err) and match in err, err
+
+
+FACTORY = "import sys\ndef exits():\n    sys.exit(0)\ndef exits_on_import():\n    pass\n"
+
+
+@pytest.mark.unit
+def test_a_factory_raising_system_exit_is_a_clear_error(tmp_path):
+    (tmp_path / "exitfactories.py").write_text(FACTORY)
+    (tmp_path / "exitmodule.py").write_text("import sys\nsys.exit(0)\ndef f():\n    pass\n")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    for spec, match in (("exitfactories:exits", "raised SystemExit"), ("exitmodule:f", "SystemExit")):
+        rc, out, err = _cli(["plan", spec, "--json"], env=env)
+        assert rc == 2 and out == "" and match in err and len(err.strip().splitlines()) == 1, (spec, rc, err)
