@@ -129,7 +129,8 @@ def check_files(path: str, meta: dict, only: list[str] | None = None) -> None:
 
 def reader(path: str, meta: dict) -> SafeReader:
     """The DCP reader of this version, its metadata read and checked (HybridError naming the entry)."""
-    r = SafeReader(os.path.join(path, meta["data"]), {k: v[0] for k, v in meta["files"].items()})
+    r = SafeReader(os.path.join(path, meta["data"]), {k: v[0] for k, v in meta["files"].items()},
+                   max_chunks=meta["world_size"])
     try:
         md = r.read_metadata()
     except HybridError as e:

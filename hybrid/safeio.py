@@ -61,9 +61,12 @@ def open_confined(root: str, rel: str, size: int | None = None):
     bytes when given. HybridError naming `rel` otherwise (never anything about paths outside)."""
     parts = check_relative(rel).split("/")
     flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-    try:
-        dfd = os.open(root, flags | os.O_DIRECTORY)
+    try:       # root is the version folder: a link there could point at another checkpoint
+        dfd = os.open(root, flags | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise HybridError(f"the version folder {os.path.basename(root)[:80]} is a symbolic link or not a "
+                              "folder; a checkpoint holds only the regular files meta.json lists") from None
         raise HybridError(f"cannot open the checkpoint folder: {e.strerror}") from None
     fd = -1
     try:
@@ -148,16 +151,19 @@ def _numel(shape) -> int:
     return n
 
 
-def check_dcp_metadata(md, files: dict[str, int]) -> dict:
+def check_dcp_metadata(md, files: dict[str, int], max_chunks: int) -> dict:
     """Every field of DCP metadata `md` that a load uses, against `files` (path inside the dcp
-    folder -> size, from meta.json). Returns {(fqn, offsets): (sizes, dtype)} for each tensor
-    chunk. HybridError naming the entry otherwise."""
+    folder -> size, from meta.json); a tensor in at most `max_chunks` pieces (hybrid writes one
+    per rank at most: the world size that saved it). Returns {(fqn, offsets): (sizes, dtype)} for
+    each tensor chunk. HybridError naming the entry otherwise."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                        MetadataIndex, TensorStorageMetadata)
     if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict) \
             or not isinstance(md.storage_data, dict):
         raise HybridError(f"holds a {type(md).__name__}, not checkpoint metadata")
+    if len(md.storage_data) > max_chunks * max(len(md.state_dict_metadata), 1):
+        raise HybridError(f"has {len(md.storage_data)} storage entries; hybrid writes at most {max_chunks} per item")
     chunks, stored = {}, {}
     for key, info in md.storage_data.items():
         if not isinstance(key, MetadataIndex) or not isinstance(info, _StorageInfo) or not isinstance(key.fqn, str):
@@ -190,6 +196,9 @@ def check_dcp_metadata(md, files: dict[str, int]) -> dict:
             raise HybridError(f"{where} is neither a tensor nor bytes")
         dtype = entry.properties.dtype
         size = _size(entry.size, f"{where}'s shape")
+        if len(entry.chunks) > max_chunks:      # also bounds the pairwise overlap check below
+            raise HybridError(f"{where} has {len(entry.chunks)} chunks; hybrid writes at most {max_chunks} (one per "
+                              "rank that saved it)")
         covered, boxes = 0, []
         for c in entry.chunks:
             if not isinstance(c, ChunkStorageMetadata):
@@ -238,9 +247,9 @@ class SafeReader(FileSystemReader):
     """FileSystemReader confined to one version folder's dcp/ files as meta.json lists them:
     `root` the version folder, `files` {path inside root: size}."""
 
-    def __init__(self, root: str, files: dict[str, int]):
+    def __init__(self, root: str, files: dict[str, int], max_chunks: int):
         super().__init__(os.path.join(root, "dcp"))
-        self.root = root
+        self.root, self.max_chunks = root, max_chunks
         self.dcp_files = {k[len("dcp/"):]: v for k, v in files.items() if k.startswith("dcp/")}
         self.chunks: dict = {}
 
@@ -252,7 +261,7 @@ class SafeReader(FileSystemReader):
         data = read_bounded(self.root, "dcp/.metadata", self.dcp_files[".metadata"])
         md = load_metadata(data, "dcp/.metadata")
         try:
-            self.chunks = check_dcp_metadata(md, self.dcp_files)
+            self.chunks = check_dcp_metadata(md, self.dcp_files, self.max_chunks)
         except HybridError as e:
             raise HybridError(f"dcp/.metadata {e}") from None
         if getattr(md, "storage_meta", None) is None:
@@ -262,7 +271,7 @@ class SafeReader(FileSystemReader):
 
     def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
         # ranks other than the coordinator get the metadata broadcast, unchecked: check it here
-        self.chunks = check_dcp_metadata(metadata, self.dcp_files)
+        self.chunks = check_dcp_metadata(metadata, self.dcp_files, self.max_chunks)
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
     def items(self, rel: str):

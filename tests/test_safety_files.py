@@ -186,6 +186,13 @@ def test_symlinked_data_folder_or_file_is_refused(ckpts, tmp_path):
     start = time.monotonic()
     assert "symbolic link" in export_error(c3, str(tmp_path / "out3"))
     assert time.monotonic() - start < 10
+    # the whole version folder a link to the other checkpoint's, its meta.json copied in
+    c4 = copy(ckpts, tmp_path, "version")
+    meta = meta_of(c4)
+    shutil.rmtree(os.path.join(c4, meta["data"]))
+    os.symlink(os.path.join(other, om["data"]), os.path.join(c4, om["data"]))
+    write_meta(c4, {**om})
+    assert "symbolic link" in export_error(c4, str(tmp_path / "out4"))
 
 
 @pytest.mark.gloo
@@ -657,3 +664,25 @@ def test_a_factory_raising_system_exit_is_a_clear_error(tmp_path):
     for spec, match in (("exitfactories:exits", "raised SystemExit"), ("exitmodule:f", "SystemExit")):
         rc, out, err = _cli(["plan", spec, "--json"], env=env)
         assert rc == 2 and out == "" and match in err and len(err.strip().splitlines()) == 1, (spec, rc, err)
+
+
+@pytest.mark.gloo
+def test_a_tensor_in_more_pieces_than_ranks_is_refused_at_once(ckpts, tmp_path):
+    """Chunk checks are pairwise: 200,000 crafted chunks of one tensor (each with a storage entry
+    on the same bytes) would take hours. hybrid writes at most one chunk per rank that saved it."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    c = copy(ckpts, tmp_path)
+    md = dcp_md(c)
+    name = _first_param(md)
+    entry = md.state_dict_metadata[name]
+    rows, cols = entry.size
+    some = next(iter(md.storage_data.values()))
+    entry.chunks = [ChunkStorageMetadata(offsets=torch.Size([i, j]), sizes=torch.Size([1, 1]))
+                    for i in range(rows) for j in range(cols)]            # covers the shape exactly once
+    for ch in entry.chunks:
+        md.storage_data[MetadataIndex(name, ch.offsets)] = _StorageInfo(some.relative_path, 0, 4)
+    put_md(c, md)
+    start = time.monotonic()
+    assert "hybrid writes at most" in export_error(c, str(tmp_path / "out"))
+    assert time.monotonic() - start < 10
