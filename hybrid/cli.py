@@ -29,11 +29,17 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
                    help="reserved memory over allocated, as a fraction (default: calibrated on public runs, "
                         "0.11 with expandable segments, 0.28 without)")
     t = p.add_argument_group("training step")
-    t.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per step (default 1)")
+    t.add_argument("--micro-batch", type=int, default=None, help="sequences per GPU per forward (default 1; with "
+                   "--global-batch: chosen per layout unless given)")
+    t.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per optimizer step over all data-parallel ranks: each layout's micro-batch and "
+                        "accumulation are chosen so that micro-batch x accumulation x data-parallel ranks = this")
+    t.add_argument("--global-batch-tokens", type=int, default=None,
+                   help="the global batch in tokens (a multiple of --seq-len), instead of --global-batch")
     t.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's maximum, at most 4096)")
     t.add_argument("--precision", default=None, help="fp32 | bf16-mixed | fp16-mixed | bf16 (default bf16-mixed; "
                    "fp16-mixed on GPUs without bf16, e.g. v100, t4)")
-    t.add_argument("--gradient-accumulation", type=int, default=1,
+    t.add_argument("--gradient-accumulation", type=int, default=None,
                    help="micro-batches per optimizer step (default 1); global batch = micro-batch x this x data-parallel ranks")
     t.add_argument("--optimizer", default="adamw", help="adamw | sgd | adafactor (default adamw)")
     t.add_argument("--activation-checkpointing", default=None,
@@ -89,10 +95,13 @@ def _job(args):
     if "bf16" in str(precision).lower() and cluster.gpu.is_cuda and not cluster.gpu.bf16:
         raise HybridError(f"{cluster.gpu.name} has no bf16 (it needs Ampere or newer): use --precision fp16-mixed "
                           "or fp32")
-    if not 1 <= args.gradient_accumulation <= 10**6:
+    if args.gradient_accumulation is not None and not 1 <= args.gradient_accumulation <= 10**6:
         raise HybridError(f"--gradient-accumulation must be between 1 and 1e6, got {args.gradient_accumulation}")
-    spec = TrainSpec(micro_batch=args.micro_batch, seq_len=seq, precision=precision,
-                     gradient_accumulation=args.gradient_accumulation,
+    from .batch import global_batch_of
+    gb = global_batch_of(args.global_batch, args.global_batch_tokens, seq, args.gradient_accumulation)
+    spec = TrainSpec(micro_batch=1 if args.micro_batch is None else args.micro_batch, seq_len=seq, precision=precision,
+                     gradient_accumulation=1 if args.gradient_accumulation is None else args.gradient_accumulation,
+                     global_batch=gb,
                      optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing or "none",
                      attention=args.attention)
     if args.method not in ("analytic", "traced", "measured"):
@@ -219,7 +228,7 @@ def _plan(args, strategies=None, search=False):
                               f"--pp {args.pp}")
         pp = args.pp or 1            # traced: a pinned pp only (its busiest rank traced per candidate)
     return plan(src.profile, spec, cluster, cat, args.shard_size, strategies=strategies, tp=tp, pp=pp,
-                schedule=args.schedule,
+                schedule=args.schedule, micro_batch=args.micro_batch if spec.global_batch is not None else None,
                 estimator=_estimator(args, src, cluster), method=args.method,
                 search_checkpointing=search and args.activation_checkpointing is None and args.method == "analytic",
                 efficiency=args.efficiency, search_shards=search), src

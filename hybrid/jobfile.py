@@ -19,13 +19,13 @@ from .catalogue import key_lines
 from .errors import HybridError
 
 JOB_KEYS = ("model", "params", "nodes", "gpus_per_node", "gpu", "gpu_memory", "host_memory", "expandable_segments",
-            "headroom", "micro_batch",
+            "headroom", "micro_batch", "global_batch", "global_batch_tokens",
             "seq_len", "gradient_accumulation", "precision", "optimizer", "activation_checkpointing", "attention",
             "shard_size", "tp", "pp", "schedule", "method", "implementation", "efficiency", "strategies_dir",
             "strategy")
 """What a job file may hold: the model, the cluster, the training step and the method (not output
 switches such as --json or --emit)."""
-_NUMBERS = {"nodes": int, "gpus_per_node": int, "micro_batch": int, "seq_len": int, "gradient_accumulation": int,
+_NUMBERS = {"nodes": int, "gpus_per_node": int, "micro_batch": int, "global_batch": int, "global_batch_tokens": int, "seq_len": int, "gradient_accumulation": int,
             "shard_size": int, "tp": int, "pp": int, "efficiency": float, "headroom": float}
 """Job keys that hold numbers (the CLI's option types); the rest are strings."""
 
@@ -90,7 +90,7 @@ def save_job(path: str, args) -> None:
         raise HybridError(f"cannot write --save-config {path!r}: {e.strerror or e}") from None
 
 
-_WRAP_KEYS = ("micro_batch", "seq_len", "gradient_accumulation", "precision", "activation_checkpointing",
+_WRAP_KEYS = ("micro_batch", "global_batch", "global_batch_tokens", "seq_len", "gradient_accumulation", "precision", "activation_checkpointing",
               "attention", "shard_size", "tp", "pp", "schedule", "strategy", "gpu_memory")
 """Job keys that are auto_wrap arguments of the same name."""
 _PLAN_ONLY = ("model", "params", "method", "implementation", "efficiency", "optimizer")

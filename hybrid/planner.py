@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from . import batch as batch_search
+from .batch import BatchChoice
 from .catalogue import Strategy, load_catalogue
 from .parallel import ParallelDims, valid_shard_sizes
 from .cluster import GPUS, Cluster
@@ -52,6 +54,9 @@ class Candidate:
     """The stages and schedule when pp > 1."""
     stage_memory: tuple[MemoryBreakdown, ...] = ()
     """pp > 1: every pipeline rank's estimate (`memory` is the largest of them)."""
+    batch: BatchChoice | None = None
+    """At a global batch (spec.global_batch): the micro-batch and accumulation this layout trains
+    it with, and the largest micro-batch that fits (hybrid/batch.py). None: the spec's, as given."""
 
     @property
     def name(self) -> str:
@@ -97,6 +102,7 @@ class Candidate:
             "fits": self.fits, "reason": self.reason,
             **(self.cost.to_dict() if self.cost else {}),
             "notes": list(m.notes) if m else [],
+            **({"batch": self.batch.to_dict()} if self.batch is not None else {}),
             **({"pipeline": {**self.pipeline.to_dict(),
                              "stages": [{"rank": r, "blocks": sum(self.pipeline.blocks[i] for i in
                                                                   self.pipeline.rank_stages(r)),
@@ -125,7 +131,10 @@ class Plan:
 
     @property
     def global_batch(self) -> int:
-        """Sequences per optimizer step: micro-batch x accumulation x data-parallel ranks."""
+        """Sequences per optimizer step: micro-batch x accumulation x data-parallel ranks (the
+        job's global batch when it was given: every candidate trains it)."""
+        if self.spec.global_batch is not None:
+            return self.spec.global_batch
         return self.spec.micro_batch * self.spec.gradient_accumulation * self.dp_size
 
     def __str__(self) -> str:
@@ -256,7 +265,11 @@ def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, 
             if p > 1 and not s.family_obj.supports_pp and pp is None:
                 continue
             cl = stage_cluster(cluster, p)
-            scheds = [schedule] if schedule else schedules_for(p, spec.gradient_accumulation, profile.num_blocks // p)
+            if spec.global_batch is not None:        # the micro-batch count is searched per layout
+                scheds = batch_search.schedules(p, profile.num_blocks // p, schedule)
+            else:
+                scheds = [schedule] if schedule else schedules_for(p, spec.gradient_accumulation,
+                                                                   profile.num_blocks // p)
             for t in (tp_degrees(profile, cl.gpus_per_node) if tp is None else [tp]):
                 if t > 1 and not s.family_obj.supports_tp and tp is None:
                     continue
@@ -292,12 +305,13 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
          strategies: list[str] | None = None, estimator=None, method: str = "analytic",
          search_checkpointing: bool = False, efficiency: float | None = None,
          suggest_fixes: bool = True, search_shards: bool = True, tp: int | None = None,
-         pp: int | None = None, schedule: str | None = None) -> Plan:
+         pp: int | None = None, schedule: str | None = None, micro_batch: int | None = None) -> Plan:
     """Judge every candidate and choose. With search_checkpointing the planner also tries each
     activation-checkpointing setting (the spec's own is otherwise kept); tp None tries every valid
     tensor-parallel degree, an int pins it; pp None tries every pipeline degree the cluster
     allows (and the schedules that fit the micro-batch count), an int pins it, as `schedule`
-    pins the schedule."""
+    pins the schedule. With spec.global_batch each layout's micro-batch and accumulation are
+    searched (hybrid/batch.py) unless `micro_batch` pins the micro-batch."""
     check_job(profile, spec)
     cat = catalogue if catalogue is not None else load_catalogue()
     names = strategies or list(cat)
@@ -331,55 +345,70 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
         todo = [t for t in todo if t[0].family_obj.supports_pp and (schedule or t[5]) != "interleaved"]
     if hasattr(estimator, "expect"):                    # how many candidates it will see (progress)
         estimator.expect(len(todo))
-    cands = [judge(s, profile, sp, cluster, n, estimator, efficiency, t, p, sc) for s, n, sp, t, p, sc in todo]
+    cands = judge_all(todo, profile, cluster, estimator, efficiency, micro_batch, schedule is not None)
     chosen = choose(cands)
     order = sorted(cands, key=lambda c: (not c.fits, c.memory is None,
                                          c.cost.time_per_token if c.fits else (c.memory.total if c.memory else 0)))
     fixes = ()
     if chosen is None and suggest_fixes and estimator is None:
-        fixes = tuple(suggest(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp, pp))
+        fixes = tuple(suggest(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp, pp,
+                              micro_batch))
     return Plan(profile, cluster, spec, tuple(order), chosen, method, fixes)
 
 
+def judge_all(todo: list[tuple], profile: ModelProfile, cluster: Cluster, estimator=None,
+              efficiency: float | None = None, micro_batch: int | None = None,
+              pinned_schedule: bool = False) -> list[Candidate]:
+    """Judge enumerated items; at a global batch each item's batch shape is searched first."""
+    if not todo or todo[0][2].global_batch is None:
+        return [judge(s, profile, sp, cluster, n, estimator, efficiency, t, p, sc) for s, n, sp, t, p, sc in todo]
+
+    def one(s, sp, n, t, p, sc, est):
+        return judge(s, profile, sp, cluster, n, est, efficiency, t, p, sc)
+    return [batch_search.search(one, s, sp, cluster, n, t, p, sc, estimator, micro_batch, pinned_schedule)
+            for s, n, sp, t, p, sc in todo]
+
+
 def _fits_with(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp=None,
-               pp=None) -> Candidate | None:
+               pp=None, micro_batch=None) -> Candidate | None:
     try:
         check_job(profile, spec)
     except HybridError:
         return None
     todo = enumerate_candidates(cat, profile, spec, cluster, names, None, search_checkpointing, tp=tp, pp=pp)
-    return choose([judge(s, profile, sp, cluster, n, None, efficiency, t, p, sc) for s, n, sp, t, p, sc in todo])
+    return choose(judge_all(todo, profile, cluster, None, efficiency, micro_batch))
 
 
 def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[str, Strategy],
             names: list[str], search_checkpointing: bool, efficiency: float | None = None,
-            tp: int | None = None, pp: int | None = None) -> list[str]:
+            tp: int | None = None, pp: int | None = None, micro_batch: int | None = None) -> list[str]:
     """The smallest change along each axis that makes some candidate fit."""
     out = []
     if pp is not None:      # pp was pinned: would another degree fit?
         for p in pp_degrees(cluster):
             c = p > pp and p <= profile.num_blocks and _fits_with(profile, spec, cluster, cat, names, True,
-                                                                  efficiency, tp, p)
+                                                                  efficiency, tp, p, micro_batch)
             if c:
                 out.append(f"--pp {p} ({c.label}: {fmt_bytes(c.memory.total)})")
                 break
     if tp is not None:      # tp was pinned: would another degree fit?
         for t in tp_degrees(profile, cluster.gpus_per_node):
-            c = t > tp and _fits_with(profile, spec, cluster, cat, names, True, efficiency, t)
+            c = t > tp and _fits_with(profile, spec, cluster, cat, names, True, efficiency, t,
+                                            micro_batch=micro_batch)
             if c:
                 out.append(f"--tp {t} ({c.label}: {fmt_bytes(c.memory.total)})")
                 break
     args = (cat, names, True, efficiency)
     if not search_checkpointing and spec.activation_checkpointing != "full":
         for ac in ("selective", "full"):
-            c = _fits_with(profile, replace(spec, activation_checkpointing=ac), cluster, *args)
+            c = _fits_with(profile, replace(spec, activation_checkpointing=ac), cluster, *args, micro_batch=micro_batch)
             if c:
                 out.append(f"--activation-checkpointing {ac} ({c.label}: {fmt_bytes(c.memory.total)})")
                 break
     nodes = cluster.nodes
     while nodes < 4096:
         nodes *= 2
-        c = _fits_with(profile, spec, replace(cluster, nodes=nodes), *args)
+        c = _fits_with(profile, spec, replace(cluster, nodes=nodes), *args, micro_batch=micro_batch)
         if c:
             out.append(f"--nodes {nodes} ({c.label} x{c.shard_size}: {fmt_bytes(c.memory.total)} per GPU)")
             break
@@ -387,17 +416,17 @@ def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[
         seq = spec.seq_len
         while seq > 128:
             seq //= 2
-            c = _fits_with(profile, replace(spec, seq_len=seq), cluster, *args)
+            c = _fits_with(profile, replace(spec, seq_len=seq), cluster, *args, micro_batch=micro_batch)
             if c:
                 out.append(f"--seq-len {seq} ({c.label}: {fmt_bytes(c.memory.total)})")
                 break
-    if spec.micro_batch > 1:
-        c = _fits_with(profile, replace(spec, micro_batch=1), cluster, *args)
+    if spec.micro_batch > 1 and spec.global_batch is None:
+        c = _fits_with(profile, replace(spec, micro_batch=1), cluster, *args, micro_batch=micro_batch)
         if c:
             out.append(f"--micro-batch 1 ({c.label}: {fmt_bytes(c.memory.total)})")
     for gpu in sorted(GPUS.values(), key=lambda g: g.memory_bytes):
         if gpu.memory_bytes > cluster.gpu.memory_bytes:
-            c = _fits_with(profile, spec, replace(cluster, gpu=gpu), *args)
+            c = _fits_with(profile, spec, replace(cluster, gpu=gpu), *args, micro_batch=micro_batch)
             if c:
                 out.append(f"--gpu {gpu.name} ({c.label}: {fmt_bytes(c.memory.total)})")
                 break

@@ -104,10 +104,17 @@ class TrainSpec:
     gradient_accumulation: int = 1
     """Micro-batches per optimizer step; the global batch is micro_batch x this x data-parallel
     ranks. 1 = no accumulation."""
+    global_batch: int | None = None
+    """Sequences per optimizer step over all data-parallel ranks. None: micro_batch x
+    gradient_accumulation x the layout's data-parallel ranks, as given. Set: the planner chooses
+    each layout's micro-batch and accumulation so that their product with its data-parallel ranks
+    is this (hybrid/batch.py); micro_batch and gradient_accumulation are then that layout's."""
 
     def __post_init__(self):
-        for attr in ("micro_batch", "seq_len", "gradient_accumulation"):
+        for attr in ("micro_batch", "seq_len", "gradient_accumulation", "global_batch"):
             v = getattr(self, attr)
+            if v is None and attr == "global_batch":
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise HybridError(f"{attr.replace('_', '-')} must be a positive integer, got {v!r}")
         object.__setattr__(self, "precision", choice("precision", self.precision, Precision))
@@ -131,4 +138,5 @@ class TrainSpec:
     def to_dict(self) -> dict:
         return {"micro_batch": self.micro_batch, "seq_len": self.seq_len, "precision": self.precision,
                 "optimizer": self.optimizer, "activation_checkpointing": self.activation_checkpointing,
-                "attention": self.attention, "gradient_accumulation": self.gradient_accumulation}
+                "attention": self.attention, "gradient_accumulation": self.gradient_accumulation,
+                **({"global_batch": self.global_batch} if self.global_batch is not None else {})}
