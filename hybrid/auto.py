@@ -97,7 +97,8 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
               gradient_accumulation: int | None = None, max_grad_norm: float | None = None,
               find_unused_parameters: bool | None = None, tp: int | None = None,
               config: str | None = None, pp: int | None = None, schedule: str | None = None,
-              global_batch: int | None = None, global_batch_tokens: int | None = None) -> Wrapped:
+              global_batch: int | None = None, global_batch_tokens: int | None = None,
+              compile: bool = False) -> Wrapped:
     """Wrap `model` for data-parallel training on the current process group (started here from
     torchrun's variables if needed, nccl+cuda or gloo+cpu).
 
@@ -126,6 +127,8 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
                 forced strategy); the gradient_accumulation micro-batches flow through them and
                 the loop is `loss = w.train_step(batch)`
     schedule    pipeline schedule: 1f1b | gpipe | interleaved (default: the planner chooses)
+    compile     torch.compile every block (and our decoders' loss) as torchtitan does, after
+                checkpointing and before the data-parallel wrap (fsdp and ddp strategies)
     config      a job file (`hybrid plan --save-config`): its values fill every argument left at
                 its default (arguments you pass win, as flags do over --config); nodes,
                 gpus_per_node and gpu become the cluster
@@ -159,7 +162,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
                      precision=precision or default_precision(runtime), optimizer=optimizer_kind(optimizer),
                      activation_checkpointing=activation_checkpointing or "none", attention=attention,
                      gradient_accumulation=1 if gradient_accumulation is None else gradient_accumulation,
-                     global_batch=gb)
+                     global_batch=gb, compile=compile)
     catalogue = load_catalogue(strategies_dir)
     search = activation_checkpointing is None
     if strategy == "auto":

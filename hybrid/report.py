@@ -14,6 +14,14 @@ _COLS = CATEGORIES + ("total",)
 
 def _header(p: Plan) -> list[str]:
     s = p.spec
+    lines = _spec_lines(p)
+    if s.compile:
+        lines[0] += ", torch.compile (per block, and the loss)"
+    return lines
+
+
+def _spec_lines(p: Plan) -> list[str]:
+    s = p.spec
     if s.global_batch is not None:
         return [f"model {p.model.name}: {p.model.params:,} params; global batch {s.global_batch} x seq {s.seq_len}, "
                 f"{s.precision}, {s.optimizer}, activation checkpointing {s.activation_checkpointing}, "

@@ -109,6 +109,10 @@ class TrainSpec:
     gradient_accumulation x the layout's data-parallel ranks, as given. Set: the planner chooses
     each layout's micro-batch and accumulation so that their product with its data-parallel ranks
     is this (hybrid/batch.py); micro_batch and gradient_accumulation are then that layout's."""
+    compile: bool = False
+    """torch.compile each block (and the loss) as torchtitan does (hybrid/compile.py): the
+    blocks keep what AOTAutograd's partitioner saves (hybrid/memory/compiled.py), and fusion
+    removes most of eager's memory-bound elementwise traffic (hybrid/cost.py). False: eager."""
 
     def __post_init__(self):
         for attr in ("micro_batch", "seq_len", "gradient_accumulation", "global_batch"):
@@ -117,6 +121,8 @@ class TrainSpec:
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise HybridError(f"{attr.replace('_', '-')} must be a positive integer, got {v!r}")
+        if not isinstance(self.compile, bool):
+            raise HybridError(f"compile must be True or False, got {self.compile!r}")
         object.__setattr__(self, "precision", choice("precision", self.precision, Precision))
         object.__setattr__(self, "optimizer", choice("optimizer", self.optimizer, Optimizer))
         object.__setattr__(self, "activation_checkpointing", checkpointing(self.activation_checkpointing))
@@ -139,4 +145,5 @@ class TrainSpec:
         return {"micro_batch": self.micro_batch, "seq_len": self.seq_len, "precision": self.precision,
                 "optimizer": self.optimizer, "activation_checkpointing": self.activation_checkpointing,
                 "attention": self.attention, "gradient_accumulation": self.gradient_accumulation,
-                **({"global_batch": self.global_batch} if self.global_batch is not None else {})}
+                **({"global_batch": self.global_batch} if self.global_batch is not None else {}),
+                **({"compile": True} if self.compile else {})}

@@ -349,6 +349,8 @@ def prepare(model: nn.Module, mesh, spec):
         from .tp import apply_tensor_parallel
         tp = apply_tensor_parallel(model, mesh["tp"])
     apply_activation_checkpointing(model, spec.activation_checkpointing)
+    from ..compile import apply_compile
+    apply_compile(model, spec)                  # after checkpointing, before data parallelism (torchtitan)
     return tp
 
 
@@ -383,7 +385,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
     exactly the user's (checkpoints stay portable). Returns the number of checkpointed blocks."""
     if mode == "none":
         return 0
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
     from ..spec import layer_every
     blocks = find_blocks(model)[1]
@@ -396,7 +398,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
     elif mode == "op":
         context_fn = _op_context
     else:
-        from torch.utils.checkpoint import noop_context_fn as context_fn
+        context_fn = noop_context_fn
     every = layer_every(mode)
     if every is not None:
         blocks = [b for i, b in enumerate(blocks) if i % every == 0]
@@ -405,6 +407,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
 
         @functools.wraps(inner)
         def forward(*args, _inner=inner, **kwargs):
+            # full: the default context (torch.compile traces checkpoint only with that one, by identity)
+            if context_fn is noop_context_fn:
+                return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
             return checkpoint(_inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
         block.forward = forward
     return len(blocks)

@@ -52,6 +52,8 @@ def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: Loop
     if mesh["tp"].size() > 1:
         return _replicate_over_tp(strategy, model, optimizer_factory, mesh, spec, runtime)
     apply_activation_checkpointing(model, spec.activation_checkpointing)
+    from ..compile import apply_compile
+    apply_compile(model, spec)                  # after checkpointing, before the DDP wrap (torchtitan)
     unpack = carry_plain_outputs(model)
     ddp = DDP(model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
               process_group=mesh["dp_replicate"].get_group(), bucket_cap_mb=strategy.bucket_cap_mb,

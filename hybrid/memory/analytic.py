@@ -76,6 +76,9 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
                          "activations; vocab-parallel logits")
         if profile.stage is not None:
             act = _stage_activations(act, profile.stage)
+    elif getattr(spec, "compile", False):
+        raise NotApplicable("compile's memory is modelled for decoder blocks (a preset or a decoder config.json); "
+                            "this model has no known decoder shape")
     elif profile.activation_bytes_per_sample is not None:
         # probed in fp32; convolution and norm outputs follow the compute dtype (bf16 under
         # autocast too, where no fp32 residual stream exists)
