@@ -59,8 +59,6 @@ class Point:
         missing = [k for k in self.REQUIRED if k not in raw]
         if missing:
             raise ValueError(f"corpus point {raw.get('id')!r} lacks {', '.join(missing)}")
-        if raw["compile"]:
-            raise ValueError(f"corpus point {raw['id']!r}: compiled runs are not replayed (the estimate is of eager steps)")
         self.raw = raw
         self.id = raw["id"]
         self.measured = raw["measured"]
@@ -75,7 +73,7 @@ class Point:
         self.spec = TrainSpec(micro_batch=raw["micro_batch"], seq_len=raw["seq_len"],
                               precision=raw["precision"], optimizer=raw["optimizer"],
                               activation_checkpointing=raw["activation_checkpointing"],
-                              gradient_accumulation=raw.get("gradient_accumulation", 1))
+                              gradient_accumulation=raw.get("gradient_accumulation", 1), compile=raw["compile"])
         # a framework that reduce-scatters every micro-batch holds one micro-batch's gradients
         self.memory_spec = (replace(self.spec, gradient_accumulation=1)
                             if raw.get("grad_sync") == "every_micro_batch" else self.spec)
@@ -181,7 +179,7 @@ def main(argv=None) -> int:
             if lv is not None:
                 loo_err.append((lv - p.published_tps) / p.published_tps)
                 lo = pct(lv, p.published_tps)
-        layout = c.label if hasattr(c, "label") else c.name
+        layout = (c.label if hasattr(c, "label") else c.name) + ("+compile" if p.spec.compile else "")
         rows.append(f"| {p.id} | {p.model_name} | {cl.world_size} x {cl.gpu.name} | {layout} | {alloc} | {res} "
                     f"| {fits} | {tps} | {lo} |")
 

@@ -40,7 +40,7 @@ def optimizer_kind(factory) -> str:
 
 def enable_expandable_segments(environ=os.environ) -> bool:
     """On CUDA, run the caching allocator with expandable segments unless the user configured it:
-    freed blocks of any size are then reused, so reserved memory stays near allocated (about 11%
+    freed blocks of any size are then reused, so reserved memory stays near allocated (about 10%
     above it instead of 28%: hybrid/memory/breakdown.py, calibrated on public runs; torchtitan's
     launcher sets the same). The variable is read when CUDA first allocates; if that already
     happened, the setting is applied to the live allocator. Returns whether it set it."""

@@ -27,7 +27,7 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
                         "PYTORCH_CUDA_ALLOC_CONF here says otherwise); decides reserved over allocated")
     g.add_argument("--headroom", type=float, default=None,
                    help="reserved memory over allocated, as a fraction (default: calibrated on public runs, "
-                        "0.11 with expandable segments, 0.28 without)")
+                        "0.10 with expandable segments, 0.28 without)")
     t = p.add_argument_group("training step")
     t.add_argument("--micro-batch", type=int, default=None, help="sequences per GPU per forward (default 1; with "
                    "--global-batch: chosen per layout unless given)")
@@ -65,7 +65,7 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
                         "ours) | transformers | hybrid")
     o.add_argument("--efficiency", type=float, default=None,
                    help="fraction of peak FLOP/s the cost model assumes (default: the GPU's figure, calibrated "
-                        "on public runs: a100 0.62, h100 0.50; 0.45 for GPUs without public runs)")
+                        "on public runs: a100 0.65, h100 0.52; 0.45 for GPUs without public runs)")
     o.add_argument("--strategies-dir", action="append", default=[], help="extra catalogue directory (repeatable)")
     o.add_argument("--json", action="store_true", help="print the JSON contract instead of a table")
     o.add_argument("--config", help="job file (YAML) with any of these options as keys; flags override it")

@@ -16,12 +16,13 @@ published MFU of 40-50% for 7B-70B dense training (Megatron-LM, arXiv 2104.04473
 # Calibrated by `benchmarks/public_runs.py --calibrate` on benchmarks/public_runs.yaml (the
 # median of the efficiencies that reproduce each point's published tokens/s, per GPU type: A100
 # on 19 points from torchtitan, fms-fsdp, llm-foundry and Megatron-LM; H100 80 GB on llm-foundry's
-# 4; the 96 GB H100 on torchtitan's 5).
+# 4; the 96 GB H100 on torchtitan's 7, two of them compiled: with the elementwise traffic
+# modelled, hybrid/elementwise.py, compiled and eager points need the same figure).
 # A100 40/80 GB share a chip, as H100 80 GB and H200 do; h100-96gb is the 500 W Grand Teton part
 # whose peak torchtitan does not know ("between SXM and NVL"): its factor absorbs that.
-A100_EFFICIENCY = 0.62
-H100_EFFICIENCY = 0.50
-H100_96GB_EFFICIENCY = 0.41
+A100_EFFICIENCY = 0.65
+H100_EFFICIENCY = 0.52
+H100_96GB_EFFICIENCY = 0.49
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ CONFIGS = {"llama": DecoderConfig("llama", 300, 64, 2, 4, 176, 128, kv_heads=2),
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+@pytest.mark.parametrize("mode", ["none", "selective", "full", "op"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_the_compiled_block_formula_is_what_the_partitioner_saves(name, mode):
     """AOTAutograd's partitioner, traced on the block: the saved bytes per token equal the
@@ -77,6 +77,8 @@ def test_the_compiled_block_formula_is_what_the_partitioner_saves(name, mode):
     from hybrid.memory.compiled import per_token
     from hybrid.spec import TrainSpec
     cfg = CONFIGS[name]
+    if mode == "op" and name == "gpt2":
+        pytest.skip("torchtitan's per-op policy keeps aten.mm outputs; gpt2's biased linears run addmm")
     for dtype, precision in ((torch.bfloat16, "bf16"), (torch.float32, "fp32"))[:2 if name == "llama" else 1]:
         spec = TrainSpec(1, 16, precision=precision, activation_checkpointing=mode, compile=True)
         assert per_token(cfg, dtype, mode) == _layer_compiled(cfg, spec, spec.bytes.compute, mode)
@@ -122,3 +124,21 @@ def test_a_compiled_block_keeps_what_the_estimate_says(mode):
     eager = activation_terms(cfg, TrainSpec(2, seq, precision="fp32", activation_checkpointing=mode), autocast=False)
     if mode != "full":
         assert terms.per_layer < eager.per_layer          # the partitioner keeps less than eager autograd
+
+
+@pytest.mark.unit
+def test_fusion_explains_torchtitans_compiled_speedup():
+    """torchtitan's Llama 3.1 8B tables (eager and torch.compile, 8 and 128 H100): with the
+    elementwise traffic priced op by op in eager and fused when compiled, the eager and the
+    compiled row of one table need the same tensor-core efficiency (within 3%)."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import public_runs
+    _, points = public_runs.load()
+    by_id = {p.id: p for p in points}
+    for eager in ("tt-bench-8b-fsdp8", "tt-bench-8b-fsdp128"):
+        e, c = by_id[eager], by_id[eager + "-compile"]
+        assert c.spec.compile and not e.spec.compile
+        need_e, need_c = (p.efficiency_to_match(p.candidate()) for p in (e, c))
+        assert need_c == pytest.approx(need_e, rel=0.03)

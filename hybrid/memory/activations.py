@@ -108,6 +108,8 @@ def _layer_compiled(d: DecoderConfig, spec: TrainSpec, c: int, mode: str) -> flo
            with the post-attention residual sum, LayerNorm mean and rstd, and gelu_new's tanh
     selective  the block input and the matmul outputs backward needs (not the down/second MLP
            projection: nothing reads it) with attention's output and logsumexp
+    op     (llama) the block input and the kept matmul outputs backward needs (q, v, gate: the
+           down projection's is dropped) with attention's output and logsumexp
     full   the block input."""
     h, kv, f, a = d.hidden, d.kv_dim, d.ffn, d.heads
     llama = d.style == "llama"
@@ -115,6 +117,8 @@ def _layer_compiled(d: DecoderConfig, spec: TrainSpec, c: int, mode: str) -> flo
         return c * h
     if mode == "selective":
         return c * (4 * h + 2 * kv + (2 * f if llama else f)) + F32 * a
+    if mode == "op":
+        return c * (3 * h + kv + f) + F32 * a
     if llama:
         return c * (6 * h + 2 * kv + 3 * f) + F32 * (a + 2)
     return c * (6 * h + 2 * kv + 3 * f) + 4 * c + F32 * a
@@ -129,8 +133,9 @@ def compiled_supported(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> str
         return "compiled blocks are modelled with SDPA's mask-free flash attention; use --attention sdpa"
     if d.style == "gpt2" and d.gelu != "new":
         return "compiled gpt2 blocks are modelled with gelu_new"
-    if spec.activation_checkpointing not in ("none", "selective", "full"):
-        return "compiled blocks are modelled with none, selective or full checkpointing"
+    if spec.activation_checkpointing not in ("none", "selective", "full") and not (
+            spec.activation_checkpointing == "op" and d.style == "llama"):
+        return "compiled blocks are modelled with none, selective or full checkpointing (and op for llama)"
     return None
 
 
