@@ -287,6 +287,8 @@ def _trainer_arguments(c) -> str:
         kw.append("bf16=True")
     elif c.spec.precision == "fp16-mixed":
         kw.append("fp16=True")
+    if c.spec.compile:
+        kw.append("torch_compile=True")
     if c.spec.activation_checkpointing != "none":
         # transformers 5 renamed the field (the old name still works, with a FutureWarning)
         kw.append("gradient_checkpointing=True (transformers >= 5: activation_checkpointing=True)")

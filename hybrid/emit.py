@@ -111,6 +111,8 @@ def torchtitan_toml(c: Candidate, p: Plan) -> str:
               f"seq_len = {c.spec.seq_len}"]
     if mixed:
         lines += [f"mixed_precision_param = \"{mixed}\"", "mixed_precision_reduce = \"float32\""]
+    if c.spec.compile:                      # torchtitan compiles each block and the loss, as hybrid does
+        lines += ["", "[compile]", "enable = true", "components = [\"model\", \"loss\"]"]
     return "\n".join(lines) + "\n"
 
 
@@ -148,6 +150,9 @@ def accelerate_yaml(c: Candidate, p: Plan, profile: ModelProfile) -> str:
            "rdzv_backend": "static", "same_network": True, "main_training_function": "main", **keys}
     if spec.precision == "bf16":
         notes.append("the plan keeps bf16 parameters: load the model in torch.bfloat16")
+    if spec.compile:
+        notes.append("the plan compiles each block: call block.compile() on every decoder layer before "
+                     "accelerator.prepare (Accelerate's dynamo_config compiles the whole model instead)")
     head = [f"# hybrid plan: {p.model.name} on {p.cluster.describe()}: {c.label} ({d.describe()})",
             f"# predicted {c.memory.total / 2**30:.1f} GiB per GPU, {c.cost.tokens_per_s_per_gpu:,.0f} tokens/s per GPU; "
             f"per-device batch {spec.micro_batch}, seq {spec.seq_len}",

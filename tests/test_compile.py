@@ -142,3 +142,17 @@ def test_fusion_explains_torchtitans_compiled_speedup():
         assert c.spec.compile and not e.spec.compile
         need_e, need_c = (p.efficiency_to_match(p.candidate()) for p in (e, c))
         assert need_c == pytest.approx(need_e, rel=0.03)
+
+
+@pytest.mark.unit
+def test_the_torchtitan_emit_carries_compile(capsys):
+    import tomllib
+
+    from hybrid.cli import main
+    argv = ["plan", "llama3-8b", "--seq-len", "8192", "--global-batch", "64", "--emit", "torchtitan"]
+    assert main(argv + ["--compile"]) == 0
+    doc = tomllib.loads(capsys.readouterr().out)
+    assert doc["compile"] == {"enable": True, "components": ["model", "loss"]}
+    assert doc["training"]["global_batch_size"] == 64
+    assert main(argv) == 0
+    assert "compile" not in tomllib.loads(capsys.readouterr().out)
