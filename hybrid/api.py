@@ -60,7 +60,10 @@ def train_spec(profile: ModelProfile, cluster: Cluster, **train) -> TrainSpec:
     train.setdefault("seq_len", default_seq_len(profile.max_positions))
     train.setdefault("precision", default_precision(cluster))
     check_precision(train["precision"], cluster)
-    return TrainSpec(**train)
+    from .float8 import check_float8
+    spec = TrainSpec(**train)
+    check_float8(spec, cluster)
+    return spec
 
 
 def plan(model, cluster: Cluster | None = None, *, strategies: list[str] | None = None, tp: int | None = None,

@@ -98,7 +98,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
               find_unused_parameters: bool | None = None, tp: int | None = None,
               config: str | None = None, pp: int | None = None, schedule: str | None = None,
               global_batch: int | None = None, global_batch_tokens: int | None = None,
-              compile: bool = False) -> Wrapped:
+              compile: bool = False, float8: bool = False) -> Wrapped:
     """Wrap `model` for data-parallel training on the current process group (started here from
     torchrun's variables if needed, nccl+cuda or gloo+cpu).
 
@@ -129,6 +129,8 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     schedule    pipeline schedule: 1f1b | gpipe | interleaved (default: the planner chooses)
     compile     torch.compile every block (and our decoders' loss) as torchtitan does, after
                 checkpointing and before the data-parallel wrap (fsdp and ddp strategies)
+    float8      torchao float8 training of the block linears (tensorwise; float8 all-gather under
+                FSDP2), behind compile=True, on H100/H200-class GPUs
     config      a job file (`hybrid plan --save-config`): its values fill every argument left at
                 its default (arguments you pass win, as flags do over --config); nodes,
                 gpus_per_node and gpu become the cluster
@@ -162,7 +164,9 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
                      precision=precision or default_precision(runtime), optimizer=optimizer_kind(optimizer),
                      activation_checkpointing=activation_checkpointing or "none", attention=attention,
                      gradient_accumulation=1 if gradient_accumulation is None else gradient_accumulation,
-                     global_batch=gb, compile=compile)
+                     global_batch=gb, compile=compile, float8=float8)
+    from .float8 import check_float8
+    check_float8(spec, cluster)
     catalogue = load_catalogue(strategies_dir)
     search = activation_checkpointing is None
     if strategy == "auto":

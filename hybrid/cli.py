@@ -47,6 +47,9 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
                         ("the planner tries none, selective and full" if search else "none") + ")")
     t.add_argument("--compile", action="store_true", default=None,
                    help="torch.compile each block and the loss, as torchtitan does (fsdp and ddp strategies)")
+    t.add_argument("--float8", action="store_true", default=None,
+                   help="torchao float8 training of the block linears (tensorwise, float8 all-gather under FSDP), "
+                        "behind --compile, as torchtitan's float8 converter; H100/H200 only")
     t.add_argument("--attention", default="sdpa", help="sdpa (flash) | eager (default sdpa)")
     t.add_argument("--shard-size", type=int, help="ranks per shard group for hsdp (default: every valid size)")
     t.add_argument("--tp", type=int, help="tensor-parallel degree inside a node (default: plan tries 1, 2, 4, 8 "
@@ -99,19 +102,22 @@ def _job(args):
                           "or fp32")
     if args.gradient_accumulation is not None and not 1 <= args.gradient_accumulation <= 10**6:
         raise HybridError(f"--gradient-accumulation must be between 1 and 1e6, got {args.gradient_accumulation}")
-    if args.compile not in (None, True, False):
-        raise HybridError(f"compile must be true or false, got {args.compile!r}")
+    for key in ("compile", "float8"):
+        if getattr(args, key) not in (None, True, False):
+            raise HybridError(f"{key} must be true or false, got {getattr(args, key)!r}")
     from .batch import global_batch_of
     gb = global_batch_of(args.global_batch, args.global_batch_tokens, seq, args.gradient_accumulation)
     spec = TrainSpec(micro_batch=1 if args.micro_batch is None else args.micro_batch, seq_len=seq, precision=precision,
                      gradient_accumulation=1 if args.gradient_accumulation is None else args.gradient_accumulation,
-                     global_batch=gb, compile=bool(args.compile),
+                     global_batch=gb, compile=bool(args.compile), float8=bool(args.float8),
                      optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing or "none",
                      attention=args.attention)
     if args.method not in ("analytic", "traced", "measured"):
         raise HybridError(f"unknown method {args.method!r}. Available: analytic, traced, measured")
     if args.implementation not in ("auto", "transformers", "hybrid"):
         raise HybridError(f"unknown implementation {args.implementation!r}. Available: auto, transformers, hybrid")
+    from .float8 import check_float8
+    check_float8(spec, cluster)
     if args.compile and args.method == "traced":
         raise HybridError("--method traced runs the blocks eagerly; a compiled job's blocks keep what AOTAutograd's "
                           "partitioner saves, which --method analytic counts (hybrid/memory/compiled.py)")

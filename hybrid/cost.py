@@ -146,6 +146,9 @@ def elementwise_seconds(profile: ModelProfile, spec: TrainSpec, gpu, tp: int = 1
     every = layer_every(mode)
     redone = 0 if mode == "none" else (checkpointed_blocks(d.layers, every) if every else d.layers)
     total = d.layers * (fwd + bwd) + redone * fwd
+    if spec.float8:
+        from .elementwise import float8_cast_bytes
+        total += d.layers * float8_cast_bytes(d, c)
     if profile.stage is None or profile.stage.last:
         lf, lb = loss_bytes(d.vocab, c, spec.compile)
         total += lf + lb
@@ -197,6 +200,11 @@ def step_cost(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluste
     # 312 TFLOP/s; H100 SXM: 495 vs 989); V100/T4 have no TF32, an upper bound there
     peak = g.bf16_flops * (0.5 if spec.precision == "fp32" else 1.0)
     compute = flops / (peak * efficiency)
+    if spec.float8 and stage.decoder is not None and g.fp8_flops:
+        # the converted block linears (6 FLOPs per weight per token) at the float8 peak instead
+        from .float8 import linear_params
+        lin = 6 * linear_params(stage.decoder) * T / tp * (8 / 6 if recompute else 1)
+        compute -= lin / (peak * efficiency) - lin / (g.fp8_flops * efficiency)
     compute *= 1 + recompute_fraction(stage, spec)
     compute += elementwise_seconds(stage, spec, g, tp)
     fwd_c, bwd_c = compute / 3, 2 * compute / 3       # backward costs twice the forward

@@ -49,6 +49,17 @@ def block_bytes(d: DecoderConfig, c: int, compiled: bool) -> tuple[float, float]
     return fwd, BACKWARD * fwd
 
 
+def float8_cast_bytes(d: DecoderConfig, c: int) -> float:
+    """Per token per block, forward and backward: torchao's tensorwise casts (amax: read c; cast:
+    read c, write 1) of each converted linear's input in forward, and in backward of its output
+    gradient and again of its input (for the weight gradient)."""
+    h, kv, f = d.hidden, d.kv_dim, d.ffn
+    llama = d.style == "llama"
+    inputs = (3 * h + h + 2 * h + f) if llama else (h + h + h + f)      # q, k, v, o, gate, up, down | qkv, o, fc, proj
+    outputs = (h + 2 * kv + h + 2 * f + h) if llama else (h + 2 * kv + h + f + h)
+    return (2 * c + 1) * (2 * inputs + outputs)
+
+
 def loss_bytes(vocab: int, c: int, compiled: bool) -> tuple[float, float]:
     """(forward, backward) elementwise HBM bytes per token of the loss over the vocabulary."""
     if compiled:

@@ -113,6 +113,12 @@ def torchtitan_toml(c: Candidate, p: Plan) -> str:
         lines += [f"mixed_precision_param = \"{mixed}\"", "mixed_precision_reduce = \"float32\""]
     if c.spec.compile:                      # torchtitan compiles each block and the loss, as hybrid does
         lines += ["", "[compile]", "enable = true", "components = [\"model\", \"loss\"]"]
+    if c.spec.float8:                       # torchtitan's float8 converter with hybrid's settings (hybrid/float8.py)
+        fsdp = d.dp_shard > 1                # torchtitan shards with FSDP2 whenever dp_shard > 1
+        lines += ["", "[model]", "converters = [\"float8\"]", "", "[float8]", "recipe_name = \"tensorwise\"",
+                  f"enable_fsdp_float8_all_gather = {'true' if fsdp else 'false'}",
+                  f"precompute_float8_dynamic_scale_for_fsdp = {'true' if fsdp else 'false'}",
+                  "filter_fqns = [\"output\"]"]
     return "\n".join(lines) + "\n"
 
 

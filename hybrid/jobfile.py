@@ -20,7 +20,7 @@ from .errors import HybridError
 
 JOB_KEYS = ("model", "params", "nodes", "gpus_per_node", "gpu", "gpu_memory", "host_memory", "expandable_segments",
             "headroom", "micro_batch", "global_batch", "global_batch_tokens",
-            "seq_len", "gradient_accumulation", "precision", "optimizer", "activation_checkpointing", "attention", "compile",
+            "seq_len", "gradient_accumulation", "precision", "optimizer", "activation_checkpointing", "attention", "compile", "float8",
             "shard_size", "tp", "pp", "schedule", "method", "implementation", "efficiency", "strategies_dir",
             "strategy")
 """What a job file may hold: the model, the cluster, the training step and the method (not output
@@ -91,7 +91,7 @@ def save_job(path: str, args) -> None:
 
 
 _WRAP_KEYS = ("micro_batch", "global_batch", "global_batch_tokens", "seq_len", "gradient_accumulation", "precision", "activation_checkpointing",
-              "attention", "compile", "shard_size", "tp", "pp", "schedule", "strategy", "gpu_memory")
+              "attention", "compile", "float8", "shard_size", "tp", "pp", "schedule", "strategy", "gpu_memory")
 """Job keys that are auto_wrap arguments of the same name."""
 _PLAN_ONLY = ("model", "params", "method", "implementation", "efficiency", "optimizer")
 """Keys that describe what `hybrid plan` estimates: auto_wrap has the module and the optimizer."""

@@ -113,6 +113,11 @@ class TrainSpec:
     """torch.compile each block (and the loss) as torchtitan does (hybrid/compile.py): the
     blocks keep what AOTAutograd's partitioner saves (hybrid/memory/compiled.py), and fusion
     removes most of eager's memory-bound elementwise traffic (hybrid/cost.py). False: eager."""
+    float8: bool = False
+    """torchao's float8 training of the blocks' linears (tensorwise scaling, float8 all-gather
+    under FSDP2), behind compile, as torchtitan's float8 converter (hybrid/float8.py): their
+    matmuls at the float8 peak, plus the casts. Needs compile and a GPU with float8 tensor
+    cores (H100/H200). False: the compute dtype."""
 
     def __post_init__(self):
         for attr in ("micro_batch", "seq_len", "gradient_accumulation", "global_batch"):
@@ -121,8 +126,12 @@ class TrainSpec:
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise HybridError(f"{attr.replace('_', '-')} must be a positive integer, got {v!r}")
-        if not isinstance(self.compile, bool):
-            raise HybridError(f"compile must be True or False, got {self.compile!r}")
+        for attr in ("compile", "float8"):
+            if not isinstance(getattr(self, attr), bool):
+                raise HybridError(f"{attr} must be True or False, got {getattr(self, attr)!r}")
+        if self.float8 and not self.compile:
+            raise HybridError("float8 runs behind torch.compile, as torchtitan runs it (its casts fuse into the "
+                              "compiled blocks): add --compile (compile=True)")
         object.__setattr__(self, "precision", choice("precision", self.precision, Precision))
         object.__setattr__(self, "optimizer", choice("optimizer", self.optimizer, Optimizer))
         object.__setattr__(self, "activation_checkpointing", checkpointing(self.activation_checkpointing))
@@ -146,4 +155,4 @@ class TrainSpec:
                 "optimizer": self.optimizer, "activation_checkpointing": self.activation_checkpointing,
                 "attention": self.attention, "gradient_accumulation": self.gradient_accumulation,
                 **({"global_batch": self.global_batch} if self.global_batch is not None else {}),
-                **({"compile": True} if self.compile else {})}
+                **({"compile": True} if self.compile else {}), **({"float8": True} if self.float8 else {})}

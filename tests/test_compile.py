@@ -156,3 +156,100 @@ def test_the_torchtitan_emit_carries_compile(capsys):
     assert doc["training"]["global_batch_size"] == 64
     assert main(argv) == 0
     assert "compile" not in tomllib.loads(capsys.readouterr().out)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("argv,message", [
+    (["--gpu", "a100-80gb", "--compile", "--float8"], "--float8 needs float8 tensor cores (H100, H200 or newer); "
+                                                      "a100-80gb has none"),
+    (["--float8"], "float8 runs behind torch.compile"),
+])
+def test_float8_is_refused_in_one_line_where_it_cannot_run(capsys, argv, message):
+    from hybrid.cli import main
+    assert main(["plan", "llama3-8b", "--json"] + argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.unit
+def test_float8_plans_its_linears_at_the_float8_peak_and_emits_torchtitans_converter(capsys):
+    import tomllib
+
+    from hybrid.cli import main
+    from hybrid.cost import step_cost
+    from hybrid.planner import plan
+    from hybrid.profile import resolve_model
+    from hybrid.spec import TrainSpec
+    from hybrid.catalogue import load_catalogue
+    from hybrid.cluster import Cluster
+    prof, cl, fsdp = resolve_model("llama3-8b").profile, Cluster.build(1, 8, "h100-80gb"), load_catalogue()["fsdp"]
+    base = TrainSpec(2, 8192, activation_checkpointing="full", compile=True)
+    bf16, fp8 = (step_cost(fsdp, prof, s, cl, 8) for s in (base, TrainSpec(2, 8192, activation_checkpointing="full",
+                                                                          compile=True, float8=True)))
+    assert fp8.seconds < bf16.seconds and fp8.compute_s < bf16.compute_s
+    p = plan(prof, TrainSpec(1, 8192, compile=True, float8=True), cl, search_checkpointing=True)
+    assert all("tensor parallelism" in c.reason for c in p.candidates if c.tp > 1)
+    assert main(["plan", "llama3-8b", "--seq-len", "8192", "--compile", "--float8", "--emit", "torchtitan"]) == 0
+    doc = tomllib.loads(capsys.readouterr().out)
+    assert doc["model"]["converters"] == ["float8"] and doc["float8"]["recipe_name"] == "tensorwise"
+
+
+@pytest.mark.unit
+def test_float8_corpus_rows_are_predicted_within_5_percent():
+    """torchtitan's 'FSDP + torch.compile + Float8' rows (Llama 3.1 8B, 8 and 128 H100): tokens/s
+    and reserved memory within 5% at the calibrated efficiency."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import public_runs
+    _, points = public_runs.load()
+    for p in (q for q in points if q.spec.float8):
+        c = p.candidate()
+        assert c.cost.tokens_per_s_per_gpu == pytest.approx(p.published_tps, rel=0.05), p.id
+        assert c.memory.reserved / 2**30 == pytest.approx(p.measured["reserved_gib"], rel=0.05), p.id
+
+
+def _float8_block(emulate: bool):
+    pytest.importorskip("torchao", reason="torchao is an optional extra (pip install 'hybrid[float8]')")
+    from hybrid.float8 import apply_float8
+    from hybrid.models import build_decoder
+    from hybrid.spec import TrainSpec
+    cfg = DecoderConfig("llama", 256, 64, 2, 4, 192, 64, kv_heads=2)
+    model = build_decoder(cfg, seed=0)
+    n = apply_float8(model, TrainSpec(1, 16, compile=True, float8=True), fsdp=False, emulate=emulate)
+    return model, n
+
+
+@pytest.mark.unit
+def test_float8_converts_the_block_linears_and_keeps_the_head():
+    """torchao's conversion as torchtitan applies it: every block linear (7 per llama block),
+    not the head; an emulated step on CPU stays near the bf16 one."""
+    model, n = _float8_block(emulate=True)
+    assert n == 7 * 2
+    assert type(model.lm_head).__name__ == "Linear"
+    assert all(type(m).__name__ == "Float8Linear" for m in (model.blocks[0].attn.q_proj, model.blocks[1].mlp.down_proj))
+    from hybrid.models import build_decoder
+    ref = build_decoder(model.config, seed=0)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    out, want = model(ids, labels=ids).loss, ref(ids, labels=ids).loss
+    out.backward()
+    assert out.item() == pytest.approx(want.item(), rel=0.02)
+    assert model.blocks[0].attn.q_proj.weight.grad is not None
+
+
+@pytest.mark.gpu
+def test_float8_trains_compiled_on_a_float8_gpu():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs float8 tensor cores (sm_89+)")
+    from hybrid import auto_wrap
+    from hybrid.mesh import shutdown
+    from hybrid.models import build_decoder
+    cfg = DecoderConfig("llama", 256, 256, 2, 4, 512, 64, kv_heads=2)
+    try:
+        w = auto_wrap(build_decoder(cfg, seed=0), strategy="fsdp", precision="bf16-mixed", seq_len=64,
+                      compile=True, float8=True, verbose=False)
+        ids = torch.randint(0, 256, (1, 64), device="cuda")
+        losses = [w.train_step(ids) for _ in range(3)]
+        assert all(x == x for x in losses) and losses[-1] < losses[0]
+    finally:
+        shutdown()

@@ -51,6 +51,8 @@ def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: Loop
     model.to(device=runtime.device, dtype=dtype)
     if mesh["tp"].size() > 1:
         return _replicate_over_tp(strategy, model, optimizer_factory, mesh, spec, runtime)
+    from ..float8 import apply_float8
+    apply_float8(model, spec, fsdp=False)
     apply_activation_checkpointing(model, spec.activation_checkpointing)
     from ..compile import apply_compile
     apply_compile(model, spec)                  # after checkpointing, before the DDP wrap (torchtitan)

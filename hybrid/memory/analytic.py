@@ -58,6 +58,9 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
     n = strategy.shard_size(cluster, shard_size, tp)
     if tp > 1:
         strategy.family_obj.check_tp(strategy, tp)
+        if getattr(spec, "float8", False):
+            raise NotApplicable("float8 with tensor parallelism (torchao's Float8ColwiseParallel) is not applied "
+                                "here; float8 layouts run at tp 1")
     whole = profile
     profile = tp_share(profile, tp)
     lay = layout_of(strategy, profile, spec, cluster, n)
