@@ -40,7 +40,6 @@ def partitioner_saved(cfg: DecoderConfig, dtype: torch.dtype, checkpointing: str
     the inductor partitioner saves for backward. Parameters and the rotary tables (primal inputs
     whose size does not depend on the batch) are left out; the block input is counted when the
     backward takes it (it is a 3-d primal, the only one)."""
-    from functools import partial
 
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -77,7 +76,7 @@ def partitioner_saved(cfg: DecoderConfig, dtype: torch.dtype, checkpointing: str
         return fw, bw
 
     backend = aot_autograd(fw_compiler=lambda g, _: g, bw_compiler=lambda g, _: g,
-                           partition_fn=partial(partition))
+                           partition_fn=partition)
     torch._dynamo.reset()
     try:
         x = torch.randn(batch, seq, cfg.hidden, dtype=dtype, requires_grad=True)
