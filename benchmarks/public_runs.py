@@ -61,8 +61,6 @@ class Point:
         missing = [k for k in self.REQUIRED if k not in raw]
         if missing:
             raise ValueError(f"corpus point {raw.get('id')!r} lacks {', '.join(missing)}")
-        if raw["compile"]:
-            raise ValueError(f"corpus point {raw['id']!r}: compiled runs are not replayed (the estimate is of eager steps)")
         self.raw = raw
         self.id = raw["id"]
         self.measured = raw["measured"]
@@ -77,7 +75,8 @@ class Point:
         self.spec = TrainSpec(micro_batch=raw["micro_batch"], seq_len=raw["seq_len"],
                               precision=raw["precision"], optimizer=raw["optimizer"],
                               activation_checkpointing=raw["activation_checkpointing"],
-                              gradient_accumulation=raw.get("gradient_accumulation", 1))
+                              gradient_accumulation=raw.get("gradient_accumulation", 1), compile=raw["compile"],
+                              float8=raw.get("float8", False))
         # a framework that reduce-scatters every micro-batch holds one micro-batch's gradients
         self.memory_spec = (replace(self.spec, gradient_accumulation=1)
                             if raw.get("grad_sync") == "every_micro_batch" else self.spec)
@@ -209,7 +208,8 @@ def main(argv=None) -> int:
             if lv is not None:
                 loo_err.append((lv - p.published_tps) / p.published_tps)
                 lo = pct(lv, p.published_tps)
-        layout = c.label if hasattr(c, "label") else c.name
+        layout = (c.label if hasattr(c, "label") else c.name) + ("+compile" if p.spec.compile else "") + (
+            "+float8" if p.spec.float8 else "")
         rows.append(f"| {p.id} | {p.model_name} | {cl.world_size} x {cl.gpu.name} | {layout} | {alloc} | {res} "
                     f"| {fits} | {tps} | {lo} |")
 

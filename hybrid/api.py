@@ -20,7 +20,8 @@ from .profile import ModelProfile, build_profile, resolve_model
 from .spec import TrainSpec, default_seq_len
 
 TRAIN_KEYS = tuple(f.name for f in fields(TrainSpec))
-"""The training arguments plan() and estimate() take as keywords (TrainSpec's fields)."""
+"""The training arguments plan() and estimate() take as keywords (TrainSpec's fields; plan()
+also global_batch_tokens)."""
 
 
 def profile_of(model) -> ModelProfile:
@@ -59,7 +60,10 @@ def train_spec(profile: ModelProfile, cluster: Cluster, **train) -> TrainSpec:
     train.setdefault("seq_len", default_seq_len(profile.max_positions))
     train.setdefault("precision", default_precision(cluster))
     check_precision(train["precision"], cluster)
-    return TrainSpec(**train)
+    from .float8 import check_float8
+    spec = TrainSpec(**train)
+    check_float8(spec, cluster)
+    return spec
 
 
 def plan(model, cluster: Cluster | None = None, *, strategies: list[str] | None = None, tp: int | None = None,
@@ -67,14 +71,23 @@ def plan(model, cluster: Cluster | None = None, *, strategies: list[str] | None 
          efficiency: float | None = None, strategies_dir: tuple[str, ...] = (), **train):
     """Every candidate layout for `model` on `cluster` (default one node of 8 H100-80GB), ranked,
     with the choice and why: what `hybrid plan` prints. Checkpointing is searched unless
-    `activation_checkpointing=` pins it; tp and pp are searched unless pinned."""
+    `activation_checkpointing=` pins it; tp and pp are searched unless pinned. With
+    `global_batch=` (sequences per step) or `global_batch_tokens=` every layout trains that batch
+    at its own micro-batch and accumulation (searched; `micro_batch=` pins the micro-batch)."""
+    from .batch import global_batch_of
     from .planner import plan as _plan
 
     cluster = cluster or Cluster.build()
     profile = profile_of(model)
+    tokens = train.pop("global_batch_tokens", None)
+    if train.get("global_batch") is not None or tokens is not None:
+        seq = train.get("seq_len") or default_seq_len(profile.max_positions)
+        train["global_batch"] = global_batch_of(train.get("global_batch"), tokens, seq,
+                                                train.get("gradient_accumulation"), cli=False)
+    pin = train.get("micro_batch") if train.get("global_batch") is not None else None
     spec = train_spec(profile, cluster, **train)
     return _plan(profile, spec, cluster, load_catalogue(strategies_dir), shard_size, strategies=strategies,
-                 tp=tp, pp=pp, schedule=schedule, efficiency=efficiency,
+                 tp=tp, pp=pp, schedule=schedule, efficiency=efficiency, micro_batch=pin,
                  search_checkpointing=train.get("activation_checkpointing") is None)
 
 
@@ -87,4 +100,7 @@ def estimate(model, strategy: str = "fsdp", cluster: Cluster | None = None, spec
     if spec is not None and train:
         raise HybridError(f"pass either spec= or training keywords ({', '.join(sorted(train))}), not both")
     spec = spec or train_spec(profile, cluster, **train)
+    if spec.global_batch is not None:
+        raise HybridError("estimate() takes one batch shape (micro_batch=, gradient_accumulation=); a global_batch "
+                          "is searched per layout by hybrid.plan()")
     return _analytic(get_strategy(strategy, load_catalogue(strategies_dir)), profile, spec, cluster, shard_size)

@@ -40,7 +40,7 @@ def optimizer_kind(factory) -> str:
 
 def enable_expandable_segments(environ=os.environ) -> bool:
     """On CUDA, run the caching allocator with expandable segments unless the user configured it:
-    freed blocks of any size are then reused, so reserved memory stays near allocated (about 11%
+    freed blocks of any size are then reused, so reserved memory stays near allocated (about 10%
     above it instead of 28%: hybrid/memory/breakdown.py, calibrated on public runs; torchtitan's
     launcher sets the same). The variable is read when CUDA first allocates; if that already
     happened, the setting is applied to the live allocator. Returns whether it set it."""
@@ -89,15 +89,17 @@ def _check_loop_args(gradient_accumulation, max_grad_norm, scheduler):
                           f"lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup); got {scheduler!r}")
 
 
-def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len: int | None = None,
+def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = None, seq_len: int | None = None,
               strategy: str = "auto", precision: str | None = None, cluster: Cluster | None = None,
               activation_checkpointing: str | None = None, attention: str = "sdpa",
               shard_size: int | None = None, gpu_memory: str | int | None = None,
               strategies_dir: tuple[str, ...] = (), verbose: bool = True, scheduler=None,
-              gradient_accumulation: int = 1, max_grad_norm: float | None = None,
+              gradient_accumulation: int | None = None, max_grad_norm: float | None = None,
               find_unused_parameters: bool | None = None, tp: int | None = None,
               config: str | None = None, pp: int | None = None, schedule: str | None = None,
-              tune: bool | int = False, calibration: str | None = None, cp: int | None = None) -> Wrapped:
+              tune: bool | int = False, calibration: str | None = None, cp: int | None = None,
+              global_batch: int | None = None, global_batch_tokens: int | None = None,
+              compile: bool = False, float8: bool = False) -> Wrapped:
     """Wrap `model` for data-parallel training on the current process group (started here from
     torchrun's variables if needed, nccl+cuda or gloo+cpu).
 
@@ -110,7 +112,13 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
     cluster     the cluster spec to plan against (default: detected; must match the world size)
     gpu_memory  override the per-GPU capacity (e.g. "8GiB") for planning
     scheduler   callable(optimizer) -> LR scheduler, stepped after every optimizer step
-    gradient_accumulation  micro-batches per optimizer step (gradients reduced once per window)
+    micro_batch sequences per rank per forward (default 1; with global_batch: chosen by the planner
+                unless given); w.micro_batch says what to feed
+    gradient_accumulation  micro-batches per optimizer step (gradients reduced once per window;
+                default 1; with global_batch: chosen by the planner); w.gradient_accumulation
+    global_batch  sequences per optimizer step over all data-parallel ranks: the planner picks the
+                layout's micro-batch and accumulation so that their product with w.dp_size is
+                this (global_batch_tokens: the same in tokens, a multiple of seq_len)
     max_grad_norm  clip the global gradient norm before each optimizer step (None: no clipping)
     find_unused_parameters  DDP: tolerate parameters that get no gradient in a step
     tp          tensor-parallel degree inside a node (default: the planner chooses with strategy
@@ -130,6 +138,10 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
                 chooses with strategy "auto" when seq_len >= 16384, else 1); the cp ranks of a
                 group read the same whole sequences (shard data with w.dp_size / w.dp_rank) and
                 each runs its 2 of 2cp chunks (hybrid/backends/cp.py)
+    compile     torch.compile every block (and our decoders' loss) as torchtitan does, after
+                checkpointing and before the data-parallel wrap (fsdp and ddp strategies)
+    float8      torchao float8 training of the block linears (tensorwise; float8 all-gather under
+                FSDP2), behind compile=True, on H100/H200-class GPUs
     config      a job file (`hybrid plan --save-config`): its values fill every argument left at
                 its default (arguments you pass win, as flags do over --config); nodes,
                 gpus_per_node and gpu become the cluster
@@ -146,7 +158,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
     model = unwrap(model)
     optimizer = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=3e-4))
     check_optimizer_factory(optimizer)
-    _check_loop_args(gradient_accumulation, max_grad_norm, scheduler)
+    _check_loop_args(1 if gradient_accumulation is None else gradient_accumulation, max_grad_norm, scheduler)
     if cluster is None or cluster.expandable_segments:
         enable_expandable_segments()
     runtime = init_distributed()
@@ -160,10 +172,17 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
     prepare_for_training(model)
     profile = build_profile(model)
     mp = profile.max_positions
-    spec = TrainSpec(micro_batch=micro_batch, seq_len=seq_len or default_seq_len(mp),
+    from .batch import global_batch_of
+    seq_len = seq_len or default_seq_len(mp)
+    gb = global_batch_of(global_batch, global_batch_tokens, seq_len, gradient_accumulation, cli=False)
+    pin = micro_batch if gb is not None else None
+    spec = TrainSpec(micro_batch=1 if micro_batch is None else micro_batch, seq_len=seq_len,
                      precision=precision or default_precision(runtime), optimizer=optimizer_kind(optimizer),
                      activation_checkpointing=activation_checkpointing or "none", attention=attention,
-                     gradient_accumulation=gradient_accumulation)
+                     gradient_accumulation=1 if gradient_accumulation is None else gradient_accumulation,
+                     global_batch=gb, compile=compile, float8=float8)
+    from .float8 import check_float8
+    check_float8(spec, cluster)
     catalogue = load_catalogue(strategies_dir)
     search = activation_checkpointing is None
     from .calibration import resolve
@@ -172,7 +191,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
         raise HybridError(f"tune= measures the planner's candidates; strategy={strategy!r} forces one: drop one of them")
     if strategy == "auto":
         the_plan = make_plan(profile, spec, cluster, catalogue, shard_size, search_checkpointing=search, tp=tp,
-                             pp=pp, schedule=schedule, calibration=cal, cp=cp)
+                             pp=pp, schedule=schedule, calibration=cal, cp=cp, micro_batch=pin)
         if the_plan.chosen is None:
             fixes = "; ".join(the_plan.suggestions) or "none found"
             raise HybridError(f"no strategy fits {profile.name} in {cluster.describe()}. Smallest changes that "
@@ -184,7 +203,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
         get_strategy(strategy, catalogue)
         the_plan = make_plan(profile, spec, cluster, catalogue, shard_size, strategies=[strategy],
                              search_checkpointing=search, search_shards=False, tp=tp or 1, pp=pp or 1,
-                             schedule=schedule, calibration=cal, cp=cp or 1)
+                             schedule=schedule, calibration=cal, cp=cp or 1, micro_batch=pin)
         if the_plan.chosen is None:      # forced: run the least memory-hungry variant anyway
             usable = [c for c in the_plan.candidates if c.memory is not None]
             if not usable:
@@ -197,6 +216,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int = 1, seq_len
     if chosen.tight and runtime.rank == 0:
         log.warning("hybrid: %s %s", chosen.label, chosen.reason)
     mesh = build_mesh(chosen.parallel, runtime, cluster.gpus_per_node)
+    gradient_accumulation = chosen.spec.gradient_accumulation      # the plan's (searched at a global batch)
     options = LoopOptions(gradient_accumulation, max_grad_norm, bool(find_unused_parameters))
     if chosen.pipeline is not None:
         from .backends.pipeline import apply_pipeline

@@ -27,18 +27,29 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
                         "PYTORCH_CUDA_ALLOC_CONF here says otherwise); decides reserved over allocated")
     g.add_argument("--headroom", type=float, default=None,
                    help="reserved memory over allocated, as a fraction (default: calibrated on public runs, "
-                        "0.11 with expandable segments, 0.28 without)")
+                        "0.10 with expandable segments, 0.28 without)")
     t = p.add_argument_group("training step")
-    t.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per step (default 1)")
+    t.add_argument("--micro-batch", type=int, default=None, help="sequences per GPU per forward (default 1; with "
+                   "--global-batch: chosen per layout unless given)")
+    t.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per optimizer step over all data-parallel ranks: each layout's micro-batch and "
+                        "accumulation are chosen so that micro-batch x accumulation x data-parallel ranks = this")
+    t.add_argument("--global-batch-tokens", type=int, default=None,
+                   help="the global batch in tokens (a multiple of --seq-len), instead of --global-batch")
     t.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's maximum, at most 4096)")
     t.add_argument("--precision", default=None, help="fp32 | bf16-mixed | fp16-mixed | bf16 (default bf16-mixed; "
                    "fp16-mixed on GPUs without bf16, e.g. v100, t4)")
-    t.add_argument("--gradient-accumulation", type=int, default=1,
+    t.add_argument("--gradient-accumulation", type=int, default=None,
                    help="micro-batches per optimizer step (default 1); global batch = micro-batch x this x data-parallel ranks")
     t.add_argument("--optimizer", default="adamw", help="adamw | sgd | adafactor (default adamw)")
     t.add_argument("--activation-checkpointing", default=None,
                    help="none | selective | op | full | layer:N (default: " +
                         ("the planner tries none, selective and full" if search else "none") + ")")
+    t.add_argument("--compile", action="store_true", default=None,
+                   help="torch.compile each block and the loss, as torchtitan does (fsdp and ddp strategies)")
+    t.add_argument("--float8", action="store_true", default=None,
+                   help="torchao float8 training of the block linears (tensorwise, float8 all-gather under FSDP), "
+                        "behind --compile, as torchtitan's float8 converter; H100/H200 only")
     t.add_argument("--attention", default="sdpa", help="sdpa (flash) | eager (default sdpa)")
     t.add_argument("--shard-size", type=int, help="ranks per shard group for hsdp (default: every valid size)")
     t.add_argument("--tp", type=int, help="tensor-parallel degree inside a node (default: plan tries 1, 2, 4, 8 "
@@ -60,7 +71,7 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
                         "ours) | transformers | hybrid")
     o.add_argument("--efficiency", type=float, default=None,
                    help="fraction of peak FLOP/s the cost model assumes (default: the GPU's figure, calibrated "
-                        "on public runs: a100 0.62, h100 0.50; 0.45 for GPUs without public runs)")
+                        "on public runs: a100 0.65, h100 0.52; 0.45 for GPUs without public runs)")
     o.add_argument("--strategies-dir", action="append", default=[], help="extra catalogue directory (repeatable)")
     o.add_argument("--calibration", help="a calibration file from `hybrid tune --save-calibration` (default: "
                    "$HYBRID_CALIBRATION): the cluster's measured speed figures replace the catalogue's")
@@ -89,10 +100,18 @@ def _job(args):
     seq = args.seq_len if args.seq_len is not None else default_seq_len(src.profile.max_positions)
     precision = args.precision or default_precision(cluster)
     check_precision(precision, cluster)
-    spec = TrainSpec(micro_batch=args.micro_batch, seq_len=seq, precision=precision,
-                     gradient_accumulation=args.gradient_accumulation,
+    from .batch import global_batch_of
+    gb = global_batch_of(args.global_batch, args.global_batch_tokens, seq, args.gradient_accumulation)
+    spec = TrainSpec(micro_batch=1 if args.micro_batch is None else args.micro_batch, seq_len=seq, precision=precision,
+                     gradient_accumulation=1 if args.gradient_accumulation is None else args.gradient_accumulation,
+                     global_batch=gb, compile=bool(args.compile), float8=bool(args.float8),
                      optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing or "none",
                      attention=args.attention)
+    from .float8 import check_float8
+    check_float8(spec, cluster)
+    if args.compile and args.method == "traced":
+        raise HybridError("--method traced runs the blocks eagerly; a compiled job's blocks keep what AOTAutograd's "
+                          "partitioner saves, which --method analytic counts (hybrid/memory/compiled.py)")
     return src, cluster, spec
 
 
@@ -217,6 +236,7 @@ def _plan(args, strategies=None, search=False):
         raise HybridError(f"--method measured runs cp 1 only; use --method traced or analytic for --cp {args.cp}")
     return plan(src.profile, spec, cluster, cat, args.shard_size, strategies=strategies, tp=tp, pp=pp,
                 schedule=args.schedule, calibration=resolve(args.calibration), cp=cp,
+                micro_batch=args.micro_batch if spec.global_batch is not None else None,
                 estimator=_estimator(args, src, cluster), method=args.method,
                 search_checkpointing=search and args.activation_checkpointing is None and args.method == "analytic",
                 efficiency=args.efficiency, search_shards=search), src
@@ -270,6 +290,8 @@ def _trainer_arguments(c) -> str:
         kw.append("bf16=True")
     elif c.spec.precision == "fp16-mixed":
         kw.append("fp16=True")
+    if c.spec.compile:
+        kw.append("torch_compile=True")
     if c.spec.activation_checkpointing != "none":
         # transformers 5 renamed the field (the old name still works, with a FutureWarning)
         kw.append("gradient_checkpointing=True (transformers >= 5: activation_checkpointing=True)")

@@ -17,12 +17,13 @@ published MFU of 40-50% for 7B-70B dense training (Megatron-LM, arXiv 2104.04473
 # Calibrated by `benchmarks/public_runs.py --calibrate` on benchmarks/public_runs.yaml (the
 # median of the efficiencies that reproduce each point's published tokens/s, per GPU type: A100
 # on 19 points from torchtitan, fms-fsdp, llm-foundry and Megatron-LM; H100 80 GB on llm-foundry's
-# 4; the 96 GB H100 on torchtitan's 5).
+# 4; the 96 GB H100 on torchtitan's 9, two compiled and two compiled + float8: with the elementwise traffic
+# modelled, hybrid/elementwise.py, compiled and eager points need the same figure).
 # A100 40/80 GB share a chip, as H100 80 GB and H200 do; h100-96gb is the 500 W Grand Teton part
 # whose peak torchtitan does not know ("between SXM and NVL"): its factor absorbs that.
-A100_EFFICIENCY = 0.62
-H100_EFFICIENCY = 0.50
-H100_96GB_EFFICIENCY = 0.41
+A100_EFFICIENCY = 0.65
+H100_EFFICIENCY = 0.52
+H100_96GB_EFFICIENCY = 0.48
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,10 @@ class GPUSpec:
     inter_node_latency: float = LATENCY_INTER
     """... across nodes. Both are replaced by a calibration's fitted figures (hybrid/calibration.py)."""
 
+    fp8_flops: float = 0.0
+    """Dense float8 (e4m3) tensor-core peak, FLOP/s (datasheets: H100 SXM and H200 1,979 TFLOP/s
+    without sparsity, twice bf16); 0: no float8 training (tensor cores before Hopper)."""
+
     def __post_init__(self):
         if self.memory_bytes <= 0:
             raise HybridError(f"GPU memory must be positive, got {self.memory_bytes} for {self.name}")
@@ -83,13 +88,13 @@ GPUS: dict[str, GPUSpec] = {
         GPUSpec("a100-80gb", 81920 * MiB, 312e12, 300 * GB, 25 * GB, mem_bw=2.04e12, host_memory_bytes=1024 * GiB,
                 efficiency=A100_EFFICIENCY),
         GPUSpec("h100-80gb", 81559 * MiB, 989e12, 450 * GB, 50 * GB, mem_bw=3.35e12, host_memory_bytes=2048 * GiB,
-                efficiency=H100_EFFICIENCY),
+                efficiency=H100_EFFICIENCY, fp8_flops=1979e12),
         # Meta's Grand Teton H100: 96 GB HBM2e at 2.4 TB/s, 500 W; torch reports 95.0396 GiB
         # (torchtitan PR #165). Peak: the SXM datasheet figure, as torchtitan's MFU uses.
         GPUSpec("h100-96gb", 97321 * MiB, 989e12, 450 * GB, 50 * GB, mem_bw=2.4e12, host_memory_bytes=2048 * GiB,
-                efficiency=H100_96GB_EFFICIENCY),
+                efficiency=H100_96GB_EFFICIENCY, fp8_flops=1979e12),
         GPUSpec("h200-141gb", 143771 * MiB, 989e12, 450 * GB, 50 * GB, mem_bw=4.8e12, host_memory_bytes=2048 * GiB,
-                efficiency=H100_EFFICIENCY),
+                efficiency=H100_EFFICIENCY, fp8_flops=1979e12),
         GPUSpec("l40s-48gb", 46068 * MiB, 362e12, 32 * GB, 6.25 * GB, mem_bw=0.86e12, host_memory_bytes=1024 * GiB),
         # GPUs without bf16 or with less memory (datasheets: V100 SXM2 125 TFLOP/s fp16 tensor,
         # 900 GB/s HBM2, NVLink2 300 GB/s bidirectional; DGX-1: 4 x 100 Gb/s EDR for 8 GPUs, 512 GB;

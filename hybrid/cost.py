@@ -3,7 +3,10 @@ communication that compute cannot hide.
 
 compute   model FLOPs per token (PaLM, arXiv 2204.02311 App. B): 6P + 12*L*h*s for forward and
           backward; full recomputation adds one more forward (8P + 16Lhs); run at `efficiency`
-          x the GPU's dense 16-bit peak (fp32 uses TF32 tensor cores at half that rate).
+          x the GPU's dense 16-bit peak (fp32 uses TF32 tensor cores at half that rate); plus the
+          memory-bound elementwise ops between the matmuls (norms, rotary, activations, residual
+          adds, the loss's softmax) at the HBM bandwidth: op by op in eager, fused under
+          torch.compile (hybrid/elementwise.py), run again where checkpointing recomputes.
 comm      each family's collectives (hybrid/families/*: `comm`), priced by hybrid/links.py:
             ddp    all-reduce of the gradients over the world (bucketed), once per window
             fsdp   all-gather params in every forward and again in backward (unless kept),
@@ -130,17 +133,43 @@ def recompute_fraction(profile: ModelProfile, spec: TrainSpec) -> float:
     from .spec import layer_every
     mode, d = spec.activation_checkpointing, profile.decoder
     if mode == "selective":
-        return SELECTIVE_RECOMPUTE
+        return SELECTIVE_RECOMPUTE if d is None else 0.0   # a decoder's recomputed pointwise ops: elementwise_seconds
     if mode == "op":
         if d is None:
             return SELECTIVE_RECOMPUTE
         h, kv, f = d.hidden, d.kv_dim, d.ffn
         redone = (kv + h + f) / (2 * h + 2 * kv + 3 * f) if d.style == "llama" else 1.0
-        return SELECTIVE_RECOMPUTE + redone / 3
+        return redone / 3
     every = layer_every(mode)
     if every is not None and d is not None:
         return checkpointed_blocks(d.layers, every) / d.layers / 3
     return 0.0
+
+
+def elementwise_seconds(profile: ModelProfile, spec: TrainSpec, gpu, tp: int = 1) -> float:
+    """One micro-batch's memory-bound elementwise traffic (hybrid/elementwise.py) on this rank:
+    every block's forward and backward, its forward again where checkpointing recomputes it, and
+    the loss where the rank holds the head; split tp ways (sequence parallelism and sharded heads),
+    at the GPU's HBM bandwidth."""
+    from .elementwise import block_bytes, loss_bytes
+    from .memory.activations import checkpointed_blocks
+    from .spec import layer_every
+    d = profile.decoder
+    if d is None:
+        return 0.0
+    c = spec.bytes.compute
+    fwd, bwd = block_bytes(d, c, spec.compile)
+    mode = spec.activation_checkpointing
+    every = layer_every(mode)
+    redone = 0 if mode == "none" else (checkpointed_blocks(d.layers, every) if every else d.layers)
+    total = d.layers * (fwd + bwd) + redone * fwd
+    if spec.float8:
+        from .elementwise import float8_cast_bytes
+        total += d.layers * float8_cast_bytes(d, c)
+    if profile.stage is None or profile.stage.last:
+        lf, lb = loss_bytes(d.vocab, c, spec.compile)
+        total += lf + lb
+    return spec.micro_batch * spec.seq_len * total / tp / gpu.mem_bw
 
 
 def p2p_seconds(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, tp: int, layout) -> float:
@@ -193,7 +222,13 @@ def step_cost(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluste
     # 312 TFLOP/s; H100 SXM: 495 vs 989); V100/T4 have no TF32, an upper bound there
     peak = g.bf16_flops * (0.5 if spec.precision == "fp32" else 1.0)
     compute = flops / (peak * efficiency)
+    if spec.float8 and stage.decoder is not None and g.fp8_flops:
+        # the converted block linears (6 FLOPs per weight per token) at the float8 peak instead
+        from .float8 import linear_params
+        lin = 6 * linear_params(stage.decoder) * T / tp * (8 / 6 if recompute else 1)
+        compute -= lin / (peak * efficiency) - lin / (g.fp8_flops * efficiency)
     compute *= 1 + recompute_fraction(stage, spec)
+    compute += elementwise_seconds(stage, spec, g, tp)
     fwd_c, bwd_c = compute / 3, 2 * compute / 3       # backward costs twice the forward
     if recompute:
         fwd_c, bwd_c = compute / 4, 3 * compute / 4

@@ -100,6 +100,10 @@ def _torchtitan_groups(c: Candidate, p: Plan) -> list[list[str]]:
     (torchtitan/config/configs.py ParallelismConfig and TrainingConfig), and the activation
     checkpointing as its subcommand, last (a tyro subcommand takes the options after it)."""
     d, s, spec = c.parallel, c.strategy, c.spec
+    if spec.float8:
+        raise HybridError("torchtitan 0.3 sets float8 in its config_registry function (Float8LinearConverter, "
+                          "rowwise recipes), not on the command line, and hybrid plans tensorwise float8: emit "
+                          "without --float8 and add the converter to your config function")
     if spec.precision == "fp16-mixed":
         raise HybridError("torchtitan trains in bfloat16 or float32 only (training.mixed_precision_param); plan "
                           "with --precision bf16-mixed, or emit fp16 with --emit deepspeed or --emit accelerate")
@@ -137,10 +141,12 @@ def _torchtitan_groups(c: Candidate, p: Plan) -> list[list[str]]:
                  ["--training.mixed_precision_reduce", "float32"]]
     if s.offload_params:
         args += [["--training.enable_cpu_offload"]]           # tyro bool flags take no value
-    # the plan estimates eager steps: no torch.compile, no CUDA-graph capture (whose private memory
-    # pool it does not model; torchtitan also refuses graphs with pipeline parallelism)
-    return args + [["--compile.no_enable"], ["--training.disable_cuda_graphs"],
-                   [f"activation-checkpoint:{TORCHTITAN_AC[ac]}"]]
+    # compiled as the plan estimates it (each block and the loss, as hybrid compiles), or eager; no
+    # CUDA-graph capture (whose private memory pool the plan does not model; torchtitan also refuses
+    # graphs with pipeline parallelism)
+    compiled = [["--compile.enable"], ["--compile.components", "model", "loss"]] if spec.compile else \
+        [["--compile.no_enable"]]
+    return args + compiled + [["--training.disable_cuda_graphs"], [f"activation-checkpoint:{TORCHTITAN_AC[ac]}"]]
 
 
 def torchtitan_command(c: Candidate, p: Plan) -> str:
@@ -200,6 +206,9 @@ def accelerate_yaml(c: Candidate, p: Plan, profile: ModelProfile) -> str:
            "rdzv_backend": "static", "same_network": True, "main_training_function": "main", **keys}
     if spec.precision == "bf16":
         notes.append("the plan keeps bf16 parameters: load the model in torch.bfloat16")
+    if spec.compile:
+        notes.append("the plan compiles each block: call block.compile() on every decoder layer before "
+                     "accelerator.prepare (Accelerate's dynamo_config compiles the whole model instead)")
     head = [f"# hybrid plan: {p.model.name} on {p.cluster.describe()}: {c.label} ({d.describe()})",
             f"# predicted {c.memory.total / 2**30:.1f} GiB per GPU, {c.cost.tokens_per_s_per_gpu:,.0f} tokens/s per GPU; "
             f"per-device batch {spec.micro_batch}, seq {spec.seq_len}"]

@@ -32,7 +32,7 @@ class Option:
     name: str
     """The job key and argparse dest (the long flag is --name with - for _)."""
     kind: str
-    """int | float | str | list (of strings) | onoff."""
+    """int | float | str | list (of strings) | onoff | bool (true or false)."""
     lo: float | None = None
     """Smallest value (int, float), inclusive."""
     hi: float | None = None
@@ -54,6 +54,10 @@ class Option:
             return None
         if self.kind in ("int", "float"):
             return self._number(value, label)
+        if self.kind == "bool":
+            if isinstance(value, bool):
+                return value
+            raise HybridError(f"{label} must be true or false, got {short(value)}")
         if self.kind == "onoff":
             if isinstance(value, bool) or value in ("on", "off"):
                 return value
@@ -114,12 +118,16 @@ OPTIONS = {o.name: o for o in (
     Option("expandable_segments", "onoff"),
     Option("headroom", "float", 0.0, 4.0),            # reserved/allocated - 1: public runs show 0.11-0.36
     Option("micro_batch", "int", 1, _SIZE),
+    Option("global_batch", "int", 1, _SIZE),
+    Option("global_batch_tokens", "int", 1, 10**15),
     Option("seq_len", "int", 1, _SIZE),
     Option("gradient_accumulation", "int", 1, 10**6),
     Option("precision", "str", normalise="Precision"),
     Option("optimizer", "str", normalise="Optimizer"),
     Option("activation_checkpointing", "str", normalise="checkpointing"),
     Option("attention", "str", normalise="Attention"),
+    Option("compile", "bool"),
+    Option("float8", "bool"),
     Option("shard_size", "int", 1, _SIZE),
     Option("tp", "int", 1, 10**6),
     Option("pp", "int", 1, 10**6),
@@ -215,8 +223,9 @@ def save_job(path: str, args) -> None:
         raise HybridError(f"cannot write --save-config {path!r}: {e.strerror or e}") from None
 
 
-_WRAP_KEYS = ("micro_batch", "seq_len", "gradient_accumulation", "precision", "activation_checkpointing",
-              "attention", "shard_size", "tp", "pp", "cp", "schedule", "strategy", "gpu_memory", "calibration")
+_WRAP_KEYS = ("micro_batch", "global_batch", "global_batch_tokens", "seq_len", "gradient_accumulation", "precision",
+              "activation_checkpointing", "attention", "compile", "float8", "shard_size", "tp", "pp", "cp", "schedule",
+              "strategy", "gpu_memory", "calibration")
 """Job keys that are auto_wrap arguments of the same name."""
 _PLAN_ONLY = ("model", "params", "method", "implementation", "efficiency", "optimizer")
 """Keys that describe what `hybrid plan` estimates: auto_wrap has the module and the optimizer."""

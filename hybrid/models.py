@@ -141,6 +141,9 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     """Token ids in, CausalLMOutput out; `labels` (same shape as ids) give the shifted LM loss."""
 
+    loss_fn = staticmethod(lambda logits, labels: causal_lm_loss(logits, labels))
+    """The loss forward applies with labels (hybrid.compile replaces it with its compiled form)."""
+
     def __init__(self, cfg: DecoderConfig, attention: str = "sdpa"):
         super().__init__()
         self.config = cfg
@@ -191,7 +194,7 @@ class Decoder(nn.Module):
         for block in self.blocks:
             x = block(x, rope, mask)
         logits = self.lm_head(self.norm(x))
-        loss = None if labels is None else causal_lm_loss(logits, labels)
+        loss = None if labels is None else self.loss_fn(logits, labels)
         return CausalLMOutput(loss=loss, logits=logits)
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .calibration import MODEL_ERROR
+from . import batch as batch_search
+from .batch import BatchChoice
 from .catalogue import Strategy, load_catalogue
 from .parallel import ParallelDims, valid_shard_sizes
 from .cluster import GPUS, Cluster
@@ -71,6 +73,9 @@ class Candidate:
         if self.memory is None:
             return "n/a"
         return "OOM" if not self.fits else ("tight" if self.tight else "fits")
+    batch: BatchChoice | None = None
+    """At a global batch (spec.global_batch): the micro-batch and accumulation this layout trains
+    it with, and the largest micro-batch that fits (hybrid/batch.py). None: the spec's, as given."""
 
     @property
     def name(self) -> str:
@@ -125,6 +130,7 @@ class Candidate:
             "reason": self.reason,
             **(self.cost.to_dict() if self.cost else {}),
             "notes": list(m.notes) if m else [],
+            **({"batch": self.batch.to_dict()} if self.batch is not None else {}),
             **({"pipeline": {**self.pipeline.to_dict(),
                              "stages": [{"rank": r, "blocks": sum(self.pipeline.blocks[i] for i in
                                                                   self.pipeline.rank_stages(r)),
@@ -164,7 +170,10 @@ class Plan:
 
     @property
     def global_batch(self) -> int:
-        """Sequences per optimizer step: micro-batch x accumulation x data-parallel ranks."""
+        """Sequences per optimizer step: micro-batch x accumulation x data-parallel ranks (the
+        job's global batch when it was given: every candidate trains it)."""
+        if self.spec.global_batch is not None:
+            return self.spec.global_batch
         return self.spec.micro_batch * self.spec.gradient_accumulation * self.dp_size
 
     def __str__(self) -> str:
@@ -325,7 +334,11 @@ def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, 
             if p > 1 and cp > 1:                  # stages do not carry sequence positions (backends/cp.py)
                 continue
             cl = stage_cluster(cluster, p)
-            scheds = [schedule] if schedule else schedules_for(p, spec.gradient_accumulation, profile.num_blocks // p)
+            if spec.global_batch is not None:        # the micro-batch count is searched per layout
+                scheds = batch_search.schedules(p, profile.num_blocks // p, schedule)
+            else:
+                scheds = [schedule] if schedule else schedules_for(p, spec.gradient_accumulation,
+                                                                   profile.num_blocks // p)
             for t in (tp_degrees(profile, cl.gpus_per_node) if tp is None else [tp]):
                 if t > 1 and not s.family_obj.supports_tp and tp is None:
                     continue
@@ -372,14 +385,16 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
          search_checkpointing: bool = False, efficiency: float | None = None,
          suggest_fixes: bool = True, search_shards: bool = True, tp: int | None = None,
          pp: int | None = None, schedule: str | None = None, calibration=None,
-         cp: int | None = None) -> Plan:
+         cp: int | None = None, micro_batch: int | None = None) -> Plan:
     """Judge every candidate and choose. A calibration (calibration.Calibration) replaces the
-    GPU's speed figures with the fitted ones and its error becomes the tie band (Calibration.tie). With search_checkpointing the planner also tries each
-    activation-checkpointing setting (the spec's own is otherwise kept); tp None tries every valid
-    tensor-parallel degree, an int pins it; pp None tries every pipeline degree the cluster
-    allows (and the schedules that fit the micro-batch count), an int pins it, as `schedule`
-    pins the schedule. cp None tries every context-parallel degree (cp_degrees) when the
-    sequence is long (memory/cp.LONG_SEQ), an int pins it."""
+    GPU's speed figures with the fitted ones and its error becomes the tie band (Calibration.tie).
+    With search_checkpointing the planner also tries each activation-checkpointing setting (the
+    spec's own is otherwise kept); tp None tries every valid tensor-parallel degree, an int pins
+    it; pp None tries every pipeline degree the cluster allows (and the schedules that fit the
+    micro-batch count), an int pins it, as `schedule` pins the schedule. cp None tries every
+    context-parallel degree (cp_degrees) when the sequence is long (memory/cp.LONG_SEQ), an int
+    pins it. With spec.global_batch each layout's micro-batch and accumulation are searched
+    (hybrid/batch.py) unless `micro_batch` pins the micro-batch."""
     check_job(profile, spec)
     tie = TIE
     if calibration is not None:
@@ -422,26 +437,40 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
         todo = [(c, t) for c, t in todo if t[0].family_obj.supports_pp and (schedule or t[5]) != "interleaved"]
     if hasattr(estimator, "expect"):                    # how many candidates it will see (progress)
         estimator.expect(len(todo))
-    cands = [judge(s, profile, sp, cluster, n, estimator, efficiency, t, p, sc, c)
-             for c, (s, n, sp, t, p, sc) in todo]
+    cands = judge_all(todo, profile, cluster, estimator, efficiency, micro_batch, schedule is not None)
     chosen = choose(cands, tie)
     order = sorted(cands, key=lambda c: (not c.fits, c.tight, c.memory is None,
                                          c.cost.time_per_token if c.fits else (c.memory.total if c.memory else 0)))
     fixes = ()
     if chosen is None and suggest_fixes and estimator is None:
-        fixes = tuple(suggest(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp, pp))
+        fixes = tuple(suggest(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp, pp,
+                              micro_batch))
     return Plan(profile, cluster, spec, tuple(order), chosen, method, fixes, tie, calibration)
 
 
+def judge_all(todo: list[tuple], profile: ModelProfile, cluster: Cluster, estimator=None,
+              efficiency: float | None = None, micro_batch: int | None = None,
+              pinned_schedule: bool = False) -> list[Candidate]:
+    """Judge enumerated (cp, item) pairs; at a global batch each item's batch shape is searched first."""
+    if not todo or todo[0][1][2].global_batch is None:
+        return [judge(s, profile, sp, cluster, n, estimator, efficiency, t, p, sc, c)
+                for c, (s, n, sp, t, p, sc) in todo]
+    out = []
+    for c, (s, n, sp, t, p, sc) in todo:
+        def one(s, sp, n, t, p, sc, est, c=c):
+            return judge(s, profile, sp, cluster, n, est, efficiency, t, p, sc, c)
+        out.append(batch_search.search(one, s, sp, cluster, n, t, p, sc, estimator, micro_batch, pinned_schedule, c))
+    return out
+
+
 def _fits_with(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp=None,
-               pp=None, cp=1) -> Candidate | None:
+               pp=None, cp=1, micro_batch=None) -> Candidate | None:
     try:
         check_job(profile, spec)
     except HybridError:
         return None
     todo = enumerate_candidates(cat, profile, spec, cluster, names, None, search_checkpointing, tp=tp, pp=pp, cp=cp)
-    return choose([judge(s, profile, sp, cluster, n, None, efficiency, t, p, sc, cp)
-                   for s, n, sp, t, p, sc in todo])
+    return choose(judge_all([(cp, item) for item in todo], profile, cluster, None, efficiency, micro_batch))
 
 
 def cp_degrees(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cp: int | None) -> list[int]:
@@ -469,19 +498,20 @@ def _size(c: Candidate) -> str:
 
 def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[str, Strategy],
             names: list[str], search_checkpointing: bool, efficiency: float | None = None,
-            tp: int | None = None, pp: int | None = None) -> list[str]:
+            tp: int | None = None, pp: int | None = None, micro_batch: int | None = None) -> list[str]:
     """The smallest change along each axis that makes some candidate fit."""
     out = []
     if pp is not None:      # pp was pinned: would another degree fit?
         for p in pp_degrees(cluster):
             c = p > pp and p <= profile.num_blocks and _fits_with(profile, spec, cluster, cat, names, True,
-                                                                  efficiency, tp, p)
+                                                                  efficiency, tp, p, micro_batch=micro_batch)
             if c:
                 out.append(f"--pp {p} ({c.label}: {_size(c)})")
                 break
     if tp is not None:      # tp was pinned: would another degree fit?
         for t in tp_degrees(profile, cluster.gpus_per_node):
-            c = t > tp and _fits_with(profile, spec, cluster, cat, names, True, efficiency, t)
+            c = t > tp and _fits_with(profile, spec, cluster, cat, names, True, efficiency, t,
+                                            micro_batch=micro_batch)
             if c:
                 out.append(f"--tp {t} ({c.label}: {_size(c)})")
                 break
@@ -489,21 +519,21 @@ def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[
         from .parallel import divisors
         for k in divisors(cluster.world_size)[1:MAX_CP_TRIES]:
             c = spec.seq_len % (2 * k) == 0 and _fits_with(profile, spec, cluster, cat, names, True, efficiency,
-                                                           tp, 1, k)
+                                                           tp, 1, k, micro_batch=micro_batch)
             if c:
                 out.append(f"--cp {k} ({c.label}: {_size(c)})")
                 break
     args = (cat, names, True, efficiency)
     if not search_checkpointing and spec.activation_checkpointing != "full":
         for ac in ("selective", "full"):
-            c = _fits_with(profile, replace(spec, activation_checkpointing=ac), cluster, *args)
+            c = _fits_with(profile, replace(spec, activation_checkpointing=ac), cluster, *args, micro_batch=micro_batch)
             if c:
                 out.append(f"--activation-checkpointing {ac} ({c.label}: {_size(c)})")
                 break
     nodes = cluster.nodes
     while nodes < 4096:
         nodes *= 2
-        c = _fits_with(profile, spec, replace(cluster, nodes=nodes), *args)
+        c = _fits_with(profile, spec, replace(cluster, nodes=nodes), *args, micro_batch=micro_batch)
         if c:
             out.append(f"--nodes {nodes} ({c.label} x{c.shard_size}: {_size(c)} per GPU)")
             break
@@ -511,17 +541,17 @@ def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[
         seq = spec.seq_len
         while seq > 128:
             seq //= 2
-            c = _fits_with(profile, replace(spec, seq_len=seq), cluster, *args)
+            c = _fits_with(profile, replace(spec, seq_len=seq), cluster, *args, micro_batch=micro_batch)
             if c:
                 out.append(f"--seq-len {seq} ({c.label}: {_size(c)})")
                 break
-    if spec.micro_batch > 1:
-        c = _fits_with(profile, replace(spec, micro_batch=1), cluster, *args)
+    if spec.micro_batch > 1 and spec.global_batch is None:
+        c = _fits_with(profile, replace(spec, micro_batch=1), cluster, *args, micro_batch=micro_batch)
         if c:
             out.append(f"--micro-batch 1 ({c.label}: {_size(c)})")
     for gpu in sorted(GPUS.values(), key=lambda g: g.memory_bytes):
         if gpu.memory_bytes > cluster.gpu.memory_bytes:
-            c = _fits_with(profile, spec, replace(cluster, gpu=gpu), *args)
+            c = _fits_with(profile, spec, replace(cluster, gpu=gpu), *args, micro_batch=micro_batch)
             if c:
                 out.append(f"--gpu {gpu.name} ({c.label}: {_size(c)})")
                 break

@@ -14,6 +14,21 @@ _COLS = CATEGORIES + ("total",)
 
 def _header(p: Plan) -> list[str]:
     s = p.spec
+    lines = _spec_lines(p)
+    if s.compile:
+        lines[0] += ", torch.compile (per block, and the loss)"
+    return lines
+
+
+def _spec_lines(p: Plan) -> list[str]:
+    s = p.spec
+    if s.global_batch is not None:
+        return [f"model {p.model.name}: {p.model.params:,} params; global batch {s.global_batch} x seq {s.seq_len}, "
+                f"{s.precision}, {s.optimizer}, activation checkpointing {s.activation_checkpointing}, "
+                f"attention {s.attention}",
+                f"global batch {s.global_batch} sequences per step in every row = micro-batch x accumulation x "
+                "data-parallel ranks (batch: micro-batch x accumulation, and the largest micro-batch that fits)",
+                f"cluster {p.cluster.describe()}; memory method {p.method}", ""]
     return [f"model {p.model.name}: {p.model.params:,} params; micro-batch {s.micro_batch} x seq {s.seq_len}, "
             f"{s.precision}, {s.optimizer}, activation checkpointing {s.activation_checkpointing}, "
             f"attention {s.attention}",
@@ -64,19 +79,23 @@ def breakdown_table(cands: list[Candidate], chosen: Candidate | None = None) -> 
 def ranking_table(cands: list[Candidate], chosen: Candidate | None = None) -> str:
     """Fitting candidates fastest first, then the rest with the reason they were rejected."""
     w = _width(cands)
-    head = (f" {'strategy':<{w}}{'shard':>6}{'per GPU':>11}{'fits':>7}{'step s':>9}{'tok/s/GPU':>11}"
-            f"{'MFU':>7}  note")
+    # at a global batch each layout's batch shape is its own (hybrid/batch.py): a column says it
+    bw = max([0] + [len(c.batch.describe()) + 2 for c in cands if c.batch is not None])
+    bcol = (lambda c: f"{c.batch.describe() if c.batch and c.memory else '-':>{bw}}") if bw else (lambda c: "")
+    head = (f" {'strategy':<{w}}{'shard':>6}" + (f"{'batch':>{bw}}" if bw else "")
+            + f"{'per GPU':>11}{'fits':>7}{'step s':>9}{'tok/s/GPU':>11}{'MFU':>7}  note")
     lines = [head, "-" * (len(head) + 30)]
     for c in cands:
         mark = "*" if c is chosen else " "
         if c.memory is None:
-            lines.append(f"{mark}{c.label:<{w}}{c.shard_size:>6}{'-':>11}{'n/a':>7}{'':>9}{'':>11}{'':>7}  {c.reason}")
+            lines.append(f"{mark}{c.label:<{w}}{c.shard_size:>6}{bcol(c)}{'-':>11}{'n/a':>7}{'':>9}{'':>11}{'':>7}  "
+                         f"{c.reason}")
             continue
         cost = c.cost
         note = c.memory.describe_largest() if c.fits and not c.tight else c.reason
         if c.fits and c.pipeline is not None:
             note += f"; bubble {c.pipeline.bubble:.0%}"
-        lines.append(f"{mark}{c.label:<{w}}{c.shard_size:>6}{fmt_bytes(c.memory.total):>11}"
+        lines.append(f"{mark}{c.label:<{w}}{c.shard_size:>6}{bcol(c)}{fmt_bytes(c.memory.total):>11}"
                      f"{_fits(c):>7}{cost.seconds:>9.3f}{cost.tokens_per_s_per_gpu:>11,.0f}"
                      f"{cost.mfu:>7.1%}  {note}")
     return "\n".join(lines)
@@ -133,7 +152,9 @@ def format_plan(p: Plan, summary: bool = False, top: int | None = None) -> str:
             verdict = (f"within {whose} error ({p.tie:.1%}) of {best.label} (predicted "
                        f"{c.cost.time_per_token / best.cost.time_per_token - 1:.1%} slower) and simpler; "
                        "measure with hybrid tune")
-        out.append(f"chosen: {c.label} ({c.parallel.describe()}): {verdict}, "
+        shape = (f"micro-batch {c.batch.micro_batch} x accumulation {c.batch.gradient_accumulation} x "
+                 f"{c.parallel.dp_size} data-parallel ranks, " if c.batch is not None else "")
+        out.append(f"chosen: {c.label} ({c.parallel.describe()}): {verdict}, {shape}"
                    f"{c.cost.seconds:.3f} s/step, {c.cost.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
                    f"MFU {c.cost.mfu:.1%}; {c.reason}")
         faster = [t for t in p.candidates if t.tight and t.cost.time_per_token < c.cost.time_per_token]
@@ -173,6 +194,8 @@ def format_estimate(p: Plan) -> str:
         knobs = ", ".join(f"{k}={v}" for k, v in c.strategy.knobs().items())
         out.append(f"{c.name}: {c.strategy.description} [{c.strategy.family}: {knobs}]")
         line = f"{c.label} (shard size {c.shard_size}): {c.reason}"
+        if c.batch is not None and c.memory is not None:
+            line += f"; batch {c.batch.describe()} (micro-batch x accumulation)"
         if c.cost:
             line += (f"; predicted {c.cost.seconds:.3f} s/step, {c.cost.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
                      f"MFU {c.cost.mfu:.1%}")

@@ -104,12 +104,34 @@ class TrainSpec:
     gradient_accumulation: int = 1
     """Micro-batches per optimizer step; the global batch is micro_batch x this x data-parallel
     ranks. 1 = no accumulation."""
+    global_batch: int | None = None
+    """Sequences per optimizer step over all data-parallel ranks. None: micro_batch x
+    gradient_accumulation x the layout's data-parallel ranks, as given. Set: the planner chooses
+    each layout's micro-batch and accumulation so that their product with its data-parallel ranks
+    is this (hybrid/batch.py); micro_batch and gradient_accumulation are then that layout's."""
+    compile: bool = False
+    """torch.compile each block (and the loss) as torchtitan does (hybrid/compile.py): the
+    blocks keep what AOTAutograd's partitioner saves (hybrid/memory/compiled.py), and fusion
+    removes most of eager's memory-bound elementwise traffic (hybrid/cost.py). False: eager."""
+    float8: bool = False
+    """torchao's float8 training of the blocks' linears (tensorwise scaling, float8 all-gather
+    under FSDP2), behind compile, as torchtitan's float8 converter (hybrid/float8.py): their
+    matmuls at the float8 peak, plus the casts. Needs compile and a GPU with float8 tensor
+    cores (H100/H200). False: the compute dtype."""
 
     def __post_init__(self):
-        for attr in ("micro_batch", "seq_len", "gradient_accumulation"):
+        for attr in ("micro_batch", "seq_len", "gradient_accumulation", "global_batch"):
             v = getattr(self, attr)
+            if v is None and attr == "global_batch":
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise HybridError(f"{attr.replace('_', '-')} must be a positive integer, got {v!r}")
+        for attr in ("compile", "float8"):
+            if not isinstance(getattr(self, attr), bool):
+                raise HybridError(f"{attr} must be True or False, got {getattr(self, attr)!r}")
+        if self.float8 and not self.compile:
+            raise HybridError("float8 runs behind torch.compile, as torchtitan runs it (its casts fuse into the "
+                              "compiled blocks): add --compile (compile=True)")
         object.__setattr__(self, "precision", choice("precision", self.precision, Precision))
         object.__setattr__(self, "optimizer", choice("optimizer", self.optimizer, Optimizer))
         object.__setattr__(self, "activation_checkpointing", checkpointing(self.activation_checkpointing))
@@ -131,4 +153,6 @@ class TrainSpec:
     def to_dict(self) -> dict:
         return {"micro_batch": self.micro_batch, "seq_len": self.seq_len, "precision": self.precision,
                 "optimizer": self.optimizer, "activation_checkpointing": self.activation_checkpointing,
-                "attention": self.attention, "gradient_accumulation": self.gradient_accumulation}
+                "attention": self.attention, "gradient_accumulation": self.gradient_accumulation,
+                **({"global_batch": self.global_batch} if self.global_batch is not None else {}),
+                **({"compile": True} if self.compile else {}), **({"float8": True} if self.float8 else {})}

@@ -55,6 +55,16 @@ class Wrapped:
         return self.chosen.strategy
 
     @property
+    def micro_batch(self) -> int:
+        """Sequences each data-parallel rank feeds per forward: the plan's (chosen at a global batch)."""
+        return self.chosen.spec.micro_batch
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step over all ranks: micro_batch x gradient_accumulation x dp_size."""
+        return self.micro_batch * self.gradient_accumulation * self.chosen.parallel.dp_size
+
+    @property
     def module(self):
         return self.engine.model
 

@@ -53,8 +53,13 @@ def test_cost_model_orders_what_it_should():
     spec = TrainSpec(1, 4096)
     t = {n: step_cost(CAT[n], prof, spec, H100_64, CAT[n].shard_size(H100_64)) for n in ("ddp", "hsdp", "fsdp", "zero3", "zero3-hpz")}
     assert t["zero3-hpz"].comm_s < t["zero3"].comm_s      # hpZ's backward gather stays in the node
-    full = step_cost(CAT["fsdp"], prof, TrainSpec(1, 4096, activation_checkpointing="full"), H100_64, 64)
-    assert full.compute_s == pytest.approx(t["fsdp"].compute_s * 8 / 6)
+    full_spec = TrainSpec(1, 4096, activation_checkpointing="full")
+    full = step_cost(CAT["fsdp"], prof, full_spec, H100_64, 64)
+    # the matmuls: one more forward (8/6); the elementwise ops: one more block forward each
+    from hybrid.cost import elementwise_seconds
+    ew, ew_full = (elementwise_seconds(prof, s, H100_64.gpu) for s in (spec, full_spec))
+    assert full.compute_s - ew_full == pytest.approx((t["fsdp"].compute_s - ew) * 8 / 6)
+    assert ew_full > ew > 0
     assert 0 < t["hsdp"].mfu <= H100_64.gpu.efficiency + 1e-9 and t["hsdp"].tokens_per_s_per_gpu == pytest.approx(4096 / t["hsdp"].seconds)
 
 

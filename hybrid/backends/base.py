@@ -345,11 +345,16 @@ def prepare(model: nn.Module, mesh, spec):
     """What every backend applies before its data parallelism, in torchtitan's order: tensor
     parallelism over the mesh's tp dimension (when > 1), then activation checkpointing. Returns the
     TensorParallel record (or None)."""
+    from ..float8 import apply_float8
+    # torchtitan converts at model build, before parallelising; float8 all-gather under FSDP2
+    apply_float8(model, spec, fsdp=mesh is not None and "dp_shard" in (mesh.mesh_dim_names or ()))
     tp = None
     if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() > 1:
         from .tp import apply_tensor_parallel
         tp = apply_tensor_parallel(model, mesh["tp"])
     apply_activation_checkpointing(model, spec.activation_checkpointing)
+    from ..compile import apply_compile
+    apply_compile(model, spec)                  # after checkpointing, before data parallelism (torchtitan)
     return tp
 
 
@@ -384,7 +389,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
     exactly the user's (checkpoints stay portable). Returns the number of checkpointed blocks."""
     if mode == "none":
         return 0
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
     from ..spec import layer_every
     blocks = find_blocks(model)[1]
@@ -397,7 +402,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
     elif mode == "op":
         context_fn = _op_context
     else:
-        from torch.utils.checkpoint import noop_context_fn as context_fn
+        context_fn = noop_context_fn
     every = layer_every(mode)
     if every is not None:
         blocks = [b for i, b in enumerate(blocks) if i % every == 0]
@@ -406,6 +411,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
 
         @functools.wraps(inner)
         def forward(*args, _inner=inner, **kwargs):
+            # full: the default context (torch.compile traces checkpoint only with that one, by identity)
+            if context_fn is noop_context_fn:
+                return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
             return checkpoint(_inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
         block.forward = forward
     return len(blocks)

@@ -56,7 +56,11 @@ def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: Loop
                               "FSDP2 on the dp_replicate mesh, which has no cp dimension here; use an fsdp strategy "
                               "with tp and cp")
         return _replicate_over_tp(strategy, model, optimizer_factory, mesh, spec, runtime)
+    from ..float8 import apply_float8
+    apply_float8(model, spec, fsdp=False)
     apply_activation_checkpointing(model, spec.activation_checkpointing)
+    from ..compile import apply_compile
+    apply_compile(model, spec)                  # after checkpointing, before the DDP wrap (torchtitan)
     unpack = carry_plain_outputs(model)
     ddp = DDP(model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
               process_group=replica_group(mesh), bucket_cap_mb=strategy.bucket_cap_mb,

@@ -120,6 +120,9 @@ class DeepSpeedFamily(Family):
         if spec.precision == "bf16":
             raise NotApplicable(f"{s.name}: DeepSpeed ZeRO keeps an fp32 master copy; pure bf16 training is "
                                 "not one of its modes. Use --precision bf16-mixed, or an fsdp/ddp strategy")
+        if getattr(spec, "compile", False):
+            raise NotApplicable(f"{s.name}: per-block torch.compile is applied here to fsdp and ddp strategies only "
+                                "(DeepSpeed compiles through its own engine.compile); use an fsdp or ddp strategy")
         if spec.precision == "fp16-mixed" and not cuda:
             raise NotApplicable(f"{s.name}: DeepSpeed's fp16 mode needs CUDA (its CPU accelerator has no fp16); "
                                 "use ddp or fsdp for fp16-mixed on CPU ranks")

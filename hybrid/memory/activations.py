@@ -129,6 +129,48 @@ def _layer_op(d: DecoderConfig, c: int, autocast: bool) -> float:
     return block_input + mm * kept + mm * q + F32 * a
 
 
+def _layer_compiled(d: DecoderConfig, spec: TrainSpec, c: int, mode: str) -> float:
+    """Bytes per token one torch.compile'd block keeps: what AOTAutograd's min-cut partitioner
+    (inductor's) hands the backward, read from the traced graph (hybrid/memory/compiled.py;
+    tests/test_compile.py holds the two equal). The norms' normalised outputs and the pointwise
+    ops between matmuls are recomputed inside the fused backward, not kept.
+    none   llama: block input, both norm outputs, q and k after rotary, v, the attention output
+           (its reshape is a view: flash kernels lay it out as b, s, heads, d), the o projection output (the residual sum is rebuilt from
+           it), gate, up and their product, rsqrt per norm, logsumexp per head; gpt2: the same
+           with the post-attention residual sum, LayerNorm mean and rstd, and gelu_new's tanh
+    selective  the block input and the matmul outputs backward needs (not the down/second MLP
+           projection: nothing reads it) with attention's output and logsumexp
+    op     (llama) the block input and the kept matmul outputs backward needs (q, v, gate: the
+           down projection's is dropped) with attention's output and logsumexp
+    full   the block input."""
+    h, kv, f, a = d.hidden, d.kv_dim, d.ffn, d.heads
+    llama = d.style == "llama"
+    if mode == "full":
+        return c * h
+    if mode == "selective":
+        return c * (4 * h + 2 * kv + (2 * f if llama else f)) + F32 * a
+    if mode == "op":
+        return c * (3 * h + kv + f) + F32 * a
+    if llama:
+        return c * (6 * h + 2 * kv + 3 * f) + F32 * (a + 2)
+    return c * (6 * h + 2 * kv + 3 * f) + 4 * c + F32 * a
+
+
+def compiled_supported(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> str | None:
+    """Why a compiled block's memory is not modelled for this job (None when it is)."""
+    if autocast:
+        return ("compiled blocks under autocast (ddp with bf16-mixed) are not modelled; use fsdp (bf16 compute "
+                "over fp32 masters), or --precision bf16 / fp32")
+    if spec.attention != "sdpa" or (d.sliding_window is not None and spec.seq_len >= d.sliding_window):
+        return "compiled blocks are modelled with SDPA's mask-free flash attention; use --attention sdpa"
+    if d.style == "gpt2" and d.gelu != "new":
+        return "compiled gpt2 blocks are modelled with gelu_new"
+    if spec.activation_checkpointing not in ("none", "selective", "full") and not (
+            spec.activation_checkpointing == "op" and d.style == "llama"):
+        return "compiled blocks are modelled with none, selective or full checkpointing (and op for llama)"
+    return None
+
+
 def checkpointed_blocks(layers: int, every: int) -> int:
     """Blocks layer:N recomputes: indices 0, N, 2N... (torchtitan's ac_freq)."""
     return -(-layers // every)
@@ -139,7 +181,16 @@ def activation_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> Activ
     T = spec.micro_batch * spec.seq_len
     full = _layer_full(d, spec, c, autocast) * T
     ckpt = spec.activation_checkpointing
-    if ckpt == "none":
+    if getattr(spec, "compile", False):
+        why = compiled_supported(d, spec, autocast)
+        if why is not None:
+            from .layout import NotApplicable
+            raise NotApplicable(why)
+        # a recomputed compiled block keeps, while its backward runs, what an uncheckpointed one does
+        full = _layer_compiled(d, spec, c, "none") * T
+        per_layer = _layer_compiled(d, spec, c, ckpt) * T
+        recompute = {"none": 0.0, "full": full}.get(ckpt, full - per_layer)
+    elif ckpt == "none":
         per_layer, recompute = full, 0.0
     elif ckpt == "full":
         per_layer = (F32 if autocast else c) * d.hidden * T   # the block input

@@ -60,6 +60,9 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
     n = strategy.shard_size(cluster, shard_size, tp, cp)
     if tp > 1:
         strategy.family_obj.check_tp(strategy, tp)
+        if getattr(spec, "float8", False):
+            raise NotApplicable("float8 with tensor parallelism (torchao's Float8ColwiseParallel) is not applied "
+                                "here; float8 layouts run at tp 1")
     if cp > 1:
         strategy.family_obj.check_cp(strategy, cp, tp)
         if profile.decoder is None:
@@ -88,6 +91,9 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
                          "sequence and keeps every layer's gathered K/V (or recomputes them with checkpointing)")
         if profile.stage is not None:
             act = _stage_activations(act, profile.stage)
+    elif getattr(spec, "compile", False):
+        raise NotApplicable("compile's memory is modelled for decoder blocks (a preset or a decoder config.json); "
+                            "this model has no known decoder shape")
     elif profile.activation_bytes_per_sample is not None:
         # probed in fp32; convolution and norm outputs follow the compute dtype (bf16 under
         # autocast too, where no fp32 residual stream exists)

@@ -11,11 +11,11 @@ fraction of allocated: block rounding and fragmentation by transient buffers of 
 Calibrated on published pairs of peak active and peak reserved (benchmarks/public_runs.yaml:
 torchtitan PR #165, FSDP2 on Llama-2-7B shape, 8 H100: 22.73 -> 31.02 GiB with full AC (+36%),
 49.54 -> 59.41 GiB with per-op SAC (+20%); the mean is taken)."""
-EXPANDABLE_HEADROOM = 0.11
+EXPANDABLE_HEADROOM = 0.10
 """The same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which maps physical pages into
 one growing segment per stream, so freed space is reused whatever the request size. Calibrated on
-torchtitan's December 2024 Llama 3.1 8B runs (expandable segments set by its launcher), where only
-reserved is published: the median of published reserved / our allocated, minus one
+torchtitan's December 2024 Llama 3.1 8B runs, eager and compiled (expandable segments set by its
+launcher), where only reserved is published: the median of published reserved / our allocated, minus one
 (`benchmarks/public_runs.py --calibrate`)."""
 
 

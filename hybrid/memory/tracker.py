@@ -282,3 +282,17 @@ class MemoryTracker(TorchDispatchMode):
         live = [r for r in self.records if r.born <= time and (r.died is None or r.died > time)]
         live.sort(key=lambda r: -r.nbytes)
         return [(r.nbytes, r.owner.label, r.op, r.phase) for r in live[:n]]
+
+
+def allocator_net_bytes(fn) -> tuple[object, int]:
+    """(fn(), bytes the CPU allocator holds afterwards that it did not before): every allocation
+    and free c10's CPU allocator reports to the profiler while fn runs, summed. The count for
+    code the dispatch-level MemoryTracker cannot watch: torch.compile runs eagerly under a
+    non-infra TorchDispatchMode ("non-infra torch dispatch mode present, this is not supported
+    today in torch.compile"), while inductor's compiled kernels allocate their buffers through
+    the allocator directly (empty_strided_cpu), below the dispatcher."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    return out, sum(k.self_cpu_memory_usage for k in prof.key_averages())

@@ -1,0 +1,154 @@
+"""The batch shape of one layout at a fixed global batch (pure, no torch).
+
+The global batch (sequences per optimizer step) is the user's hyperparameter; how a layout trains
+it is its own: micro-batch x gradient accumulation x its data-parallel ranks = the global batch.
+For each layout the search tries the micro-batches that make that product exact (the divisors of
+the per-rank batch, powers of two among them), judges each with the planner's memory and cost
+model, and keeps the fastest that fits, with the largest that fits beside it. Layouts whose
+data-parallel ranks do not divide the global batch are rejected with the reason, so every row of
+a plan trains the same global batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Callable
+
+from .errors import HybridError
+from .parallel import divisors
+from .pipeline import VIRTUAL, stage_cluster
+
+if TYPE_CHECKING:
+    from .planner import Candidate
+
+
+@dataclass(frozen=True)
+class BatchChoice:
+    """How one layout trains the global batch."""
+
+    global_batch: int
+    """Sequences per optimizer step over every data-parallel rank."""
+    micro_batch: int
+    """Sequences per rank per forward: the chosen one (or the pinned one)."""
+    gradient_accumulation: int
+    """Micro-batches per optimizer step on each data-parallel rank."""
+    max_micro_batch: int | None
+    """The largest micro-batch that fits among those the global batch allows on this layout;
+    None when not even the smallest fits."""
+    pinned: bool = False
+    """The micro-batch was given (--micro-batch), not searched."""
+
+    def describe(self) -> str:
+        """`4 x 2 (max 8)`: micro-batch x accumulation, and the largest micro-batch that fits."""
+        top = "-" if self.max_micro_batch is None else str(self.max_micro_batch)
+        return f"{self.micro_batch} x {self.gradient_accumulation} (max {top})"
+
+    def to_dict(self) -> dict:
+        return {"global_batch": self.global_batch, "micro_batch": self.micro_batch,
+                "gradient_accumulation": self.gradient_accumulation, "max_micro_batch": self.max_micro_batch,
+                "micro_batch_pinned": self.pinned}
+
+
+def data_parallel_ranks(cluster, shard_size: int, tp: int, pp: int, cp: int = 1) -> int:
+    """Ranks that read different data in a layout: dp_replicate x dp_shard of one pipeline stage
+    (the tp and cp ranks of a group read the same sequences)."""
+    return stage_cluster(cluster, pp).world_size // (tp * cp)
+
+
+def micro_batch_options(per_rank: int, pinned: int | None = None) -> list[int]:
+    """The micro-batches that make micro-batch x accumulation = the per-rank batch exactly: its
+    divisors (the powers of two among them), ascending; a pinned one alone when it divides."""
+    if pinned is not None:
+        return [pinned] if per_rank % pinned == 0 else []
+    return divisors(per_rank)
+
+
+def schedules(pp: int, layers_per_rank: int, pinned: str | None) -> list[str]:
+    """Pipeline schedules searched at a global batch (the micro-batch count varies with the
+    micro-batch): 1f1b (run as gpipe where the count is below pp, as torch's 1F1B needs m >= pp,
+    pipeline.schedules_for) and interleaved where each rank's blocks make two chunks."""
+    if pinned:
+        return [pinned]
+    if pp == 1:
+        return ["1f1b"]
+    return ["1f1b"] + (["interleaved"] if layers_per_rank >= VIRTUAL else [])
+
+
+def search(judge: Callable[..., "Candidate"], strategy, spec, cluster, shard_size: int, tp: int, pp: int,
+           schedule: str | None, estimator=None, micro_batch: int | None = None,
+           pinned_schedule: bool = False, cp: int = 1) -> "Candidate":
+    """The layout (strategy, shard size, tp, pp, schedule; spec's checkpointing) at the global
+    batch spec.global_batch: its fastest fitting micro-batch, as a Candidate carrying `batch`.
+
+    judge(strategy, spec, shard_size, tp, pp, schedule, estimator) is the planner's judge of one
+    candidate at one batch shape. Memory grows with the micro-batch except where a single
+    micro-batch ends the accumulation (FSDP keeps no unsharded gradients then), so the search
+    walks the options upward, stops after the first that does not fit and still judges the
+    whole per-rank batch; an expensive estimator (traced, measured) runs once, on the choice.
+    micro_batch pins the micro-batch; an unpinned 1f1b runs as gpipe below pp micro-batches."""
+    gb = spec.global_batch
+    dp = data_parallel_ranks(cluster, shard_size, tp, pp, cp)
+    if gb % dp:
+        c = judge(strategy, replace(spec, micro_batch=1, gradient_accumulation=1), shard_size, tp, pp, schedule, None)
+        return replace(c, memory=None, fits=False, cost=None, stage_memory=(),
+                       reason=f"not applicable: the global batch {gb} is not a multiple of this layout's {dp} "
+                              f"data-parallel ranks (choose a global batch divisible by {dp})")
+    per_rank = gb // dp
+    options = micro_batch_options(per_rank, micro_batch)
+    if not options:
+        c = judge(strategy, replace(spec, micro_batch=1, gradient_accumulation=1), shard_size, tp, pp, schedule, None)
+        return replace(c, memory=None, fits=False, cost=None, stage_memory=(),
+                       reason=f"not applicable: micro-batch {micro_batch} does not divide the {per_rank} sequences "
+                              f"per data-parallel rank (global batch {gb} / {dp} ranks); use a divisor of {per_rank}")
+    judged: dict[int, Candidate] = {}
+
+    def at(mb: int) -> "Candidate":
+        if mb not in judged:
+            m = per_rank // mb
+            sched = schedule
+            if pp > 1 and sched == "1f1b" and m < pp and not pinned_schedule:
+                sched = "gpipe"                  # torch's 1F1B needs m >= pp; gpipe runs fewer
+            judged[mb] = judge(strategy, replace(spec, micro_batch=mb, gradient_accumulation=m), shard_size, tp,
+                               pp, sched, None)
+        return judged[mb]
+
+    for mb in options:
+        if not at(mb).fits:
+            break
+    at(options[-1])
+    fitting = [mb for mb in options if mb in judged and judged[mb].fits]
+    if fitting:
+        best = min(fitting, key=lambda mb: (judged[mb].cost.time_per_token, -mb))
+        chosen = judged[best]
+    else:
+        usable = [mb for mb in options if judged.get(mb) is not None and judged[mb].memory is not None]
+        best = min(usable, key=lambda mb: judged[mb].memory.total) if usable else options[0]
+        chosen = judged[best]
+    if estimator is not None and chosen.memory is not None:
+        chosen = judge(strategy, chosen.spec, shard_size, tp, pp, chosen.pipeline.schedule if chosen.pipeline
+                       else schedule, estimator)
+    choice = BatchChoice(gb, best, per_rank // best, max(fitting) if fitting else None, micro_batch is not None)
+    return replace(chosen, batch=choice)
+
+
+def global_batch_of(global_batch: int | None, global_batch_tokens: int | None, seq_len: int,
+                    gradient_accumulation: int | None = None, cli: bool = True) -> int | None:
+    """The job's global batch in sequences from --global-batch or --global-batch-tokens (a whole
+    number of sequences of seq_len tokens); None when neither is given. Accumulation is then
+    chosen per layout, so it cannot be given too (the micro-batch can: it pins the search)."""
+    name = (lambda flag: f"--{flag.replace('_', '-')}") if cli else (lambda flag: f"{flag}=")
+    for flag, v in (("global_batch", global_batch), ("global_batch_tokens", global_batch_tokens)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 10**12):
+            raise HybridError(f"{name(flag)} must be a positive integer (at most 1e12), got {v!r}")
+    if global_batch is not None and global_batch_tokens is not None:
+        raise HybridError(f"give {name('global_batch')} (sequences) or {name('global_batch_tokens')}, not both")
+    if global_batch_tokens is not None:
+        if global_batch_tokens % seq_len:
+            raise HybridError(f"{name('global_batch_tokens')} {global_batch_tokens} is not a whole number of "
+                              f"{seq_len}-token sequences: use a multiple of the sequence length, e.g. "
+                              f"{max(1, global_batch_tokens // seq_len) * seq_len}")
+        global_batch = global_batch_tokens // seq_len
+    if global_batch is not None and gradient_accumulation is not None:
+        raise HybridError(f"{name('gradient_accumulation')} is chosen per layout at a global batch (micro-batch x "
+                          f"accumulation x data-parallel ranks = {global_batch}); drop it, or pin "
+                          f"{name('micro_batch')}")
+    return global_batch

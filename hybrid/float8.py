@@ -1,0 +1,62 @@
+"""Float8 training of the blocks' linears, as torchtitan's float8 converter applies torchao's.
+
+torchao's `convert_to_float8_training` swaps each nn.Linear for a Float8Linear (tensorwise
+scaling: one amax and scale per tensor, cast to e4m3 right before the matmul) and, under FSDP2,
+wraps its weight so the all-gather moves float8 (`enable_fsdp_float8_all_gather`). torchtitan
+applies it when the model is built, before parallelisation, leaves the output head in bf16
+(`filter_fqns = ["output"]`) and runs it behind torch.compile, which fuses the amax and cast
+kernels into their neighbours.
+
+What it changes in the estimate (read from torchao/float8/float8_linear.py): its autograd
+function saves `input_hp` and `weight_hp_t`, the high-precision input and weight, as nn.Linear
+does, so the saved activations are those of the compiled bf16 block (torchtitan's Llama 3.1 8B:
+77.0 GiB compiled, 76.8 GiB compiled + float8; benchmarks/public_runs.yaml); the float8 casts
+are transient, and the amax/scale buffers are one scalar per tensor. The matmuls of the
+converted linears run at the GPU's float8 peak (hybrid/cost.py), and the casts add elementwise
+traffic (hybrid/elementwise.py).
+"""
+from __future__ import annotations
+
+from .errors import HybridError
+
+HEAD_NAMES = ("lm_head", "output")
+"""Linears left in bf16, as torchtitan's float8 filter_fqns leaves its `output` head."""
+
+
+def check_float8(spec, cluster) -> None:
+    """One line when the job asks for float8 on a GPU without float8 tensor cores."""
+    if getattr(spec, "float8", False) and not cluster.gpu.fp8_flops:
+        raise HybridError(f"--float8 needs float8 tensor cores (H100, H200 or newer); {cluster.gpu.name} has none: "
+                          "drop --float8, or plan for --gpu h100-80gb / h200-141gb")
+
+
+def linear_params(d) -> int:
+    """Elements of the block linears float8 converts (every block matrix; the head stays bf16)."""
+    return d.layers * sum(m[0] * m[1] for m in d.block_matrices() if len(m) == 2)
+
+
+def apply_float8(model, spec, fsdp: bool, emulate: bool = False) -> int:
+    """Convert the blocks' linears with torchao (tensorwise; float8 all-gather when `fsdp`),
+    in place; returns how many were converted. emulate: torchao's CPU emulation, for tests."""
+    if not getattr(spec, "float8", False):
+        return 0
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        raise HybridError("float8 needs torchao: pip install 'hybrid[float8]'") from None
+    import torch
+    if not emulate and not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
+        raise HybridError("float8 needs a CUDA GPU with float8 tensor cores (sm_89 or newer: H100, H200); "
+                          "run without float8 here")
+    config = Float8LinearConfig.from_recipe_name("tensorwise")
+    if fsdp or emulate:
+        import dataclasses
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=fsdp, emulate=emulate)
+
+    def convert(mod, fqn: str) -> bool:
+        # float8 matmuls need both dims divisible by 16 (torchao's and torchtitan's filter)
+        return (fqn.split(".")[-1] not in HEAD_NAMES and mod.in_features % 16 == 0
+                and mod.out_features % 16 == 0)
+    before = sum(1 for m in model.modules() if type(m).__name__ == "Float8Linear")
+    convert_to_float8_training(model, config=config, module_filter_fn=convert)
+    return sum(1 for m in model.modules() if type(m).__name__ == "Float8Linear") - before
