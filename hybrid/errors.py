@@ -19,3 +19,7 @@ def short(value, n: int = 80) -> str:
     checkpoint may hold megabytes where one word was expected)."""
     text = repr(value)
     return text if len(text) <= n else text[:n - 3] + "..."
+
+
+class NotApplicable(HybridError):
+    """This strategy cannot run this job at all (not a matter of memory)."""

@@ -178,14 +178,19 @@ def _why_cp(p: Plan) -> list[str]:
     c = p.chosen
     if c is None or c.cp == 1 or not any(x.cp == 1 for x in p.candidates):     # --cp pinned: no rival
         return []
-    rivals = [x for x in p.candidates if x.cp == 1 and x.fits]
+    # rivals of the chosen one's class: a layout that fits only tightly is no rival of one with room
+    rivals = [x for x in p.candidates if x.cp == 1 and x.fits and (c.tight or not x.tight)]
     if not rivals:
         return [f"why cp {c.cp}: no layout without context parallelism fits (recomputation and tp do not divide "
                 "the sequence's activations enough)"]
     best = min(rivals, key=lambda x: x.cost.time_per_token)
     gain = best.cost.time_per_token / c.cost.time_per_token - 1
+    if gain >= 0:
+        return [f"why cp {c.cp}: the best layout without it, {best.label}, runs {best.cost.tokens_per_s_per_gpu:,.0f} "
+                f"tokens/s per GPU ({gain:.1%} slower)"]
     return [f"why cp {c.cp}: the best layout without it, {best.label}, runs {best.cost.tokens_per_s_per_gpu:,.0f} "
-            f"tokens/s per GPU ({gain:.1%} {'slower' if gain >= 0 else 'faster, within the tie band'})"]
+            f"tokens/s per GPU ({-gain:.1%} faster, within the model's error): the tie goes to the layout with fewer "
+            "tensor-parallel ranks"]
 
 
 def format_estimate(p: Plan) -> str:

@@ -184,7 +184,7 @@ def activation_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> Activ
     if getattr(spec, "compile", False):
         why = compiled_supported(d, spec, autocast)
         if why is not None:
-            from .layout import NotApplicable
+            from ..errors import NotApplicable
             raise NotApplicable(why)
         # a recomputed compiled block keeps, while its backward runs, what an uncheckpointed one does
         full = _layer_compiled(d, spec, c, "none") * T

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import HybridError
+from ..errors import HybridError, NotApplicable  # noqa: F401 - NotApplicable is imported from here
 from ..profile import ModelProfile
 from ..spec import TrainSpec
 
 FP32 = 4
 
-
-class NotApplicable(HybridError):
-    """This strategy cannot run this job at all (not a matter of memory)."""
 
 
 @dataclass
