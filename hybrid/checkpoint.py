@@ -321,7 +321,7 @@ def load(wrapped, path: str) -> dict:
         meta = read_meta(path)
         check_model(meta, wrapped.module)
         if meta.get("optimizer", mine) != mine:
-            raise HybridError(f"checkpoint {path!r} holds {short(meta['optimizer'], 40)} optimizer state and this "
+            raise HybridError(f"checkpoint {path!r} holds {meta['optimizer'][:40]} optimizer state and this "
                               f"job uses {mine}; build the same optimizer as the run that saved it")
         return meta
 

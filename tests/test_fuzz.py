@@ -23,7 +23,7 @@ from datetime import timedelta
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is in the dev extra: pip install -e '.[dev]'")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from hybrid.errors import HybridError  # noqa: E402
@@ -173,7 +173,7 @@ def tampering(draw):
     edits = []
     for _ in range(draw(st.integers(1, 3))):
         kind = draw(st.sampled_from(["meta", "bytes", "md-path", "md-range", "md-size", "md-dtype", "md-chunks",
-                                     "replace"]))
+                                     "replace", "md-noop", "meta-extra", "meta-extra"]))
         edits.append((kind, draw(st.integers(0, 10**6)), draw(values), draw(st.booleans())))
     return edits
 
@@ -197,6 +197,8 @@ def apply(c, edits):
         if kind == "meta":
             field = META_FIELDS[n % len(META_FIELDS)]
             meta[field] = value
+        elif kind == "meta-extra":          # edits that change nothing load or export reads
+            meta["extra"] = {"note": value}
         elif kind == "bytes" and files:
             rel = files[n % len(files)]
             p = os.path.join(data, rel)
@@ -239,6 +241,8 @@ def apply(c, edits):
                                           torch.complex64][n % 6]
             elif kind == "md-chunks":
                 entry.chunks = [entry.chunks[:0], entry.chunks * 2, [entry.chunks[0]] * (1 + n % 3)][n % 3]
+            elif kind == "md-noop":            # re-pickled as it was
+                pass
             with open(os.path.join(data, "dcp", ".metadata"), "wb") as f:
                 pickle.dump(md, f)
             if fix and "dcp/.metadata" in meta.get("files", {}):
@@ -277,6 +281,7 @@ def test_tampered_checkpoint_exports_exactly_or_is_one_line(good, edits):
             ok = False
         finally:
             Opens.watch = None
+        event("exported" if ok else "refused")
         assert time.monotonic() - start < 20
         assert Opens.seen == [], Opens.seen                        # nothing read outside the checkpoint
         assert sorted(os.listdir(d)) == (["c", "out"] if ok else ["c"])   # nothing else written, no temp left

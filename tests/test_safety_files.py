@@ -365,6 +365,32 @@ def test_an_interrupted_export_leaves_no_temporary_folder(ckpts, tmp_path, sig):
     assert os.listdir(parent) == []
 
 
+EXPORT_FULL_DISK = """
+import os, resource, signal, sys
+sys.path.insert(0, {root!r})
+from hybrid.errors import HybridError
+from hybrid.export import export
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)      # writes past the limit fail with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (65536, resource.RLIM_INFINITY))
+try:
+    export({ckpt!r}, {out!r})
+except HybridError as e:
+    print("ERROR", str(e))
+"""
+
+
+@pytest.mark.gloo
+def test_a_full_disk_during_export_is_one_line_and_leaves_nothing(ckpts, tmp_path):
+    c = copy(ckpts, tmp_path)
+    parent = tmp_path / "outs"
+    parent.mkdir()
+    script = EXPORT_FULL_DISK.format(root=ROOT, ckpt=c, out=str(parent / "out"))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ERROR")]
+    assert proc.returncode == 0 and len(lines) == 1 and "cannot write" in lines[0], (proc.stdout, proc.stderr[-2000:])
+    assert os.listdir(parent) == []
+
+
 # --- 3. load: one line, and nothing changed before everything is checked ----------------------------
 def _state(w):
     return {k: v.detach().clone() for k, v in w.state_dict().items()}
