@@ -37,6 +37,8 @@ _GPT2 = [(r"^embed\.", "transformer.wte."), (r"^pos_embed\.", "transformer.wpe."
          (r"^blocks\.(\d+)\.mlp\.proj\.", r"transformer.h.\1.mlp.c_proj."), (r"^norm\.", "transformer.ln_f."),
          (r"^lm_head\.", "lm_head.")]
 _ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "gpt2": "GPT2LMHeadModel"}
+_EXPORTED = re.compile(r"model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|config\.json")
+"""The files an export writes: what --overwrite may replace."""
 
 
 def _rename(name: str, rules) -> str:
@@ -64,7 +66,11 @@ def plan_keys(meta: dict) -> tuple[list[tuple[str, str, bool]], dict | None]:
         except (TypeError, ValueError) as e:
             raise HybridError(f"meta.json's model.decoder is not a decoder hybrid writes: "
                               f"{str(e).splitlines()[0][:120]}") from None
-        cfg["architectures"] = [_ARCH[cfg["model_type"]]]
+        arch = _ARCH.get(cfg["model_type"])
+        if arch is None:
+            raise HybridError(f"meta.json's model.decoder is a {short(cfg['model_type'])} model; hybrid's own "
+                              f"decoders export as {', '.join(_ARCH)}")
+        cfg["architectures"] = [arch]
         transposed = re.compile(r"\.(c_attn|c_proj|c_fc)\.weight$") if d["style"] == "gpt2" else None
         out = []
         for n in names:
@@ -90,9 +96,14 @@ def _target(out: str, overwrite: bool, ckpt: str) -> str:
                           f"the checkpoint {os.path.abspath(ckpt)!r}; export to a directory outside it")
     if os.path.exists(out) and not os.path.isdir(out):
         raise HybridError(f"export target {out!r} is a file; give a directory")
-    if os.path.isdir(out) and os.listdir(out) and not overwrite:
-        raise HybridError(f"export target {out!r} is not empty; choose a new directory, or pass --overwrite to "
-                          "replace its contents")
+    if os.path.isdir(out) and os.listdir(out):
+        if not overwrite:
+            raise HybridError(f"export target {out!r} is not empty; choose a new directory, or pass --overwrite to "
+                              "replace an earlier export there")
+        foreign = sorted(n for n in os.listdir(out) if not _EXPORTED.fullmatch(n))
+        if foreign:     # --overwrite replaces an export, never what else the folder holds
+            raise HybridError(f"export target {out!r} holds {short(foreign[0])}, which an export does not write; "
+                              "--overwrite replaces only an earlier export: choose a new directory")
     parent = os.path.dirname(out)
     if not os.path.isdir(parent):
         raise HybridError(f"cannot export to {out!r}: its parent directory does not exist")
@@ -120,7 +131,9 @@ def _signals_unwind():
             raise KeyboardInterrupt
         raise SystemExit(128 + signum)
 
-    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    # a signal the caller ignores stays ignored (`nohup hybrid export ...` survives the logout)
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+           if signal.getsignal(s) is not signal.SIG_IGN}
     try:
         yield
     finally:

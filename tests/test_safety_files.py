@@ -712,3 +712,45 @@ def test_a_tensor_in_more_pieces_than_ranks_is_refused_at_once(ckpts, tmp_path):
     start = time.monotonic()
     assert "hybrid writes at most" in export_error(c, str(tmp_path / "out"))
     assert time.monotonic() - start < 10
+
+
+@pytest.mark.gloo
+def test_overwrite_replaces_an_earlier_export_never_other_files(ckpts, tmp_path):
+    c = copy(ckpts, tmp_path)
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "other-model.safetensors").write_bytes(b"mine")
+    msg = export_error_overwrite(c, str(models))
+    assert msg and "other-model.safetensors" in msg and "only an earlier export" in msg
+    assert (models / "other-model.safetensors").read_bytes() == b"mine"
+    out = str(tmp_path / "export")
+    assert export_error(c, out) is None
+    first = sorted(os.listdir(out))
+    assert export_error_overwrite(c, out) is None           # an earlier export is replaced
+    assert sorted(os.listdir(out)) == first
+
+
+@pytest.mark.gloo
+def test_a_decoder_type_hybrid_does_not_write_is_one_line(ckpts, tmp_path):
+    c = copy(ckpts, tmp_path)
+    meta = meta_of(c)
+    meta["model"]["decoder"]["hf_model_type"] = "x"
+    write_meta(c, meta)
+    msg = export_error(c, str(tmp_path / "out"))
+    assert msg and "'x'" in msg and not (tmp_path / "out").exists()
+
+
+@pytest.mark.unit
+def test_export_leaves_an_ignored_hangup_ignored():
+    """`nohup hybrid export ...`: the export's cleanup handlers never replace an ignored SIGHUP."""
+    import signal
+
+    from hybrid.export import _signals_unwind
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with _signals_unwind():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, old)
