@@ -77,10 +77,8 @@ def unwrap(model):
     return model
 
 
-def _check_loop_args(gradient_accumulation, max_grad_norm, scheduler):
-    if not isinstance(gradient_accumulation, int) or isinstance(gradient_accumulation, bool) or gradient_accumulation < 1:
-        raise HybridError(f"gradient_accumulation must be a positive integer (micro-batches per optimizer step), "
-                          f"got {gradient_accumulation!r}")
+def _check_loop_args(max_grad_norm, scheduler):
+    """The loop's arguments the job options do not cover (gradient_accumulation is one of them)."""
     if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
                                       or not max_grad_norm > 0):
         raise HybridError(f"max_grad_norm must be a positive number (or None for no clipping), got {max_grad_norm!r}")
@@ -152,13 +150,16 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     check_arguments({"micro_batch": micro_batch, "seq_len": seq_len, "precision": precision, "strategy": strategy,
                      "activation_checkpointing": activation_checkpointing, "attention": attention,
                      "shard_size": shard_size, "tp": tp, "pp": pp, "schedule": schedule,
-                     "gpu_memory": gpu_memory, "strategies_dir": list(strategies_dir) or None}, "auto_wrap")
+                     "gpu_memory": gpu_memory, "strategies_dir": list(strategies_dir) or None, "cp": cp,
+                     "gradient_accumulation": gradient_accumulation, "calibration": calibration,
+                     "global_batch": global_batch, "global_batch_tokens": global_batch_tokens, "compile": compile,
+                     "float8": float8}, "auto_wrap")
     if not isinstance(model, nn.Module):
         raise HybridError(f"auto_wrap needs an nn.Module, got {type(model).__name__}")
     model = unwrap(model)
     optimizer = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=3e-4))
     check_optimizer_factory(optimizer)
-    _check_loop_args(1 if gradient_accumulation is None else gradient_accumulation, max_grad_norm, scheduler)
+    _check_loop_args(max_grad_norm, scheduler)
     if cluster is None or cluster.expandable_segments:
         enable_expandable_segments()
     runtime = init_distributed()

@@ -300,6 +300,10 @@ def _agreed(fn, *args):
         result = fn(*args)
     except HybridError as e:
         error = str(e)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:  # noqa: BLE001 - an I/O error or MemoryError on one rank must not leave its peers waiting
+        error = f"cannot read the checkpoint on rank {dist.get_rank()}: {first_line(e)}"
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     if any(errors):
@@ -356,7 +360,8 @@ def load(wrapped, path: str) -> dict:
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         raise HybridError(f"cannot load {path!r} into this job ({wrapped.strategy.name}, optimizer {mine}): "
-                          f"{first_line(e)}") from None
+                          f"{first_line(e)}; the checks passed, so the files changed or failed while they were "
+                          "read: the model may be partly loaded, load again or restart") from None
     for top, values in fresh.items():
         to_load[top].update(values)
     engine.load_checkpoint_state(to_load)

@@ -166,6 +166,9 @@ def _read_text(path: str) -> str:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise HybridError(f"job file {path!r} is not a regular file")
         data = f.read(YAML_LIMITS["bytes"] + 1)
+    if len(data) > YAML_LIMITS["bytes"]:     # bytes, before decoding: multibyte text is never cut short
+        raise HybridError(f"job file {path!r} is larger than {YAML_LIMITS['bytes']} bytes; a job file is a few "
+                          "lines of options")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:

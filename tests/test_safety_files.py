@@ -754,3 +754,15 @@ def test_export_leaves_an_ignored_hangup_ignored():
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, old)
+
+
+@pytest.mark.unit
+def test_a_job_file_past_the_size_limit_is_refused_whole(tmp_path):
+    """Counted in bytes: 2-byte characters must not let a truncated file through as valid YAML."""
+    from hybrid.catalogue import YAML_LIMITS
+    from hybrid.jobfile import load_job
+    job = tmp_path / "job.yaml"
+    pad = "é" * (YAML_LIMITS["bytes"] // 2 - 8)          # ~1 MiB of text in about half as many characters
+    job.write_text(f"model: gpt2\n# {pad}\nnodes: 0\n", encoding="utf-8")
+    with pytest.raises(HybridError, match="larger than"):
+        load_job(str(job))
