@@ -205,7 +205,11 @@ class ContextParallel:
         total = mine.detach().clone()
         dist.all_reduce(total, group=self.group)
         # value: the sequences' mean; gradient: cp x this rank's share (the dp x cp mean restores it)
-        out.loss = (self.size * mine + (total - self.size * mine.detach())) / count
+        loss = (self.size * mine + (total - self.size * mine.detach())) / count
+        if isinstance(out, dict):       # transformers' ModelOutput: item and attribute alike
+            out["loss"] = loss
+        else:
+            out.loss = loss
         return out
 
 
