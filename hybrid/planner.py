@@ -94,7 +94,9 @@ class Candidate:
             "per_cpu": {"total": m.cpu if m else 0},
             "model_states": m.model_states if m else None,
             "phase": m.phase if m else None,
-            "fits": self.fits, "reason": self.reason,
+            # "fits": the whole step is known to fit; a bare parameter count knows only the model states
+            "fits": self.fits and m is not None and m.activations is not None,
+            "activations_known": m is not None and m.activations is not None, "reason": self.reason,
             **(self.cost.to_dict() if self.cost else {}),
             "notes": list(m.notes) if m else [],
             **({"pipeline": {**self.pipeline.to_dict(),

@@ -683,3 +683,16 @@ def test_a_factory_raising_system_exit_is_a_clear_error(tmp_path):
     for spec, match in (("exitfactories:exits", "raised SystemExit"), ("exitmodule:f", "SystemExit")):
         rc, out, err = _cli(["plan", spec, "--json"], env=env)
         assert rc == 2 and out == "" and match in err and len(err.strip().splitlines()) == 1, (spec, rc, err)
+
+
+@pytest.mark.unit
+def test_params_json_never_says_fits_while_activations_are_unknown(capsys):
+    rc, out, _ = _run(capsys, "plan", "--params", "7.5e9", "--json")
+    rows = json.loads(out)["strategies"]
+    assert rc == 0 and rows and not any(r["fits"] for r in rows)
+    assert all(r["activations_known"] is False for r in rows)
+    assert any("model states fit" in r["reason"] and "activations unknown" in r["reason"] for r in rows)
+    rc, out, _ = _run(capsys, "plan", "llama2-7b", "--nodes", "8", "--json")
+    doc = json.loads(out)
+    chosen = next(r for r in doc["strategies"] if r["name"] == doc["chosen"] and r["fits"])
+    assert chosen["activations_known"] is True
