@@ -142,7 +142,8 @@ def run(steps: int = 60, train: bool = True, nproc: int = NPROC) -> int:
     print("=" * 100, flush=True)
     label, traced = chosen_and_traced(nproc)
     print(f"(traced estimate of {label} on fake tensors: {fmt_bytes(traced)} per rank)", flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    from .launch import QUIET_CPP_LOGS
+    env = {**QUIET_CPP_LOGS, **os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "hybrid.demo", "--worker", "--steps", str(steps), "--traced", str(traced)]
     return subprocess.run(cmd, env=env).returncode

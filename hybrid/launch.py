@@ -8,6 +8,12 @@ import traceback
 
 from .mesh import free_port
 
+QUIET_CPP_LOGS = {"TORCH_CPP_LOG_LEVEL": "FATAL"}
+"""Set for the ranks where the user did not: when rank 0 dies before it hosts the rendezvous store,
+every other rank's c10d client logs each failed connection with the C++ stack of the exception
+(socket.cpp, TCPStore.cpp: 20+ lines per retry) before the one-line error the ranks report; the
+error still reaches Python, whatever the level (it is read once, when torch loads)."""
+
 
 def _entry(rank, world, port, local_world, fn, args, out_dir, quiet):
     import torch
@@ -53,8 +59,14 @@ def run_ranks(world: int, fn, *args, local_world: int | None = None, quiet: bool
 
     from .errors import HybridError
     with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(_entry, args=(world, free_port(), local_world or world, fn, args, out, quiet),
-                                 nprocs=world, join=False, start_method="spawn")
+        added = {k: v for k, v in QUIET_CPP_LOGS.items() if k not in os.environ}
+        os.environ.update(added)            # the children inherit it; the caller's environment is restored
+        try:
+            ctx = mp.start_processes(_entry, args=(world, free_port(), local_world or world, fn, args, out, quiet),
+                                     nprocs=world, join=False, start_method="spawn")
+        finally:
+            for k in added:
+                os.environ.pop(k, None)
         deadline = time.monotonic() + timeout_s
         crash = None
         try:

@@ -69,10 +69,16 @@ class Candidate:
 
     @property
     def verdict(self) -> str:
-        """fits | tight | OOM (n/a: the strategy cannot run the job)."""
+        """fits | tight | OOM (n/a: the strategy cannot run the job; states: only the model states
+        are known to fit, a bare parameter count's activations being unknown)."""
         if self.memory is None:
             return "n/a"
-        return "OOM" if not self.fits else ("tight" if self.tight else "fits")
+        if not self.fits:
+            return "OOM"
+        if self.memory.activations is None:
+            return "states"
+        return "tight" if self.tight else "fits"
+
     batch: BatchChoice | None = None
     """At a global batch (spec.global_batch): the micro-batch and accumulation this layout trains
     it with, and the largest micro-batch that fits (hybrid/batch.py). None: the spec's, as given."""
@@ -126,7 +132,9 @@ class Candidate:
             "per_cpu": {"total": m.cpu if m else 0},
             "model_states": m.model_states if m else None,
             "phase": m.phase if m else None,
-            "fits": self.fits, "verdict": self.verdict, "floor_bytes": m.floor if m else None,
+            # "fits": the whole step is known to fit; a bare parameter count knows only the model states
+            "fits": self.fits and m is not None and m.activations is not None, "verdict": self.verdict,
+            "floor_bytes": m.floor if m else None, "activations_known": m is not None and m.activations is not None,
             "reason": self.reason,
             **(self.cost.to_dict() if self.cost else {}),
             "notes": list(m.notes) if m else [],

@@ -766,3 +766,45 @@ def test_a_job_file_past_the_size_limit_is_refused_whole(tmp_path):
     job.write_text(f"model: gpt2\n# {pad}\nnodes: 0\n", encoding="utf-8")
     with pytest.raises(HybridError, match="larger than"):
         load_job(str(job))
+@pytest.mark.unit
+def test_params_json_never_says_fits_while_activations_are_unknown(capsys):
+    rc, out, _ = _run(capsys, "plan", "--params", "7.5e9", "--json")
+    rows = json.loads(out)["strategies"]
+    assert rc == 0 and rows and not any(r["fits"] for r in rows)
+    assert all(r["activations_known"] is False and r["verdict"] in ("states", "OOM", "n/a") for r in rows)
+    assert any("model states fit" in r["reason"] and "activations unknown" in r["reason"] for r in rows)
+    rc, out, _ = _run(capsys, "plan", "llama2-7b", "--nodes", "8", "--json")
+    doc = json.loads(out)
+    chosen = next(r for r in doc["strategies"] if r["name"] == doc["chosen"] and r["fits"])
+    assert chosen["activations_known"] is True
+
+
+RANK0_DIES = """
+import os, sys
+sys.path.insert(0, {root!r})
+from hybrid.errors import HybridError
+from hybrid.launch import run_ranks
+from tests.test_safety_files import rank0_dies_first
+if __name__ == "__main__":
+    try:
+        run_ranks(2, rank0_dies_first)
+    except HybridError as e:
+        print("hybrid: error:", e)
+"""
+
+
+def rank0_dies_first():
+    os.environ["HYBRID_TIMEOUT"] = "2"
+    if os.environ["RANK"] == "0":          # before it hosts the rendezvous store
+        raise HybridError("rank 0 found its input wrong")
+    _wrap()
+
+
+@pytest.mark.gloo
+def test_rank0_dying_first_gives_the_clear_line_without_a_cpp_stack_dump(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
+    proc = subprocess.run([sys.executable, "-c", RANK0_DIES.format(root=ROOT)], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=str(tmp_path))
+    assert "hybrid: error: rank 0 found its input wrong" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
+    assert "frame #" not in proc.stderr and "Exception raised from" not in proc.stderr, proc.stderr[-2000:]
+    assert "TORCH_CPP_LOG_LEVEL" not in os.environ or os.environ.get("TORCH_CPP_LOG_LEVEL") != "FATAL"
