@@ -5,20 +5,24 @@
     pytest -m gloo        real CPU ranks
     pytest                everything (the README's test command)
 
-A test marked in its file keeps its marker; the others take their module's tier below.
+Every test carries exactly one tier (its own mark, or its module's `pytestmark`): collection fails
+otherwise, so no test lands in a tier by accident.
 """
 import pytest
 
 TIERS = ("unit", "fakepg", "gloo", "gpu")
-MODULE_TIER = {"test_backends": "gloo", "test_checkpoint": "gloo", "test_examples": "gloo", "test_loop": "gloo",
-               "test_mesh": "gloo", "test_traced": "fakepg"}
 
 
 def pytest_collection_modifyitems(config, items):
+    wrong = []
     for item in items:
-        if not any(item.get_closest_marker(t) for t in TIERS):
-            item.add_marker(getattr(pytest.mark, MODULE_TIER.get(item.module.__name__.split(".")[-1], "unit")))
-        if item.get_closest_marker("gpu"):
+        tiers = {m.name for m in item.iter_markers() if m.name in TIERS}
+        if len(tiers) != 1:
+            wrong.append(f"{item.nodeid}: {', '.join(sorted(tiers)) or 'no tier'}")
+        if "gpu" in tiers:
             import torch
             if not torch.cuda.is_available():
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+    if wrong:
+        raise pytest.UsageError("every test needs exactly one tier marker (unit, fakepg, gloo, gpu):\n  "
+                                + "\n  ".join(wrong))

@@ -7,6 +7,8 @@ from hybrid.models import build_decoder, build_hf
 from hybrid.presets import DecoderConfig
 from hybrid.spec import TrainSpec
 
+pytestmark = pytest.mark.unit
+
 S = 48
 
 

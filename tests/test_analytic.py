@@ -8,6 +8,8 @@ from hybrid.memory.analytic import estimate
 from hybrid.profile import profile_params, resolve_model
 from hybrid.spec import TrainSpec
 
+pytestmark = pytest.mark.unit
+
 CAT = load_catalogue()
 PAPER = Cluster.build(nodes=8, gpus_per_node=8, gpu="a100-80gb")   # 64 GPUs
 PSI = 7.5e9

@@ -5,6 +5,10 @@ from hybrid.models import build_decoder
 from hybrid.presets import DecoderConfig
 from hybrid.launch import run_ranks
 
+import pytest
+
+pytestmark = pytest.mark.gloo
+
 MB, SEQ, STEPS = 2, 16, 5
 # GPT-style decoder, tied embedding/LM head, 2 blocks, grouped-query attention. No biases: a key
 # bias has an exactly-zero true gradient (softmax ignores it), which Adam turns into noise-sized

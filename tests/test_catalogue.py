@@ -5,6 +5,8 @@ from hybrid.catalogue import load_catalogue, validate_shard_size
 from hybrid.cluster import Cluster
 from hybrid.errors import HybridError
 
+pytestmark = pytest.mark.unit
+
 REQUIRED = {"ddp", "fsdp", "hsdp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload",
             "zero3-offload-params", "zero3-hpz"}
 

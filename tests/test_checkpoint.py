@@ -9,6 +9,8 @@ from hybrid.launch import run_ranks
 from hybrid.models import build_decoder
 from tests.test_backends import TINY
 
+pytestmark = pytest.mark.gloo
+
 GLOBAL, SEQ, K, N = 4, 16, 3, 6      # global batch, sequence, save after step K, stop after N
 
 

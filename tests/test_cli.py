@@ -18,6 +18,7 @@ def run(capsys, *argv):
     return code, out, err
 
 
+@pytest.mark.unit
 def test_plan_table(capsys):
     code, out, _ = run(capsys, *PLAN_7B, "--all")
     assert code == 0
@@ -26,6 +27,7 @@ def test_plan_table(capsys):
         assert f" {name} " in out or f"*{name} " in out
 
 
+@pytest.mark.unit
 def test_plan_table_shows_the_best_rows_each_family_and_the_choice(capsys):
     """~300 candidates for llama2-7b on 8 x 8: the default table is the best 12, the best of each
     family and the choice; --top N changes N, --all shows every one."""
@@ -66,6 +68,7 @@ def check_contract(doc, n_strategies=None):
         assert isinstance(s["per_cpu"]["total"], int)
 
 
+@pytest.mark.unit
 def test_plan_json_contract(capsys):
     code, out, _ = run(capsys, *PLAN_7B, "--json")
     doc = json.loads(out)
@@ -78,6 +81,7 @@ def test_plan_json_contract(capsys):
     assert chosen["fits"]
 
 
+@pytest.mark.unit
 def test_estimate_json_same_shape(capsys):
     code, out, _ = run(capsys, "estimate", "llama2-7b", "--strategy", "hsdp", "--nodes", "2",
                        "--seq-len", "2048", "--activation-checkpointing", "full", "--json")
@@ -87,6 +91,7 @@ def test_estimate_json_same_shape(capsys):
     assert doc["chosen"] == "hsdp"
 
 
+@pytest.mark.unit
 def test_estimate_params_only_and_gpu_memory(capsys):
     code, out, _ = run(capsys, "estimate", "--params", "7.5e9", "--strategy", "zero2",
                        "--gpu-memory", "40GiB", "--json")
@@ -126,12 +131,14 @@ def test_estimate_traced_method(capsys):
     (["measure", "gpt2", "--strategy", "ddp", "--nodes", "8"], "world size 16 needs more than"),
     (["plan"], "no model given"),
 ])
+@pytest.mark.unit
 def test_bad_input_exit_2(capsys, argv, match):
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == ""
     assert match in err and err.startswith("hybrid: error:") and "Traceback" not in err
 
 
+@pytest.mark.unit
 def test_console_script_and_no_torch_on_fast_path():
     """`hybrid plan` on a preset must answer without importing torch (it takes ~1 s alone)."""
     code = ("import sys; from hybrid.cli import main; rc = main(%r); "

@@ -5,6 +5,8 @@ from hybrid.cluster import GPUS, Cluster, detect, get_gpu
 from hybrid.errors import HybridError
 from hybrid.units import GiB, fmt_bytes, parse_bytes, parse_count
 
+pytestmark = pytest.mark.unit
+
 
 def test_catalogue_has_the_common_gpus():
     assert {"a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "l40s-48gb"} <= set(GPUS)

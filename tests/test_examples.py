@@ -8,6 +8,10 @@ import torch
 
 from hybrid.launch import free_port
 
+import pytest
+
+pytestmark = pytest.mark.gloo
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

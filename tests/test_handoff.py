@@ -37,6 +37,7 @@ def torchtitan_config(argv: list[str]):
 @pytest.mark.parametrize("argv,world", [(("llama3-8b", "--nodes", "8"), 64),
                                         (("llama3-70b", "--nodes", "4", "--seq-len", "8192",
                                           "--gradient-accumulation", "16", "--strategy", "fsdp", "--pp", "2"), 32)])
+@pytest.mark.unit
 def test_torchtitan_command_loads_in_torchtitan(capsys, argv, world):
     out, _ = _run(capsys, "plan", *argv, "--emit", "torchtitan")
     assert "-m torchtitan.train" in out and f"--nnodes {world // 8} --nproc-per-node 8" in out
@@ -52,6 +53,7 @@ def test_torchtitan_command_loads_in_torchtitan(capsys, argv, world):
     assert cfg.parallelism.pipeline_parallel_degree == (2 if "--pp" in argv else 1)
 
 
+@pytest.mark.unit
 def test_torchtitan_command_says_what_it_cannot_express(capsys):
     assert main(["plan", "llama3-8b", "--nodes", "1", "--precision", "fp16-mixed", "--gpu", "v100-32gb",
                  "--emit", "torchtitan"]) == 2
@@ -64,6 +66,7 @@ def test_torchtitan_command_says_what_it_cannot_express(capsys):
     assert "${TT_CONFIG:?" in out and "no config_registry function for llama2-7b" in out
 
 
+@pytest.mark.unit
 def test_deepspeed_for_the_trainer_leaves_its_values_auto(capsys):
     # the plan chooses tensor parallelism here, which DeepSpeed does not run: zero3 is emitted
     out, err = _run(capsys, "plan", "llama3-70b", "--nodes", "8", "--seq-len", "8192", "--emit", "deepspeed",
@@ -81,6 +84,7 @@ def test_deepspeed_for_the_trainer_leaves_its_values_auto(capsys):
     assert engine["train_batch_size"] == 64 and engine["gradient_clipping"] == 0.0
 
 
+@pytest.mark.unit
 def test_job_file_round_trip_and_flags_override(capsys, tmp_path):
     job, saved = tmp_path / "job.yaml", tmp_path / "saved.yaml"
     job.write_text("model: llama3-70b\nnodes: 8\nseq-len: 8192\nactivation_checkpointing: selective\n")
@@ -91,6 +95,7 @@ def test_job_file_round_trip_and_flags_override(capsys, tmp_path):
     assert over["nodes"] == 2 and over["spec"]["seq_len"] == 8192
 
 
+@pytest.mark.unit
 def test_job_file_errors_name_the_key_and_line(capsys, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: gpt2\nnodez: 2\n")
@@ -130,6 +135,7 @@ def test_accelerate_launch_accepts_the_emitted_config(capsys, tmp_path, strategy
         assert seen["world_size"] == 4 and {k: seen[k] for k in expect} == expect
 
 
+@pytest.mark.unit
 def test_accelerate_refuses_what_it_cannot_express(capsys):
     assert main(["plan", "llama2-7b", "--nodes", "2", "--strategy", "zero3-hpz", "--emit", "accelerate"]) == 2
     assert "--emit deepspeed --for trainer" in capsys.readouterr().err
@@ -159,6 +165,7 @@ def test_auto_wrap_takes_the_job_file_and_arguments_win(tmp_path, caplog):
         auto_wrap(build_decoder(TINY, seed=0), config=str(bad))
 
 
+@pytest.mark.unit
 def test_torchtitan_command_carries_the_pipeline(capsys):
     out, _ = _run(capsys, "plan", "llama3.1-405b", "--nodes", "16", "--seq-len", "8192", "--gradient-accumulation",
                   "32", "--strategy", "fsdp-grad-op", "--emit", "torchtitan")
@@ -171,6 +178,7 @@ def test_torchtitan_command_carries_the_pipeline(capsys):
                         "${TT_CONFIG:?your config_registry function}"]     # its registry function runs float8
 
 
+@pytest.mark.unit
 def test_accelerate_for_several_machines_says_how_to_launch_each(capsys, tmp_path):
     """A two-node file as launched with no rank or address would wait for peers that never come:
     it carries the rendezvous keys (a placeholder address that cannot resolve), a comment, and

@@ -11,6 +11,8 @@ from hybrid.errors import HybridError
 from hybrid.models import build_decoder
 from hybrid.launch import free_port, run_ranks
 
+pytestmark = pytest.mark.gloo
+
 HERE = os.path.dirname(__file__)
 
 

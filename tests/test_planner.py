@@ -16,6 +16,7 @@ CAT = load_catalogue()
 H100_64 = Cluster.build(8, 8, "h100-80gb")
 
 
+@pytest.mark.unit
 def test_gpt2_on_one_a100_node_is_plain_data_parallel():
     p = plan(resolve_model("gpt2").profile, TrainSpec(8, 1024), Cluster.build(1, 8, "a100-80gb"),
              search_checkpointing=True)
@@ -23,6 +24,7 @@ def test_gpt2_on_one_a100_node_is_plain_data_parallel():
     assert p.chosen.name == "ddp" and p.chosen.spec.activation_checkpointing == "none"
 
 
+@pytest.mark.unit
 def test_llama2_7b_on_8x8_h100_shards():
     p = plan(resolve_model("llama2-7b").profile, TrainSpec(1, 4096), H100_64, search_checkpointing=True)
     ddp = [c for c in p.candidates if c.name == "ddp" and c.tp == 1 and c.pp == 1]
@@ -30,6 +32,7 @@ def test_llama2_7b_on_8x8_h100_shards():
     assert p.chosen.strategy.family != "ddp" and p.chosen.shard_size > 1 and p.chosen.fits
 
 
+@pytest.mark.unit
 def test_llama2_70b_shards_across_nodes_or_fully():
     p = plan(resolve_model("llama2-70b").profile, TrainSpec(1, 4096), H100_64, search_checkpointing=True)
     c = p.chosen
@@ -39,6 +42,7 @@ def test_llama2_70b_shards_across_nodes_or_fully():
     assert c.spec.activation_checkpointing != "none"           # checkpointing was needed
 
 
+@pytest.mark.unit
 def test_nothing_fits_says_the_smallest_change():
     p = plan(resolve_model("llama3.1-405b").profile, TrainSpec(1, 4096), Cluster.build(1, 8, "a100-40gb"),
              search_checkpointing=True)
@@ -48,6 +52,7 @@ def test_nothing_fits_says_the_smallest_change():
         assert not c.fits and c.reason
 
 
+@pytest.mark.unit
 def test_cost_model_orders_what_it_should():
     prof = resolve_model("llama2-7b").profile
     spec = TrainSpec(1, 4096)
@@ -63,6 +68,7 @@ def test_cost_model_orders_what_it_should():
     assert 0 < t["hsdp"].mfu <= H100_64.gpu.efficiency + 1e-9 and t["hsdp"].tokens_per_s_per_gpu == pytest.approx(4096 / t["hsdp"].seconds)
 
 
+@pytest.mark.unit
 def test_ties_go_to_the_simpler_strategy():
     p = plan(resolve_model("llama2-7b").profile, TrainSpec(1, 4096), H100_64, strategies=["zero1", "zero2"])
     assert p.chosen.name == "zero1"                          # same predicted time, zero1 is simpler
@@ -76,6 +82,7 @@ def _emit(capsys, *argv):
     return out
 
 
+@pytest.mark.unit
 def test_emit_fsdp_yaml(capsys):
     doc = yaml.safe_load(_emit(capsys, "llama2-7b", "--nodes", "8", "--seq-len", "4096", "--emit", "fsdp"))
     assert doc["mesh"]["dim_names"] == ["dp_replicate", "dp_shard"] and doc["mesh"]["shape"][0] * doc["mesh"]["shape"][1] == 64
@@ -84,6 +91,7 @@ def test_emit_fsdp_yaml(capsys):
     assert doc["fully_shard"]["mp_policy"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
 
 
+@pytest.mark.unit
 def test_emit_fsdp_names_the_transformers_layer_of_a_config_json(capsys, tmp_path):
     import json
     cfg = tmp_path / "config.json"
@@ -121,11 +129,13 @@ def test_emitted_deepspeed_config_loads_in_deepspeed(capsys):
     assert stage == 2 and loss > 0
 
 
+@pytest.mark.unit
 def test_emit_errors(capsys):
     assert main(["plan", "gpt2", "--emit", "deepspeed", "--strategy", "fsdp"]) == 2
     assert "is not a deepspeed strategy" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_compare_plot(tmp_path, capsys):
     png = tmp_path / "cmp.png"
     code = main(["compare", "llama2-7b", "--nodes", "2", "--strategies", "ddp,fsdp,hsdp,zero3",

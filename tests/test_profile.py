@@ -10,6 +10,8 @@ from hybrid.models import build_decoder, build_hf
 from hybrid.presets import get_preset
 from hybrid.profile import profile_decoder, profile_module, resolve_model
 
+pytestmark = pytest.mark.unit
+
 # Published totals (model cards / HF `num_parameters()`), independent of our formulas.
 PUBLISHED = {
     "gpt2": 124_439_808,

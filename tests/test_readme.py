@@ -46,5 +46,6 @@ def test_readme_output_is_what_the_command_prints(capsys, command, rows):
             assert want in printed, f"README row not printed by `{command}`:\n{row}"
 
 
+@pytest.mark.unit
 def test_the_readme_shows_some_outputs():
     assert len(shown_outputs()) >= 2

@@ -283,6 +283,7 @@ def test_bad_cli_input_is_one_line_exit_2_nothing_on_stdout(tmp_path):
     assert "needs about" in results["measure-too-big"][2] and "CPU ranks" in results["measure-too-big"][2]
 
 
+@pytest.mark.unit
 def test_plan_on_a_huge_world_answers_in_under_a_second(capsys):
     start = time.monotonic()
     assert main(["plan", "gpt2", "--nodes", "1000000000", "--gpus-per-node", "1000", "--json"]) == 0

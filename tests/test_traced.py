@@ -18,6 +18,7 @@ from hybrid.spec import TrainSpec
 CAT = load_catalogue()
 
 
+@pytest.mark.fakepg
 def test_tracker_agrees_with_torch_memtracker():
     """Our dispatcher-level peak against torch's own MemTracker on the same two steps."""
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -47,6 +48,7 @@ def test_tracker_agrees_with_torch_memtracker():
     assert ours == pytest.approx(theirs, rel=0.01)
 
 
+@pytest.mark.fakepg
 def test_traced_7b_matches_analytic_and_cleans_up():
     src = resolve_model("llama2-7b")
     cl = Cluster.build(8, 8, "h100-80gb")
@@ -59,6 +61,7 @@ def test_traced_7b_matches_analytic_and_cleans_up():
     assert t.memory.activations == pytest.approx(a.activations, rel=0.02)
 
 
+@pytest.mark.fakepg
 def test_traced_refuses_inside_a_job_and_bare_counts():
     with pytest.raises(HybridError, match="bare parameter count"):
         traced_estimate(resolve_model(None, params="7e9"), CAT["fsdp"], TrainSpec(), Cluster())
@@ -71,6 +74,7 @@ def test_traced_refuses_inside_a_job_and_bare_counts():
         dist.destroy_process_group()
 
 
+@pytest.mark.fakepg
 def test_traced_cleans_up_after_an_error(monkeypatch):
     import hybrid.backends.fsdp as fsdp
 
@@ -102,6 +106,7 @@ def test_traced_within_5_percent_of_measured(strategy):
     ("hsdp", TrainSpec(1, 64, activation_checkpointing="selective", gradient_accumulation=2), 1),
     ("fsdp-grad-op", TrainSpec(1, 64, activation_checkpointing="op"), 2),
 ])
+@pytest.mark.fakepg
 def test_fast_trace_is_the_full_trace(strategy, spec, tp):
     """Traced with 3 and 4 blocks and extrapolated, a 7-block model's peak is the full trace's, by
     category (the README's benchmark shows the same on Llama-2-7B and -70B)."""
@@ -115,6 +120,7 @@ def test_fast_trace_is_the_full_trace(strategy, spec, tp):
         assert getattr(fast.memory, c) == pytest.approx(getattr(full.memory, c), rel=0.01, abs=4096), c
 
 
+@pytest.mark.fakepg
 def test_fast_trace_leaves_mixed_blocks_to_the_full_trace():
     src = resolve_model("tiny-llama").with_layers(7)
     t = traced_estimate(src, CAT["fsdp"], TrainSpec(1, 64, activation_checkpointing="layer:2"),
