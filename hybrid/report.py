@@ -50,15 +50,8 @@ def _width(cands) -> int:
 
 
 def _fits(c: Candidate) -> str:
-    """yes / tight / no; "states" where only the model states are known to fit (activations
-    unknown)."""
-    if c.memory is None:
-        return "n/a"
-    if not c.fits:
-        return "no"
-    if c.memory.activations is None:
-        return "states"
-    return "tight" if c.tight else "yes"
+    """The table's fits column: the candidate's verdict, yes / no for fits / OOM."""
+    return {"fits": "yes", "OOM": "no"}.get(c.verdict, c.verdict)
 
 
 def breakdown_table(cands: list[Candidate], chosen: Candidate | None = None) -> str:

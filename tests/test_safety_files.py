@@ -19,6 +19,7 @@ from hybrid.errors import HybridError
 from hybrid.launch import run_ranks
 from hybrid.models import build_decoder
 from tests.test_backends import TINY
+from tests.test_safety import _train
 
 pytestmark = pytest.mark.safety
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,14 +34,6 @@ def _wrap(strategy="ddp", optimizer=None, frozen=(), seed=0, **kw):
             p.requires_grad_(False)
     return auto_wrap(model, optimizer=optimizer, strategy=strategy, precision="fp32", micro_batch=1, seq_len=16,
                      verbose=False, **kw)
-
-
-def _train(w, steps=1):
-    ids = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
-    for _ in range(steps):
-        w.backward(w(ids, labels=ids).loss)
-        w.step()
-        w.zero_grad()
 
 
 def save_two(path, other, sched=False):
