@@ -154,6 +154,9 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
                      "gradient_accumulation": gradient_accumulation, "calibration": calibration,
                      "global_batch": global_batch, "global_batch_tokens": global_batch_tokens, "compile": compile,
                      "float8": float8}, "auto_wrap")
+    if (global_batch is not None or global_batch_tokens is not None) and gradient_accumulation is not None:
+        from .batch import global_batch_of        # the conflict is known before any process group starts
+        global_batch_of(global_batch, global_batch_tokens, seq_len or 1, gradient_accumulation, cli=False)
     if not isinstance(model, nn.Module):
         raise HybridError(f"auto_wrap needs an nn.Module, got {type(model).__name__}")
     model = unwrap(model)
