@@ -70,8 +70,10 @@ def init_distributed(timeout_s: float | None = None) -> Runtime:
         timeout = timeout_s if timeout_s is not None else default_timeout(cuda)
         _STATE["timeout"] = timeout
         if "WORLD_SIZE" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+            world_of_one = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+            os.environ.update(world_of_one)
+            _STATE["env"] = tuple(world_of_one)      # shutdown() takes them back: nothing later sees a torchrun
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     backend = dist.get_backend()
     world = dist.get_world_size()
@@ -208,6 +210,8 @@ def shutdown(timeout_s: float | None = None) -> None:
     timeout = timeout_s if timeout_s is not None else (_STATE["timeout"] or default_timeout(torch.cuda.is_available()))
     if store is None or world == 1:
         dist.destroy_process_group()
+        for key in _STATE.pop("env", ()):
+            os.environ.pop(key, None)
         return
     try:
         store.set(f"hybrid/left/{rank}", str(_STATE["step"]))

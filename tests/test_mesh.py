@@ -71,3 +71,22 @@ def test_not_a_module():
     from hybrid import auto_wrap
     with pytest.raises(HybridError, match="auto_wrap needs an nn.Module, got dict"):
         auto_wrap({"weights": torch.zeros(2)})
+
+
+def test_shutdown_of_a_world_of_one_takes_back_the_variables_it_set():
+    """A process that trained alone and shut down is no torchrun rank afterwards (hybrid tune and
+    auto_wrap read WORLD_SIZE to tell)."""
+    from hybrid.launch import run_ranks
+    assert run_ranks(1, _alone_then_shutdown)[0] == (True, False)
+
+
+def _alone_then_shutdown():
+    import os
+
+    from hybrid.mesh import init_distributed, shutdown
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    init_distributed()
+    during = os.environ.get("WORLD_SIZE") == "1"
+    shutdown()
+    return during, "WORLD_SIZE" in os.environ
