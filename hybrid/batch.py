@@ -116,8 +116,9 @@ def search(judge: Callable[..., "Candidate"], strategy, spec, cluster, shard_siz
             break
     at(options[-1])
     fitting = [mb for mb in options if mb in judged and judged[mb].fits]
+    roomy = [mb for mb in fitting if not judged[mb].tight]       # as choose(): tight only when none has room
     if fitting:
-        best = min(fitting, key=lambda mb: (judged[mb].cost.time_per_token, -mb))
+        best = min(roomy or fitting, key=lambda mb: (judged[mb].cost.time_per_token, -mb))
         chosen = judged[best]
     else:
         usable = [mb for mb in options if judged.get(mb) is not None and judged[mb].memory is not None]

@@ -302,7 +302,8 @@ def _agreed(fn, *args):
         error = str(e)
     except (KeyboardInterrupt, SystemExit):
         raise
-    except Exception as e:  # noqa: BLE001 - an I/O error or MemoryError on one rank must not leave its peers waiting
+    except BaseException as e:  # noqa: BLE001 - an I/O error, MemoryError or DCP's CheckpointException (a
+        # BaseException) on one rank must not leave its peers waiting
         error = f"cannot read the checkpoint on rank {dist.get_rank()}: {first_line(e)}"
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)

@@ -225,10 +225,10 @@ def step_cost(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluste
     if spec.float8 and stage.decoder is not None and g.fp8_flops:
         # the converted block linears (6 FLOPs per weight per token) at the float8 peak instead
         from .float8 import linear_params
-        lin = 6 * linear_params(stage.decoder) * T / tp * (8 / 6 if recompute else 1)
+        lin = 6 * linear_params(stage.decoder) * T / tp / cp * (8 / 6 if recompute else 1)
         compute -= lin / (peak * efficiency) - lin / (g.fp8_flops * efficiency)
     compute *= 1 + recompute_fraction(stage, spec)
-    compute += elementwise_seconds(stage, spec, g, tp)
+    compute += elementwise_seconds(stage, local_spec(spec, cp), g, tp)     # a cp rank streams S / cp tokens
     fwd_c, bwd_c = compute / 3, 2 * compute / 3       # backward costs twice the forward
     if recompute:
         fwd_c, bwd_c = compute / 4, 3 * compute / 4

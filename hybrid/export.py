@@ -202,7 +202,12 @@ def export(ckpt: str, out: str, dtype: str | None = None, max_shard: str = "5GB"
             if os.path.isdir(out):
                 old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old.", dir=os.path.dirname(out))
                 os.rename(out, os.path.join(old, "x"))
-                os.rename(tmp, out)
+                try:
+                    os.rename(tmp, out)
+                except BaseException:
+                    os.rename(os.path.join(old, "x"), out)   # the earlier export back in place
+                    os.rmdir(old)
+                    raise
                 shutil.rmtree(old, ignore_errors=True)      # the replaced export (overwrite=True was given)
             else:
                 os.rename(tmp, out)

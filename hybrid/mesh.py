@@ -72,8 +72,9 @@ def init_distributed(timeout_s: float | None = None) -> Runtime:
         if "WORLD_SIZE" not in os.environ:
             world_of_one = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+            # shutdown() puts back what was there: nothing later sees a torchrun, the user's values return
+            _STATE["env"] = {k: os.environ.get(k) for k in world_of_one}
             os.environ.update(world_of_one)
-            _STATE["env"] = tuple(world_of_one)      # shutdown() takes them back: nothing later sees a torchrun
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     backend = dist.get_backend()
     world = dist.get_world_size()
@@ -210,8 +211,11 @@ def shutdown(timeout_s: float | None = None) -> None:
     timeout = timeout_s if timeout_s is not None else (_STATE["timeout"] or default_timeout(torch.cuda.is_available()))
     if store is None or world == 1:
         dist.destroy_process_group()
-        for key in _STATE.pop("env", ()):
-            os.environ.pop(key, None)
+        for key, value in _STATE.pop("env", {}).items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         return
     try:
         store.set(f"hybrid/left/{rank}", str(_STATE["step"]))

@@ -488,7 +488,8 @@ def cp_degrees(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cp: int
     from .memory.cp import LONG_SEQ
     from .parallel import divisors
     world, s = cluster.world_size, spec.seq_len
-    valid = [c for c in divisors(world) if s % (2 * c) == 0] if profile.decoder is not None else [1]
+    # cp 1 splits nothing; a cp > 1 needs 2cp equal chunks
+    valid = [1] + ([c for c in divisors(world)[1:] if s % (2 * c) == 0] if profile.decoder is not None else [])
     if cp is None:
         return valid if s >= LONG_SEQ else [1]
     if cp not in valid:

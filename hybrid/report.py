@@ -182,8 +182,8 @@ def _why_cp(p: Plan) -> list[str]:
         return [f"why cp {c.cp}: the best layout without it, {best.label}, runs {best.cost.tokens_per_s_per_gpu:,.0f} "
                 f"tokens/s per GPU ({gain:.1%} slower)"]
     return [f"why cp {c.cp}: the best layout without it, {best.label}, runs {best.cost.tokens_per_s_per_gpu:,.0f} "
-            f"tokens/s per GPU ({-gain:.1%} faster, within the model's error): the tie goes to the layout with fewer "
-            "tensor-parallel ranks"]
+            f"tokens/s per GPU ({-gain:.1%} faster, within the model's error): the tie goes to the simpler layout "
+            "(fewer pipeline, then tensor-parallel ranks before context-parallel ones)"]
 
 
 def format_estimate(p: Plan) -> str:

@@ -78,7 +78,7 @@ def tokens_per_s_per_gpu(cand, seconds: float) -> float:
     """Measured tokens/s per GPU as the cost model counts them (a tp group and a pipeline share
     their micro-batches)."""
     s = cand.spec
-    return s.gradient_accumulation * s.micro_batch * s.seq_len / cand.tp / cand.pp / seconds
+    return s.gradient_accumulation * s.micro_batch * s.seq_len / cand.tp / cand.pp / cand.cp / seconds
 
 
 def _side_group():
@@ -211,7 +211,6 @@ def tune(plan, make_model, optimizer, runtime, cluster, top: int = 3, steps: int
     make_model() builds a fresh model for each trial; optimizer is a factory of params."""
     if plan.chosen is None and not any(c.memory is not None for c in plan.candidates):
         raise HybridError("no layout can run this job at all; see `hybrid plan` for why")
-    ids = synthetic_ids(plan.model, plan.spec)
     side = _side_group() if runtime.world_size > 1 else None
     picked = [select(plan, top) if runtime.rank == 0 else None]
     if side is not None:
@@ -224,6 +223,7 @@ def tune(plan, make_model, optimizer, runtime, cluster, top: int = 3, steps: int
         cand = plan.candidates[i]
         if progress is not None and runtime.rank == 0:
             progress.begin(f"{cand.label} (shard {cand.shard_size})")
+        ids = synthetic_ids(plan.model, cand.spec)       # this layout's micro-batch x accumulation (global batch)
         mine = _run_one(cand, plan, make_model, optimizer, runtime, cluster, ids, steps, warmup, max_grad_norm,
                         lambda err: _agree(err, runtime, side))
         everyone = [None] * runtime.world_size

@@ -41,7 +41,8 @@ def run_cli(opts: dict):
     p = make_plan(src.profile, spec, cluster, cat, args.shard_size, strategies=names,
                   tp=args.tp if args.tp is not None else None, pp=args.pp if args.pp is not None else 1,
                   schedule=args.schedule, search_checkpointing=args.activation_checkpointing is None,
-                  efficiency=args.efficiency, calibration=resolve(args.calibration))
+                  efficiency=args.efficiency, calibration=resolve(args.calibration),
+                  cp=getattr(args, "cp", None), micro_batch=args.micro_batch if spec.global_batch is not None else None)
     dtype = torch.bfloat16 if spec.precision == "bf16" else None
 
     def make_model():

@@ -151,3 +151,20 @@ def test_auto_wrap_feeds_what_the_plan_chose():
     with pytest.raises(Exception, match="gradient_accumulation= is chosen per layout"):
         auto_wrap(build_decoder(TINY, seed=0), precision="fp32", seq_len=16, global_batch=8,
                   gradient_accumulation=2, verbose=False)
+
+
+@pytest.mark.unit
+def test_a_roomy_micro_batch_is_chosen_over_a_faster_tight_one():
+    """Review: the search keeps a layout's fitting-with-room shape where it has one, as choose() does."""
+    from hybrid.cluster import Cluster
+    from hybrid.planner import plan
+    from hybrid.profile import resolve_model
+    from hybrid.spec import TrainSpec
+    prof, cl = resolve_model("llama3-8b").profile, Cluster.build(1, 8, "h100-80gb")
+    spec = TrainSpec(1, 8192, global_batch=64)
+    searched = plan(prof, spec, cl, search_checkpointing=True)
+    at_one = {(c.label, c.shard_size): c for c in plan(prof, spec, cl, search_checkpointing=True, micro_batch=1).candidates}
+    for c in searched.candidates:
+        if c.tight:
+            one = at_one[(c.label, c.shard_size)]
+            assert not (one.fits and not one.tight), c.label

@@ -101,3 +101,29 @@ def test_a_plan_that_fits_nothing_suggests_splitting_the_sequence():
     # the smallest cp that fits: 4 fits tightly (by the allocator's retries), which it says
     assert any(s.startswith("--cp 4 (fsdp+cp4+ac:full") and s.endswith("tight)") for s in p.suggestions), \
         p.suggestions
+
+
+@pytest.mark.unit
+def test_an_odd_sequence_plans_at_cp_1_and_compile_is_not_combined_with_cp():
+    """Review: cp 1 splits nothing, so any sequence length plans; compiled cp blocks have not run."""
+    src = resolve_model("llama3.1-8b")
+    cl = Cluster.build(1, 8, "h100-80gb")
+    p = plan(src.profile, TrainSpec(1, 32769), cl, search_checkpointing=True)
+    assert p.chosen is not None and p.chosen.cp == 1
+    p = plan(src.profile, TrainSpec(1, 131072, compile=True), cl, search_checkpointing=True)
+    assert p.chosen is not None and p.chosen.cp == 1
+    assert all("compile with cp > 1" in c.reason for c in p.candidates if c.cp > 1)
+
+
+@pytest.mark.unit
+def test_float8_and_elementwise_time_are_per_cp_rank():
+    """Review: every compute term of a cp rank is its share of the sequence (float8's saving too: a
+    saving counted for the whole sequence made MFU 214%)."""
+    from hybrid.catalogue import load_catalogue
+    from hybrid.cost import step_cost
+    src = resolve_model("llama3.1-8b")
+    cl = Cluster.build(1, 8, "h100-80gb")
+    fsdp = load_catalogue()["fsdp"]
+    spec = TrainSpec(1, 65536, activation_checkpointing="full", compile=True, float8=True)
+    for cp in (1, 2, 4, 8):
+        assert 0 < step_cost(fsdp, src.profile, spec, cl, 8 // cp, None, 1, None, cp).mfu < 1

@@ -65,6 +65,9 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
                                 "here; float8 layouts run at tp 1")
     if cp > 1:
         strategy.family_obj.check_cp(strategy, cp, tp)
+        if getattr(spec, "compile", False):
+            raise NotApplicable("compile with cp > 1: the K/V all-gather inside a fullgraph-compiled block has not "
+                                "run here; use compile with cp 1, or cp without compile")
         if profile.decoder is None:
             raise NotApplicable("context parallelism splits a transformer's sequence; this model has no known "
                                 "decoder shape: use cp 1")
