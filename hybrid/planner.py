@@ -452,7 +452,7 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
     fixes = ()
     if chosen is None and suggest_fixes and estimator is None:
         fixes = tuple(suggest(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp, pp,
-                              micro_batch))
+                              micro_batch, cp))
     return Plan(profile, cluster, spec, tuple(order), chosen, method, fixes, tie, calibration)
 
 
@@ -507,8 +507,10 @@ def _size(c: Candidate) -> str:
 
 def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[str, Strategy],
             names: list[str], search_checkpointing: bool, efficiency: float | None = None,
-            tp: int | None = None, pp: int | None = None, micro_batch: int | None = None) -> list[str]:
-    """The smallest change along each axis that makes some candidate fit."""
+            tp: int | None = None, pp: int | None = None, micro_batch: int | None = None,
+            cp: int | None = None) -> list[str]:
+    """The smallest change along each axis that makes some candidate fit (at a pinned cp)."""
+    pinned_cp = cp or 1
     out = []
     if pp is not None:      # pp was pinned: would another degree fit?
         for p in pp_degrees(cluster):
@@ -520,29 +522,30 @@ def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[
     if tp is not None:      # tp was pinned: would another degree fit?
         for t in tp_degrees(profile, cluster.gpus_per_node):
             c = t > tp and _fits_with(profile, spec, cluster, cat, names, True, efficiency, t,
-                                            micro_batch=micro_batch)
+                                            micro_batch=micro_batch, cp=pinned_cp)
             if c:
                 out.append(f"--tp {t} ({c.label}: {_size(c)})")
                 break
     if pp in (None, 1) and profile.decoder is not None:   # would splitting the sequence fit?
         from .parallel import divisors
-        for k in divisors(cluster.world_size)[1:MAX_CP_TRIES]:
+        for k in [d for d in divisors(cluster.world_size) if d > pinned_cp][:MAX_CP_TRIES - 1]:
             c = spec.seq_len % (2 * k) == 0 and _fits_with(profile, spec, cluster, cat, names, True, efficiency,
                                                            tp, 1, k, micro_batch=micro_batch)
             if c:
                 out.append(f"--cp {k} ({c.label}: {_size(c)})")
                 break
     args = (cat, names, True, efficiency)
+    at = {"micro_batch": micro_batch, "cp": pinned_cp}
     if not search_checkpointing and spec.activation_checkpointing != "full":
         for ac in ("selective", "full"):
-            c = _fits_with(profile, replace(spec, activation_checkpointing=ac), cluster, *args, micro_batch=micro_batch)
+            c = _fits_with(profile, replace(spec, activation_checkpointing=ac), cluster, *args, **at)
             if c:
                 out.append(f"--activation-checkpointing {ac} ({c.label}: {_size(c)})")
                 break
     nodes = cluster.nodes
     while nodes < 4096:
         nodes *= 2
-        c = _fits_with(profile, spec, replace(cluster, nodes=nodes), *args, micro_batch=micro_batch)
+        c = _fits_with(profile, spec, replace(cluster, nodes=nodes), *args, **at)
         if c:
             out.append(f"--nodes {nodes} ({c.label} x{c.shard_size}: {_size(c)} per GPU)")
             break
@@ -550,17 +553,17 @@ def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[
         seq = spec.seq_len
         while seq > 128:
             seq //= 2
-            c = _fits_with(profile, replace(spec, seq_len=seq), cluster, *args, micro_batch=micro_batch)
+            c = _fits_with(profile, replace(spec, seq_len=seq), cluster, *args, **at)
             if c:
                 out.append(f"--seq-len {seq} ({c.label}: {_size(c)})")
                 break
     if spec.micro_batch > 1 and spec.global_batch is None:
-        c = _fits_with(profile, replace(spec, micro_batch=1), cluster, *args, micro_batch=micro_batch)
+        c = _fits_with(profile, replace(spec, micro_batch=1), cluster, *args, **at)
         if c:
             out.append(f"--micro-batch 1 ({c.label}: {_size(c)})")
     for gpu in sorted(GPUS.values(), key=lambda g: g.memory_bytes):
         if gpu.memory_bytes > cluster.gpu.memory_bytes:
-            c = _fits_with(profile, spec, replace(cluster, gpu=gpu), *args, micro_batch=micro_batch)
+            c = _fits_with(profile, spec, replace(cluster, gpu=gpu), *args, **at)
             if c:
                 out.append(f"--gpu {gpu.name} ({c.label}: {_size(c)})")
                 break

@@ -28,14 +28,18 @@ def _spec_lines(p: Plan) -> list[str]:
                 f"attention {s.attention}",
                 f"global batch {s.global_batch} sequences per step in every row = micro-batch x accumulation x "
                 "data-parallel ranks (batch: micro-batch x accumulation, and the largest micro-batch that fits)",
-                f"cluster {p.cluster.describe()}; memory method {p.method}", ""]
+                f"cluster {p.cluster.describe()}; memory method {p.method}", *_speed(p), ""]
     return [f"model {p.model.name}: {p.model.params:,} params; micro-batch {s.micro_batch} x seq {s.seq_len}, "
             f"{s.precision}, {s.optimizer}, activation checkpointing {s.activation_checkpointing}, "
             f"attention {s.attention}",
             f"global batch {p.global_batch} sequences = micro-batch {s.micro_batch} x accumulation "
             f"{s.gradient_accumulation} x {p.dp_size} data-parallel ranks",
-            f"cluster {p.cluster.describe()}; memory method {p.method}",
-            *([f"speed {p.calibration.describe()}"] if getattr(p, "calibration", None) is not None else []), ""]
+            f"cluster {p.cluster.describe()}; memory method {p.method}", *_speed(p), ""]
+
+
+def _speed(p: Plan) -> list[str]:
+    """The header line of a plan made with a calibration file."""
+    return [f"speed {p.calibration.describe()}"] if getattr(p, "calibration", None) is not None else []
 
 
 def _mem(c: Candidate, col: str) -> str:
