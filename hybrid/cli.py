@@ -503,6 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     except HybridError as e:
         print(f"hybrid: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:           # Ctrl-C: what was being written is already cleaned up
+        print("hybrid: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

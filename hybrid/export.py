@@ -177,7 +177,7 @@ def export(ckpt: str, out: str, dtype: str | None = None, max_shard: str = "5GB"
     renamed into place at the end, so a failed or interrupted export leaves `out` as it was; a
     non-empty `out` needs overwrite=True."""
     import shutil
-    import tempfile
+    import uuid
 
     import torch
 
@@ -194,23 +194,16 @@ def export(ckpt: str, out: str, dtype: str | None = None, max_shard: str = "5GB"
     r = reader(ckpt, meta)
     keys, config = plan_keys(meta)
     entries = check_params(ckpt, meta, r.metadata, keys)
+    parent, base, tag = os.path.dirname(out), os.path.basename(out), uuid.uuid4().hex[:8]
+    tmp = os.path.join(parent, f".{base}.{tag}")         # named before it exists: cleaned whatever interrupts
+    old = os.path.join(parent, f".{base}.old.{tag}")     # a replaced export, until the new one is in place
     with _signals_unwind():
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=os.path.dirname(out))
         try:
-            os.chmod(tmp, 0o777 & ~_umask())         # mkdtemp makes it 0700; an export is shared like any output
+            os.mkdir(tmp)                   # 0777 less the umask, as any output directory
             written = _write(ckpt, r, tmp, dtype, cast, keys, entries, config, limit)
-            if os.path.isdir(out):
-                old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old.", dir=os.path.dirname(out))
-                os.rename(out, os.path.join(old, "x"))
-                try:
-                    os.rename(tmp, out)
-                except BaseException:
-                    os.rename(os.path.join(old, "x"), out)   # the earlier export back in place
-                    os.rmdir(old)
-                    raise
-                shutil.rmtree(old, ignore_errors=True)      # the replaced export (overwrite=True was given)
-            else:
-                os.rename(tmp, out)
+            if os.path.isdir(out):          # overwrite=True was given
+                os.rename(out, old)
+            os.rename(tmp, out)
         except HybridError:
             raise
         except OSError as e:
@@ -220,8 +213,11 @@ def export(ckpt: str, out: str, dtype: str | None = None, max_shard: str = "5GB"
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             raise HybridError(f"cannot export {ckpt!r}: {first_line(e)}") from None
         finally:
-            if os.path.isdir(tmp):
-                shutil.rmtree(tmp, ignore_errors=True)
+            if os.path.isdir(old) and not os.path.lexists(out):
+                os.rename(old, out)         # stopped between the two renames: the previous export back
+            for leftover in (tmp, old):
+                if os.path.isdir(leftover) and not os.path.islink(leftover):
+                    shutil.rmtree(leftover, ignore_errors=True)
     return written
 
 

@@ -338,7 +338,7 @@ def killer():
 threading.Thread(target=killer, daemon=True).start()
 before = signal.getsignal(signal.SIGTERM)
 try:
-    export({ckpt!r}, out, max_shard="64KiB")
+    export({ckpt!r}, out, max_shard="8KiB")
 except (SystemExit, KeyboardInterrupt) as e:
     print("interrupted", type(e).__name__, signal.getsignal(signal.SIGTERM) == before)
     sys.exit(3)
@@ -801,3 +801,23 @@ def test_rank0_dying_first_gives_the_clear_line_without_a_cpp_stack_dump(tmp_pat
     assert "hybrid: error: rank 0 found its input wrong" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
     assert "frame #" not in proc.stderr and "Exception raised from" not in proc.stderr, proc.stderr[-2000:]
     assert "TORCH_CPP_LOG_LEVEL" not in os.environ or os.environ.get("TORCH_CPP_LOG_LEVEL") != "FATAL"
+
+
+@pytest.mark.gloo
+def test_ctrl_c_during_cli_export_is_one_line_and_leaves_nothing(ckpts, tmp_path):
+    import signal
+    c = copy(ckpts, tmp_path)
+    parent = tmp_path / "outs"
+    parent.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "hybrid.cli", "export", c, str(parent / "out"),
+                             "--max-shard-size", "8KiB"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 120
+    while not [d for d in os.listdir(parent) if d.startswith(".out.")] and proc.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err.strip() == "hybrid: interrupted" and out == "", (proc.returncode, err[-2000:])
+    left = os.listdir(parent)       # nothing, or (Ctrl-C after the final rename) the whole export
+    assert left == [] or (left == ["out"] and (parent / "out" / "model.safetensors.index.json").exists()), left
