@@ -72,12 +72,27 @@ class ParallelDims:
     """Tensor-parallel degree: each matrix split over this many ranks of one node."""
     pp: int = 1
     """Pipeline stages."""
+    ep: int = 1
+    """Expert-parallel degree (mixture-of-experts): each MoE layer's experts split over this many
+    ranks taken from the dp_shard x cp ranks (as torchtitan does), tokens sent to their experts by
+    all-to-all; not a factor of the world. 1 = every rank holds (its FSDP share of) every expert."""
 
     def __post_init__(self):
-        for name in DIM_NAMES:
+        for name in DIM_NAMES + ("ep",):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise HybridError(f"ParallelDims.{name} must be a positive integer, got {v!r}")
+        if (self.dp_shard * self.cp) % self.ep:
+            valid = ", ".join(map(str, divisors(self.dp_shard * self.cp)))
+            raise HybridError(f"ep {self.ep} must divide dp_shard({self.dp_shard}) x cp({self.cp}) = "
+                              f"{self.dp_shard * self.cp}: expert-parallel ranks are taken from the sharded "
+                              f"data-parallel ranks; valid ep: {valid}")
+
+    @property
+    def expert_shard(self) -> int:
+        """Ranks one expert's state is FSDP-sharded over: dp_shard x cp / ep (the dense layers use
+        all dp_shard x cp)."""
+        return self.dp_shard * self.cp // self.ep
 
     @classmethod
     def data_parallel(cls, world: int, shard_size: int) -> "ParallelDims":
@@ -150,8 +165,11 @@ class ParallelDims:
         return init_device_mesh(device_type, self.shape, mesh_dim_names=DIM_NAMES)
 
     def to_dict(self) -> dict:
-        return {name: getattr(self, name) for name in DIM_NAMES[1:] + DIM_NAMES[:1]}
+        out = {name: getattr(self, name) for name in DIM_NAMES[1:] + DIM_NAMES[:1]}
+        if self.ep > 1:                   # dense plans keep their JSON as it was
+            out["ep"] = self.ep
+        return out
 
     def describe(self) -> str:
-        used = [f"{n} {getattr(self, n)}" for n in DIM_NAMES if getattr(self, n) > 1]
+        used = [f"{n} {getattr(self, n)}" for n in DIM_NAMES + ("ep",) if getattr(self, n) > 1]
         return " x ".join(used) if used else "one rank"

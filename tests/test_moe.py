@@ -189,3 +189,15 @@ def test_the_moe_layer_table_is_what_transformers_says():
     for name in sorted(PUBLISHED):
         cfg = dataclasses.replace(get_preset(name), layers=1)
         assert set(build_hf(cfg)._no_split_modules) == {HF_LAYERS[cfg.hf_model_type]}
+
+
+@pytest.mark.unit
+def test_parallel_dims_ep_is_taken_from_the_sharded_ranks():
+    from hybrid.errors import HybridError
+    from hybrid.parallel import ParallelDims
+    d = ParallelDims(dp_replicate=2, dp_shard=8, ep=4).validate(16, 8)
+    assert d.world_size == 16 and d.expert_shard == 2 and d.describe() == "dp_replicate 2 x dp_shard 8 x ep 4"
+    assert d.to_dict()["ep"] == 4 and "ep" not in ParallelDims(dp_shard=8).to_dict()
+    assert ParallelDims(dp_shard=2, cp=2, ep=4).expert_shard == 1       # ep spans dp_shard x cp
+    with pytest.raises(HybridError, match=r"ep 3 must divide dp_shard\(8\) x cp\(1\) = 8.*valid ep: 1, 2, 4, 8"):
+        ParallelDims(dp_shard=8, ep=3)
