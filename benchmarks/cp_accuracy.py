@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hybrid.catalogue import load_catalogue
 from hybrid.cluster import Cluster
+from hybrid.layout import Layout
 from hybrid.memory.analytic import estimate
 from hybrid.memory.traced import traced_estimate
 from hybrid.presets import get_preset
@@ -54,7 +55,7 @@ def main():
         src = source(seq)
         cl = Cluster.build(nodes, 8, "h100-80gb")
         spec = TrainSpec(1, seq, activation_checkpointing=ckpt)
-        a = estimate(cat[name], src.profile, spec, cl, None, tp, cp)
+        a = estimate(Layout.of(cat[name], cl, spec, tp=tp, cp=cp), src.profile, spec, cl)
         start = time.perf_counter()
         t = traced_estimate(src, cat[name], spec, cl, tp=tp, cp=cp)
         secs = time.perf_counter() - start

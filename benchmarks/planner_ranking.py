@@ -117,6 +117,7 @@ def main():
     latency, bw = fit_link(probes)
 
     import hybrid.cost as cost
+    from hybrid.layout import Layout
     from hybrid.catalogue import load_catalogue
     from hybrid.cluster import Cluster, GPUSpec
     from hybrid.profile import profile_decoder
@@ -133,7 +134,7 @@ def main():
         s = cat[name]
         n = PER_NODE if name == "hsdp" else s.shard_size(cluster)
         spec = TrainSpec(MB, SEQ, precision="fp32", activation_checkpointing=ckpt)
-        pred = cost.step_cost(s, prof, spec, cluster, n, efficiency=1.0).seconds
+        pred = cost.step_cost(Layout.of(s, cluster, spec, shard_size=n), prof, spec, cluster, efficiency=1.0).seconds
         rows.append((label, seconds, pred))
     tau = kendall_tau([r[1] for r in rows], [r[2] for r in rows])
     lines = ["# Planner ranking on this machine", "",

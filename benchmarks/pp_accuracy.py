@@ -28,6 +28,7 @@ CELLS = [("llama3-70b", 16, 8192, 8, 4, 8, "fsdp", "full"), ("llama3-70b", 16, 8
 def one_rank(cell, rank, queue):
     from hybrid.catalogue import load_catalogue
     from hybrid.cluster import Cluster
+    from hybrid.layout import Layout
     from hybrid.memory.analytic import estimate
     from hybrid.memory.traced import traced_stage_estimate
     from hybrid.pipeline import stage_cluster
@@ -38,9 +39,9 @@ def one_rank(cell, rank, queue):
     src, cl, s = resolve_model(model), Cluster.build(nodes, 8, "h100-80gb"), load_catalogue()[name]
     spec = TrainSpec(1, seq, activation_checkpointing=ckpt, gradient_accumulation=m)
     scl = stage_cluster(cl, pp)
-    n = s.shard_size(scl, None, tp)
-    lay = pipeline_layout(s, src.profile, spec, scl, n, tp, pp, "1f1b")
-    a = estimate(s, stage_share(src.profile, lay, rank), spec, scl, n, tp)
+    layout = Layout.of(s, cl, spec, tp=tp, pp=pp, schedule="1f1b")
+    lay = pipeline_layout(layout, src.profile, spec, scl)
+    a = estimate(layout.with_pipeline(lay), stage_share(src.profile, lay, rank), spec, scl)
     t = traced_stage_estimate(src, s, spec, cl, None, tp, lay, rank)
     queue.put((lay.describe(), lay.in_flight(rank), a.tensors, t.memory.tensors, t.seconds))
 

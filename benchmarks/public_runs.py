@@ -31,6 +31,7 @@ import yaml  # noqa: E402
 from hybrid.catalogue import load_catalogue  # noqa: E402
 from hybrid.cluster import GB, Cluster, get_gpu  # noqa: E402
 from hybrid.cost import model_flops_per_token, step_cost  # noqa: E402
+from hybrid.layout import Layout  # noqa: E402
 from hybrid.planner import judge  # noqa: E402
 from hybrid.presets import DecoderConfig, from_hf_config, get_preset  # noqa: E402
 from hybrid.profile import profile_decoder  # noqa: E402
@@ -100,17 +101,19 @@ class Point:
 
     def candidate(self, efficiency=None):
         """The estimate (at memory_spec) with the cost of the published step (at spec)."""
-        c = judge(self.strategy, self.profile, self.memory_spec, self.cluster, self.shard, None, efficiency,
-                  self.tp, self.pp, self.schedule)
+        layout = Layout.of(self.strategy, self.cluster, self.memory_spec, shard_size=self.shard, tp=self.tp,
+                           pp=self.pp, schedule=self.schedule)
+        c = judge(layout, self.profile, self.memory_spec, self.cluster, None, efficiency)
         if self.memory_spec is self.spec or c.memory is None:
             return c
-        return replace(c, cost=step_cost(self.strategy, self.profile, self.spec, self.cluster, c.shard_size,
-                                         efficiency, self.tp, c.pipeline))
+        return replace(c, cost=step_cost(replace(c.layout, ac=self.spec.activation_checkpointing,
+                                                 compile=self.spec.compile, float8=self.spec.float8),
+                                         self.profile, self.spec, self.cluster, efficiency))
 
     def tokens_per_s(self, efficiency: float, cand) -> float:
-        layout = cand.pipeline
-        return step_cost(self.strategy, self.profile, self.spec, self.cluster, cand.shard_size, efficiency,
-                         self.tp, layout).tokens_per_s_per_gpu
+        layout = replace(cand.layout, ac=self.spec.activation_checkpointing, compile=self.spec.compile,
+                         float8=self.spec.float8)
+        return step_cost(layout, self.profile, self.spec, self.cluster, efficiency).tokens_per_s_per_gpu
 
     def efficiency_to_match(self, cand) -> float:
         """The efficiency at which the cost model gives the published tokens/s (bisection: tokens/s

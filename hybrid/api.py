@@ -14,6 +14,7 @@ from dataclasses import fields
 from .catalogue import get_strategy, load_catalogue
 from .cluster import Cluster
 from .errors import HybridError
+from .layout import Layout
 from .memory.analytic import estimate as _analytic
 from .memory.breakdown import MemoryBreakdown
 from .profile import ModelProfile, build_profile, resolve_model
@@ -91,9 +92,10 @@ def plan(model, cluster: Cluster | None = None, *, strategies: list[str] | None 
                  search_checkpointing=train.get("activation_checkpointing") is None)
 
 
-def estimate(model, strategy: str = "fsdp", cluster: Cluster | None = None, spec: TrainSpec | None = None,
+def estimate(model, strategy: "str | Layout" = "fsdp", cluster: Cluster | None = None, spec: TrainSpec | None = None,
              shard_size: int | None = None, strategies_dir: tuple[str, ...] = (), **train) -> MemoryBreakdown:
-    """Per-GPU memory of `strategy` for `model` (any form plan() takes), at tp = pp = 1. Training
+    """Per-GPU memory of `strategy` for `model` (any form plan() takes): a preset's name (at tp = pp
+    = 1, its shard size or `shard_size`) or a whole Layout (hybrid.layout.Layout.of). Training
     arguments come as keywords (micro_batch=2, seq_len=4096, ...) or as a whole `spec`."""
     cluster = cluster or Cluster.build()
     profile = profile_of(model)
@@ -103,4 +105,7 @@ def estimate(model, strategy: str = "fsdp", cluster: Cluster | None = None, spec
     if spec.global_batch is not None:
         raise HybridError("estimate() takes one batch shape (micro_batch=, gradient_accumulation=); a global_batch "
                           "is searched per layout by hybrid.plan()")
-    return _analytic(get_strategy(strategy, load_catalogue(strategies_dir)), profile, spec, cluster, shard_size)
+    if not isinstance(strategy, Layout):
+        strategy = Layout.of(get_strategy(strategy, load_catalogue(strategies_dir)), cluster, spec,
+                             shard_size=shard_size)
+    return _analytic(strategy, profile, spec, cluster)

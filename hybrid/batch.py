@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Callable
 
 from .errors import HybridError
 from .parallel import divisors
-from .pipeline import VIRTUAL, stage_cluster
+from .pipeline import VIRTUAL
 
 if TYPE_CHECKING:
+    from .layout import Layout
     from .planner import Candidate
 
 
@@ -48,12 +49,6 @@ class BatchChoice:
                 "micro_batch_pinned": self.pinned}
 
 
-def data_parallel_ranks(cluster, shard_size: int, tp: int, pp: int, cp: int = 1) -> int:
-    """Ranks that read different data in a layout: dp_replicate x dp_shard of one pipeline stage
-    (the tp and cp ranks of a group read the same sequences)."""
-    return stage_cluster(cluster, pp).world_size // (tp * cp)
-
-
 def micro_batch_options(per_rank: int, pinned: int | None = None) -> list[int]:
     """The micro-batches that make micro-batch x accumulation = the per-rank batch exactly: its
     divisors (the powers of two among them), ascending; a pinned one alone when it divides."""
@@ -73,29 +68,29 @@ def schedules(pp: int, layers_per_rank: int, pinned: str | None) -> list[str]:
     return ["1f1b"] + (["interleaved"] if layers_per_rank >= VIRTUAL else [])
 
 
-def search(judge: Callable[..., "Candidate"], strategy, spec, cluster, shard_size: int, tp: int, pp: int,
-           schedule: str | None, estimator=None, micro_batch: int | None = None,
-           pinned_schedule: bool = False, cp: int = 1) -> "Candidate":
-    """The layout (strategy, shard size, tp, pp, schedule; spec's checkpointing) at the global
-    batch spec.global_batch: its fastest fitting micro-batch, as a Candidate carrying `batch`.
+def search(judge: Callable[..., "Candidate"], layout: "Layout", spec, estimator=None,
+           micro_batch: int | None = None, pinned_schedule: bool = False) -> "Candidate":
+    """The layout at the global batch spec.global_batch: its fastest fitting micro-batch, as a
+    Candidate carrying `batch`.
 
-    judge(strategy, spec, shard_size, tp, pp, schedule, estimator) is the planner's judge of one
-    candidate at one batch shape. Memory grows with the micro-batch except where a single
-    micro-batch ends the accumulation (FSDP keeps no unsharded gradients then), so the search
-    walks the options upward, stops after the first that does not fit and still judges the
-    whole per-rank batch; an expensive estimator (traced, measured) runs once, on the choice.
-    micro_batch pins the micro-batch; an unpinned 1f1b runs as gpipe below pp micro-batches."""
+    judge(layout, spec, estimator) is the planner's judge of one layout at one batch shape. Memory
+    grows with the micro-batch except where a single micro-batch ends the accumulation (FSDP keeps
+    no unsharded gradients then), so the search walks the options upward, stops after the first
+    that does not fit and still judges the whole per-rank batch; an expensive estimator (traced,
+    measured) runs once, on the choice. micro_batch pins the micro-batch; an unpinned 1f1b runs as
+    gpipe below pp micro-batches."""
     gb = spec.global_batch
-    dp = data_parallel_ranks(cluster, shard_size, tp, pp, cp)
+    dp = layout.dims.dp_size        # the tp and cp ranks of a group read the same sequences
+    pp = layout.dims.pp
     if gb % dp:
-        c = judge(strategy, replace(spec, micro_batch=1, gradient_accumulation=1), shard_size, tp, pp, schedule, None)
+        c = judge(layout, replace(spec, micro_batch=1, gradient_accumulation=1), None)
         return replace(c, memory=None, fits=False, cost=None, stage_memory=(),
                        reason=f"not applicable: the global batch {gb} is not a multiple of this layout's {dp} "
                               f"data-parallel ranks (choose a global batch divisible by {dp})")
     per_rank = gb // dp
     options = micro_batch_options(per_rank, micro_batch)
     if not options:
-        c = judge(strategy, replace(spec, micro_batch=1, gradient_accumulation=1), shard_size, tp, pp, schedule, None)
+        c = judge(layout, replace(spec, micro_batch=1, gradient_accumulation=1), None)
         return replace(c, memory=None, fits=False, cost=None, stage_memory=(),
                        reason=f"not applicable: micro-batch {micro_batch} does not divide the {per_rank} sequences "
                               f"per data-parallel rank (global batch {gb} / {dp} ranks); use a divisor of {per_rank}")
@@ -104,11 +99,10 @@ def search(judge: Callable[..., "Candidate"], strategy, spec, cluster, shard_siz
     def at(mb: int) -> "Candidate":
         if mb not in judged:
             m = per_rank // mb
-            sched = schedule
-            if pp > 1 and sched == "1f1b" and m < pp and not pinned_schedule:
-                sched = "gpipe"                  # torch's 1F1B needs m >= pp; gpipe runs fewer
-            judged[mb] = judge(strategy, replace(spec, micro_batch=mb, gradient_accumulation=m), shard_size, tp,
-                               pp, sched, None)
+            lay = layout
+            if layout.schedule == "1f1b" and m < pp and not pinned_schedule:
+                lay = replace(layout, schedule="gpipe")      # torch's 1F1B needs m >= pp; gpipe runs fewer
+            judged[mb] = judge(lay, replace(spec, micro_batch=mb, gradient_accumulation=m), None)
         return judged[mb]
 
     for mb in options:
@@ -125,8 +119,7 @@ def search(judge: Callable[..., "Candidate"], strategy, spec, cluster, shard_siz
         best = min(usable, key=lambda mb: judged[mb].memory.total) if usable else options[0]
         chosen = judged[best]
     if estimator is not None and chosen.memory is not None:
-        chosen = judge(strategy, chosen.spec, shard_size, tp, pp, chosen.pipeline.schedule if chosen.pipeline
-                       else schedule, estimator)
+        chosen = judge(replace(chosen.layout, pipeline=None), chosen.spec, estimator)
     choice = BatchChoice(gb, best, per_rank // best, max(fitting) if fitting else None, micro_batch is not None)
     return replace(chosen, batch=choice)
 

@@ -278,7 +278,7 @@ def _solve(A: list[list[float]], b: list[float]) -> list[float]:
 def predict(cands, profile, cluster) -> list[float]:
     """The cost model's step time of each candidate on `cluster` (its GPU's figures)."""
     from .cost import step_cost
-    return [step_cost(c.strategy, profile, c.spec, cluster, c.shard_size, None, c.tp, c.pipeline, c.cp).seconds
+    return [step_cost(c.layout, profile, c.spec, cluster).seconds
             for c in cands]
 
 

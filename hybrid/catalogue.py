@@ -26,7 +26,8 @@ class Strategy:
     """Shard-group size rule: 'none' (1, plain replication), 'node' (gpus per node), 'world', or a
     number of ranks. Resolved against a cluster by `shard_size`."""
     complexity: int | None = None
-    """Tie-break rank, lower is simpler; derived from the knobs when not given."""
+    """Tie-break rank of the preset, lower is simpler (Layout.simplicity); when not given, the
+    family's rank of its knobs (Family.default_complexity), set once here."""
     # ddp
     bucket_cap_mb: float = 25.0
     """DDP all-reduce bucket size in MB (torch default 25)."""
@@ -89,6 +90,8 @@ class Strategy:
             if h != "node" and not (h.isdigit() and int(h) >= 1):
                 raise HybridError(f"{where}: hpz {self.hpz!r} must be node or a positive integer")
             object.__setattr__(self, "hpz", h)
+        if self.complexity is None:
+            object.__setattr__(self, "complexity", get_family(self.family).default_complexity(self))
 
     # --- resolution against a cluster ----------------------------------------------------------
     @property
@@ -131,12 +134,6 @@ class Strategy:
         n = cluster.gpus_per_node if self.hpz == "node" else int(self.hpz)
         validate_shard_size(n, cluster.world_size, cluster.gpus_per_node)
         return n
-
-    def rank(self) -> int:
-        """Simplicity for tie-breaks: replication < partial sharding < full sharding < offload."""
-        if self.complexity is not None:
-            return self.complexity
-        return self.family_obj.simplicity(self)
 
     def knobs(self) -> dict:
         """The knobs this preset's family has, with their values (unset ones omitted)."""
@@ -268,7 +265,7 @@ def load_catalogue(extra_dirs: tuple[str, ...] | list[str] = ()) -> dict[str, St
             if fn.endswith((".yaml", ".yml")):
                 s = load_file(os.path.join(d, fn))
                 out[s.name] = s
-    return dict(sorted(out.items(), key=lambda kv: (kv[1].rank(), kv[0])))
+    return dict(sorted(out.items(), key=lambda kv: (kv[1].complexity, kv[0])))
 
 
 def get_strategy(name: str, catalogue: dict[str, Strategy] | None = None) -> Strategy:

@@ -40,8 +40,9 @@ from dataclasses import dataclass, replace
 
 from .catalogue import Strategy
 from .cluster import Cluster
+from .layout import Layout, as_layout
 from .links import Links
-from .memory.layout import optimizer_elements
+from .memory.placement import optimizer_elements
 from .profile import ModelProfile, tp_share
 from .spec import TrainSpec
 
@@ -189,24 +190,28 @@ def p2p_seconds(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, tp: in
     return fill_drain + steady
 
 
-def step_cost(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
-              shard_size: int, efficiency: float | None = None, tp: int = 1, layout=None,
-              cp: int = 1) -> StepCost:
+def step_cost(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
+              efficiency: float | None = None) -> StepCost:
     """With tp > 1 each rank computes 1/tp of the FLOPs, the families' data-parallel traffic is
     priced on the rank's tensor-parallel share over groups of tp groups (a cluster whose 'GPUs' are
     tp groups), and the tp collectives are added, unhidden. With a pipeline layout (pp > 1) the
     busiest rank's share of the model and the stage's ranks take their place, and the bubble and
     point-to-point sends are added. With cp > 1 each rank computes 1/cp of every sequence's
     FLOPs (the chunk layout balances the causal attention), FSDP's shard group is dp_shard x cp,
-    and the K/V exchange (cp_comm_seconds) is added, unhidden."""
-    pp = layout.pp if layout is not None else 1
+    and the K/V exchange (cp_comm_seconds) is added, unhidden. A bare Strategy stands for its
+    layout on the cluster (Layout.of)."""
+    layout = as_layout(layout, cluster, spec)
+    spec = layout.train_spec(spec)
+    strategy, shard_size, tp, cp, pp = (layout.dp, layout.dims.dp_shard, layout.dims.tp, layout.dims.cp,
+                                        layout.dims.pp)
+    pipe = layout.pipeline
     efficiency = efficiency or cluster.gpu.efficiency
     whole = profile
-    p2p = p2p_seconds(profile, spec, cluster, tp, layout)
+    p2p = p2p_seconds(profile, spec, cluster, tp, pipe)
     if pp > 1:
         from .pipeline import stage_cluster
         cluster = stage_cluster(cluster, pp)
-        profile = _busiest_rank(profile, layout, spec.seq_len)
+        profile = _busiest_rank(profile, pipe, spec.seq_len)
     g, N = cluster.gpu, shard_size * cp
     from .memory.cp import local_spec
     tp_time = tp_comm_seconds(profile, local_spec(spec, cp), cluster, tp) + cp_comm_seconds(profile, spec, cluster,
@@ -253,7 +258,7 @@ def step_cost(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluste
     last = exposed(comm.fwd, comm.bwd + comm.sync_bwd) + (comm.tail + comm.sync_tail) * hidden
     copies = (ga * comm.copied_micro + comm.copied_sync) / g.mem_bw if W > 1 else 0.0
     exposed_s = max((ga - 1) * micro + last + comm.after_step, 0.0) + copies + ga * tp_time + p2p
-    bubble_s = (pp - 1) / layout.virtual * (compute + tp_time) if pp > 1 else 0.0
+    bubble_s = (pp - 1) / pipe.virtual * (compute + tp_time) if pp > 1 else 0.0
     seconds = ga * compute + bubble_s + exposed_s + comm.offload + optimizer
     tokens = ga * T / tp / pp / cp             # tp, cp groups and a pipeline share their micro-batches
     return StepCost(seconds=seconds, compute_s=ga * compute, bubble_s=bubble_s,

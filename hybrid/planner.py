@@ -19,6 +19,7 @@ from .calibration import MODEL_ERROR
 from . import batch as batch_search
 from .batch import BatchChoice
 from .catalogue import Strategy, load_catalogue
+from .layout import AC_ORDER, Layout, as_layout
 from .parallel import ParallelDims, valid_shard_sizes
 from .cluster import GPUS, Cluster
 from .cost import StepCost, step_cost
@@ -33,34 +34,25 @@ from .units import fmt_bytes
 
 TIE = MODEL_ERROR
 """Predicted speeds within the model's error of the fastest are a tie, broken by simplicity."""
-CKPT_ORDER = {"none": 0, "selective": 1, "full": 2}
-"""The modes the planner searches, simplest first (op and layer:N when asked for)."""
 MAX_PP = 64
 """The deepest pipeline the planner tries unpinned (Llama 3 405B trained with 16 stages)."""
 MAX_CP_TRIES = 8
 """Context-parallel degrees a failed plan's suggestions try (the smallest divisors of the world)."""
 
 
-def ckpt_rank(mode: str) -> float:
-    """Simplicity of a checkpointing mode for tie-breaks: none < layer:N < op = selective < full."""
-    return CKPT_ORDER.get(mode, 0.5 if mode.startswith("layer:") else 1)
-
-
 @dataclass(frozen=True)
 class Candidate:
-    """One strategy at one shard size and checkpointing choice, with its estimates."""
+    """One layout with its estimates."""
 
-    strategy: Strategy
-    parallel: ParallelDims
-    """How the world is laid out for this candidate (dp_replicate x dp_shard x tp x pp)."""
+    layout: Layout
     spec: TrainSpec
+    """The job as this layout runs it (its checkpointing, compile and float8; at a global batch its
+    micro-batch and accumulation)."""
     memory: MemoryBreakdown | None
     """None when the strategy cannot run this job at all (see reason)."""
     fits: bool
     reason: str
     cost: StepCost | None = None
-    pipeline: PipelineLayout | None = None
-    """The stages and schedule when pp > 1."""
     stage_memory: tuple[MemoryBreakdown, ...] = ()
     """pp > 1: every pipeline rank's estimate (`memory` is the largest of them)."""
     tight: bool = False
@@ -84,8 +76,22 @@ class Candidate:
     it with, and the largest micro-batch that fits (hybrid/batch.py). None: the spec's, as given."""
 
     @property
+    def strategy(self) -> Strategy:
+        return self.layout.dp
+
+    @property
+    def parallel(self) -> ParallelDims:
+        """How the world is laid out for this candidate (dp_replicate x dp_shard x cp x tp x pp)."""
+        return self.layout.dims
+
+    @property
+    def pipeline(self) -> PipelineLayout | None:
+        """The stages and schedule when pp > 1."""
+        return self.layout.pipeline
+
+    @property
     def name(self) -> str:
-        return self.strategy.name
+        return self.layout.name
 
     @property
     def shard_size(self) -> int:
@@ -106,26 +112,12 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        ckpt = self.spec.activation_checkpointing
-        pipe = "" if self.pipeline is None else f"+pp{self.pp}" + (
-            "" if self.pipeline.schedule == "1f1b" else f":{self.pipeline.schedule}")
-        return (self.name + ("" if self.cp == 1 else f"+cp{self.cp}") + ("" if self.tp == 1 else f"+tp{self.tp}")
-                + pipe + ("" if ckpt == "none" else f"+ac:{ckpt}"))
-
-    def simplicity(self) -> tuple:
-        """No host offload first, then fewer model-parallel dimensions (pipeline, tensor parallel,
-        then context parallel: tp splits every matrix and adds four activation collectives per block,
-        cp leaves the matrices whole and exchanges K/V once per layer), then the simpler
-        data-parallel strategy, less recomputation, the wider shard group."""
-        return (self.strategy.offload, self.pp, self.tp, self.cp, self.strategy.rank(),
-                ckpt_rank(self.spec.activation_checkpointing), -self.shard_size)
+        return self.layout.label
 
     def to_dict(self) -> dict:
         m = self.memory
         return {
-            "name": self.name, "family": self.strategy.family, "shard_size": self.shard_size,
-            "parallel": self.parallel.to_dict(),
-            "activation_checkpointing": self.spec.activation_checkpointing,
+            **{k: v for k, v in self.layout.to_dict().items() if k != "pipeline"},
             "per_gpu": m.to_dict() if m else None,
             "allocated_bytes": m.allocated if m else None,
             "reserved_bytes": m.reserved if m else None,
@@ -206,38 +198,38 @@ class Plan:
         }
 
 
-def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
-          shard_size: int | None = None, estimator=None, efficiency: float | None = None, tp: int = 1,
-          pp: int = 1, schedule: str | None = None, cp: int = 1) -> Candidate:
-    """Estimate one candidate and say whether and why it fits. `estimator(strategy, spec, n)`
+def judge(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster, estimator=None,
+          efficiency: float | None = None) -> Candidate:
+    """Estimate one layout and say whether and why it fits. `estimator(strategy, spec, n)`
     replaces the analytic memory model (traced, measured) for tp 1; the analytic one still rules
     out strategies that cannot run the job at all, before anything expensive runs. With pp > 1
     the blocks are split into stages (pipeline_layout) and every pipeline rank is estimated on
-    the stage's share of the cluster; the largest is the candidate's memory."""
+    the stage's share of the cluster; the largest is the candidate's memory. A bare Strategy
+    stands for its layout on the cluster (Layout.of)."""
+    layout = as_layout(layout, cluster, spec)
+    spec = layout.train_spec(spec)
+    strategy, n, (tp, pp, cp) = layout.dp, layout.dims.dp_shard, (layout.dims.tp, layout.dims.pp, layout.dims.cp)
     stage_cl = stage_cluster(cluster, pp)
-    n = strategy.shard_size(stage_cl, shard_size, tp, cp)
-    dims = ParallelDims(dp_replicate=stage_cl.world_size // tp // cp // n, dp_shard=n, cp=cp, tp=tp, pp=pp).validate(
-        cluster.world_size, cluster.gpus_per_node)
-    layout, stages = None, ()
+    stages = ()
     try:
         if pp > 1:
-            layout = pipeline_layout(strategy, profile, spec, stage_cl, n, tp, pp, schedule or "1f1b")
-            stages = tuple(estimate(strategy, stage_share(profile, layout, r), spec, stage_cl, n, tp)
+            layout = layout.with_pipeline(pipeline_layout(layout, profile, spec, stage_cl))
+            stages = tuple(estimate(layout, stage_share(profile, layout.pipeline, r), spec, stage_cl)
                            for r in range(pp))
             m = max(stages, key=lambda b: b.total)
         else:
-            m = estimate(strategy, profile, spec, cluster, n, tp, cp)
+            m = estimate(layout, profile, spec, cluster)
         floor = m.floor            # the model's shape and the allocator's, whatever the estimator
         if estimator is not None and tp == 1 and pp == 1:
             m = estimator(strategy, spec, n) if cp == 1 else estimator(strategy, spec, n, cp=cp)
         elif estimator is not None and pp > 1 and hasattr(estimator, "stage"):
             busiest = max(range(pp), key=lambda r: stages[r].total)
-            m = estimator.stage(strategy, spec, n, tp, layout, busiest)
+            m = estimator.stage(strategy, spec, n, tp, layout.pipeline, busiest)
         if m.floor != floor:
             m = replace(m, floor=floor, overhead=max(m.overhead, m.context + floor))
     except NotApplicable as e:
-        return Candidate(strategy, dims, spec, None, False, f"not applicable: {e}")
-    cost = step_cost(strategy, profile, spec, cluster, n, efficiency, tp, layout, cp)
+        return Candidate(layout, spec, None, False, f"not applicable: {e}")
+    cost = step_cost(layout, profile, spec, cluster, efficiency)
     cap, host = cluster.capacity_bytes, cluster.host_bytes_per_rank
     tight = m.total > cap and m.needed <= cap and m.cpu <= host
     fits = m.needed <= cap and m.cpu <= host
@@ -261,9 +253,9 @@ def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: C
             why += f"; host {fmt_bytes(m.cpu)} of {fmt_bytes(host)} per rank"
     if m.activations is None:
         why += "; activations unknown"
-    if layout is not None:
-        why += f"; {layout.describe()}"
-    return Candidate(strategy, dims, spec, m, fits, why, cost, layout, stages, tight=tight)
+    if layout.pipeline is not None:
+        why += f"; {layout.pipeline.describe()}"
+    return Candidate(layout, spec, m, fits, why, cost, stages, tight=tight)
 
 
 def room(m: MemoryBreakdown, cluster: Cluster) -> str:
@@ -280,12 +272,12 @@ def room(m: MemoryBreakdown, cluster: Cluster) -> str:
     return out
 
 
-def pipeline_layout(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, stage_cl: Cluster, n: int,
-                    tp: int, pp: int, schedule: str) -> PipelineLayout:
-    """The stages of a pp > 1 candidate. 1f1b and gpipe: blocks per rank balanced on the analytic
+def pipeline_layout(layout: Layout, profile: ModelProfile, spec: TrainSpec, stage_cl: Cluster) -> PipelineLayout:
+    """The stages of a pp > 1 layout. 1f1b and gpipe: blocks per rank balanced on the analytic
     memory of each rank (its embedding or head, and per block its states and in-flight
     activations: linear in the block count, so two estimates per rank fix it); interleaved: two
     chunks per rank, as even as the block count allows."""
+    strategy, pp, schedule = layout.dp, layout.dims.pp, layout.schedule
     if not strategy.family_obj.supports_pp:
         raise NotApplicable(f"{strategy.family} strategies do not run pipeline stages here; use an fsdp or ddp "
                             "strategy with pp")
@@ -306,7 +298,8 @@ def pipeline_layout(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, 
 
     def totals(k: int) -> list[int]:
         lay = PipelineLayout(pp, schedule, m, (k,) * pp)
-        return [estimate(strategy, stage_share(profile, lay, r), spec, stage_cl, n, tp).total for r in range(pp)]
+        return [estimate(layout.with_pipeline(lay), stage_share(profile, lay, r), spec, stage_cl).total
+                for r in range(pp)]
     one, two = totals(1), totals(2)
     per_block = [b - a for a, b in zip(one, two)]
     return PipelineLayout(pp, schedule, m, balanced_split(L, [a - d for a, d in zip(one, per_block)], per_block))
@@ -316,16 +309,15 @@ def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, 
                          cluster: Cluster, names: list[str], shard_size: int | None,
                          search_checkpointing: bool, search_shards: bool = True,
                          tp: int | None = 1, pp: int | None = 1, schedule: str | None = None,
-                         cp: int = 1, cp_pinned: bool = False) -> list[tuple]:
+                         cp: int = 1, cp_pinned: bool = False) -> list[Layout]:
     """Every preset x tensor-parallel degree (tp None: every valid one for families that run
     over tp groups; an int pins it) x pipeline degree and schedule (pp None: 1, and for
     families that run stages every pp the cluster allows, pipeline.pp_degrees; an int pins it)
     x its shard sizes (a free-shard preset: every valid size, or with pp > 1 its default one;
     --shard-size pins it) x checkpointing {none, selective, full} when it can apply, at one
-    context-parallel degree `cp` (families without cp are left out unless it is pinned). Items:
-    (strategy, shard size, spec, tp, pp, schedule)."""
+    context-parallel degree `cp` (families without cp are left out unless it is pinned)."""
     can_ckpt = profile.num_blocks > 0 and (profile.decoder is not None or profile.activation_bytes_per_sample)
-    ckpts = list(CKPT_ORDER) if search_checkpointing and can_ckpt else [spec.activation_checkpointing]
+    ckpts = list(AC_ORDER) if search_checkpointing and can_ckpt else [spec.activation_checkpointing]
     if pp is None:
         stages = [1] + ([p for p in pp_degrees(cluster) if 1 < p <= min(profile.num_blocks, MAX_PP)]
                         if profile.decoder is not None else [])
@@ -370,8 +362,8 @@ def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, 
                 for n in sizes:
                     for ac in ckpts:
                         for sched in scheds:
-                            out.append((s, n, replace(spec, activation_checkpointing=ac), t, p,
-                                        sched if p > 1 else None))
+                            out.append(Layout.of(s, cluster, replace(spec, activation_checkpointing=ac),
+                                                 shard_size=n, tp=t, cp=cp, pp=p, schedule=sched))
     return out
 
 
@@ -384,7 +376,7 @@ def choose(cands, tie: float = TIE) -> Candidate | None:
         return None
     best = min(c.cost.time_per_token for c in fitting)
     close = [c for c in fitting if c.cost.time_per_token <= best * (1 + tie)]
-    return min(close, key=lambda c: (c.simplicity(), c.cost.time_per_token))
+    return min(close, key=lambda c: (c.layout.simplicity, c.cost.time_per_token))
 
 
 def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
@@ -435,17 +427,17 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
         raise HybridError(f"--cp {cp} with --pp {pp}: pipeline stages do not carry the sequence positions context "
                           "parallelism needs; use --pp 1 with --cp, or --cp 1 with --pp")
     cps = cp_degrees(profile, spec, cluster, cp if cp is not None or estimator is None else 1)
-    todo = [(c, item) for c in cps
+    todo = [item for c in cps
             for item in enumerate_candidates(cat, profile, spec, cluster, names, shard_size, search_checkpointing,
                                              search_shards=search_shards and estimator is None,
                                              tp=tp if tp is not None or estimator is None else 1,
                                              pp=pp if pp is not None or estimator is None else 1, schedule=schedule,
                                              cp=c, cp_pinned=cp is not None)]
     if estimator is not None and (pp or 1) > 1:         # a traced pipeline: its families and schedules
-        todo = [(c, t) for c, t in todo if t[0].family_obj.supports_pp and (schedule or t[5]) != "interleaved"]
+        todo = [t for t in todo if t.dp.family_obj.supports_pp and t.schedule != "interleaved"]
     if hasattr(estimator, "expect"):                    # how many candidates it will see (progress)
         estimator.expect(len(todo))
-    cands = judge_all(todo, profile, cluster, estimator, efficiency, micro_batch, schedule is not None)
+    cands = judge_all(todo, profile, spec, cluster, estimator, efficiency, micro_batch, schedule is not None)
     chosen = choose(cands, tie)
     order = sorted(cands, key=lambda c: (not c.fits, c.tight, c.memory is None,
                                          c.cost.time_per_token if c.fits else (c.memory.total if c.memory else 0)))
@@ -456,19 +448,16 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
     return Plan(profile, cluster, spec, tuple(order), chosen, method, fixes, tie, calibration)
 
 
-def judge_all(todo: list[tuple], profile: ModelProfile, cluster: Cluster, estimator=None,
+def judge_all(todo: list[Layout], profile: ModelProfile, spec: TrainSpec, cluster: Cluster, estimator=None,
               efficiency: float | None = None, micro_batch: int | None = None,
               pinned_schedule: bool = False) -> list[Candidate]:
-    """Judge enumerated (cp, item) pairs; at a global batch each item's batch shape is searched first."""
-    if not todo or todo[0][1][2].global_batch is None:
-        return [judge(s, profile, sp, cluster, n, estimator, efficiency, t, p, sc, c)
-                for c, (s, n, sp, t, p, sc) in todo]
-    out = []
-    for c, (s, n, sp, t, p, sc) in todo:
-        def one(s, sp, n, t, p, sc, est, c=c):
-            return judge(s, profile, sp, cluster, n, est, efficiency, t, p, sc, c)
-        out.append(batch_search.search(one, s, sp, cluster, n, t, p, sc, estimator, micro_batch, pinned_schedule, c))
-    return out
+    """Judge enumerated layouts; at a global batch each one's batch shape is searched first."""
+    if spec.global_batch is None:
+        return [judge(lay, profile, spec, cluster, estimator, efficiency) for lay in todo]
+
+    def one(lay, sp, est):
+        return judge(lay, profile, sp, cluster, est, efficiency)
+    return [batch_search.search(one, lay, spec, estimator, micro_batch, pinned_schedule) for lay in todo]
 
 
 def _fits_with(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp=None,
@@ -478,7 +467,7 @@ def _fits_with(profile, spec, cluster, cat, names, search_checkpointing, efficie
     except HybridError:
         return None
     todo = enumerate_candidates(cat, profile, spec, cluster, names, None, search_checkpointing, tp=tp, pp=pp, cp=cp)
-    return choose(judge_all([(cp, item) for item in todo], profile, cluster, None, efficiency, micro_batch))
+    return choose(judge_all(todo, profile, spec, cluster, None, efficiency, micro_batch))
 
 
 def cp_degrees(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cp: int | None) -> list[int]:

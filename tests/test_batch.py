@@ -55,9 +55,8 @@ def test_max_micro_batch_is_the_largest_that_fits():
         per_rank = 64 // c.parallel.dp_size
         opts = micro_batch_options(per_rank)
         top = c.batch.max_micro_batch
-        at = lambda mb: judge(c.strategy, LLAMA3, replace(c.spec, micro_batch=mb,                  # noqa: E731
-                                                           gradient_accumulation=per_rank // mb),
-                              NODE, c.shard_size, tp=c.tp)
+        at = lambda mb: judge(c.layout, LLAMA3, replace(c.spec, micro_batch=mb,                    # noqa: E731
+                                                         gradient_accumulation=per_rank // mb), NODE)
         assert at(top).fits
         bigger = [mb for mb in opts if mb > top]
         if bigger:

@@ -181,7 +181,7 @@ def test_float8_plans_its_linears_at_the_float8_peak_and_says_torchtitan_sets_it
     from hybrid.cluster import Cluster
     prof, cl, fsdp = resolve_model("llama3-8b").profile, Cluster.build(1, 8, "h100-80gb"), load_catalogue()["fsdp"]
     base = TrainSpec(2, 8192, activation_checkpointing="full", compile=True)
-    bf16, fp8 = (step_cost(fsdp, prof, s, cl, 8) for s in (base, TrainSpec(2, 8192, activation_checkpointing="full",
+    bf16, fp8 = (step_cost(fsdp, prof, s, cl) for s in (base, TrainSpec(2, 8192, activation_checkpointing="full",
                                                                           compile=True, float8=True)))
     assert fp8.seconds < bf16.seconds and fp8.compute_s < bf16.compute_s
     p = plan(prof, TrainSpec(1, 8192, compile=True, float8=True), cl, search_checkpointing=True)

@@ -5,6 +5,7 @@ from hybrid.catalogue import load_catalogue
 from hybrid.cli import main
 from hybrid.cluster import Cluster
 from hybrid.errors import HybridError
+from hybrid.layout import Layout
 from hybrid.memory.analytic import estimate
 from hybrid.memory.cp import concatenated_output_bytes, gathered_kv_bytes, query_key_pairs, rank_positions
 from hybrid.parallel import ParallelDims
@@ -46,8 +47,8 @@ def test_a_cp_rank_holds_a_sequence_cp_times_shorter_plus_the_gathered_kv():
     src, catalogue = resolve_model("llama3.1-8b"), load_catalogue()
     cl = Cluster.build(1, 8, "h100-80gb")
     long, short = TrainSpec(1, 65536), TrainSpec(1, 8192)
-    with_cp = estimate(catalogue["fsdp"], src.profile, long, cl, None, 1, 8)
-    alone = estimate(catalogue["fsdp"], src.profile, short, cl, None, 1, 1)
+    with_cp = estimate(Layout.of(catalogue["fsdp"], cl, long, cp=8), src.profile, long, cl)
+    alone = estimate(catalogue["fsdp"], src.profile, short, cl)
     kv = gathered_kv_bytes(src.profile.decoder, long, 8)
     assert kv == 2 * 2 * 65536 * 1024 * 7 / 8                       # K and V, bf16, 7/8 from the peers
     cat = concatenated_output_bytes(src.profile.decoder, long, 8)
@@ -55,7 +56,7 @@ def test_a_cp_rank_holds_a_sequence_cp_times_shorter_plus_the_gathered_kv():
     assert with_cp.activations == pytest.approx(alone.activations + 32 * (kv + cat), rel=1e-6)
     assert with_cp.params == alone.params                           # fsdp over dp_shard 1 x cp 8: 8 ways
     with pytest.raises(HybridError, match="not applicable with cp > 1"):
-        estimate(catalogue["zero3"], src.profile, long, cl, None, 1, 8)
+        estimate(Layout.of(catalogue["zero3"], cl, long, cp=8), src.profile, long, cl)
 
 
 def test_long_sequences_are_planned_with_cp_and_short_ones_without():
@@ -126,4 +127,4 @@ def test_float8_and_elementwise_time_are_per_cp_rank():
     fsdp = load_catalogue()["fsdp"]
     spec = TrainSpec(1, 65536, activation_checkpointing="full", compile=True, float8=True)
     for cp in (1, 2, 4, 8):
-        assert 0 < step_cost(fsdp, src.profile, spec, cl, 8 // cp, None, 1, None, cp).mfu < 1
+        assert 0 < step_cost(Layout.of(fsdp, cl, spec, cp=cp), src.profile, spec, cl).mfu < 1

@@ -56,10 +56,10 @@ def test_nothing_fits_says_the_smallest_change():
 def test_cost_model_orders_what_it_should():
     prof = resolve_model("llama2-7b").profile
     spec = TrainSpec(1, 4096)
-    t = {n: step_cost(CAT[n], prof, spec, H100_64, CAT[n].shard_size(H100_64)) for n in ("ddp", "hsdp", "fsdp", "zero3", "zero3-hpz")}
+    t = {n: step_cost(CAT[n], prof, spec, H100_64) for n in ("ddp", "hsdp", "fsdp", "zero3", "zero3-hpz")}
     assert t["zero3-hpz"].comm_s < t["zero3"].comm_s      # hpZ's backward gather stays in the node
     full_spec = TrainSpec(1, 4096, activation_checkpointing="full")
-    full = step_cost(CAT["fsdp"], prof, full_spec, H100_64, 64)
+    full = step_cost(CAT["fsdp"], prof, full_spec, H100_64)
     # the matmuls: one more forward (8/6); the elementwise ops: one more block forward each
     from hybrid.cost import elementwise_seconds
     ew, ew_full = (elementwise_seconds(prof, s, H100_64.gpu) for s in (spec, full_spec))

@@ -48,7 +48,7 @@ class Family:
     def validate(self, s, where: str) -> None:
         """Family rules on a preset's knobs; HybridError naming the file and the fix."""
 
-    def simplicity(self, s) -> int:
+    def default_complexity(self, s) -> int:
         """Tie-break rank, lower is simpler (replication < partial sharding < full sharding <
         offload). An ordering we chose, not a measurement: it only decides between candidates
         whose predicted step times are within the planner's TIE."""
@@ -63,11 +63,11 @@ class Family:
         """NotApplicable when the family cannot run this job at all on this kind of device (the one
         place each such rule lives: the planner asks it of the cluster, the backends of the device)."""
         if s.offload and not cuda:
-            from ..memory.layout import NotApplicable
+            from ..memory.placement import NotApplicable
             raise NotApplicable(f"{s.name} offloads GPU memory to the host, which needs CUDA; CPU ranks run in "
                                 "host memory already (use the same strategy without offload)")
 
-    def layout(self, s, profile, spec, n: int, cluster):
+    def placement(self, s, profile, spec, n: int, cluster):
         raise NotImplementedError
 
     def comm(self, s, profile, spec, cluster, n: int, links) -> Comm:
@@ -80,7 +80,7 @@ class Family:
 
     def check_tp(self, s, tp: int) -> None:
         if tp > 1 and not self.supports_tp:
-            from ..memory.layout import NotApplicable
+            from ..memory.placement import NotApplicable
             raise NotApplicable(f"{s.name}: not applicable with tp > 1 (use an fsdp or ddp strategy over the "
                                 "tensor-parallel groups)")
 
@@ -90,7 +90,7 @@ class Family:
 
     def check_cp(self, s, cp: int, tp: int = 1) -> None:
         if cp > 1 and not self.supports_cp:
-            from ..memory.layout import NotApplicable
+            from ..memory.placement import NotApplicable
             raise NotApplicable(f"{s.name}: not applicable with cp > 1 (ZeRO partitions over the whole world, "
                                 "the cp ranks included; use an fsdp or ddp strategy with cp)")
 
@@ -99,7 +99,7 @@ class Family:
         return True
 
     def traced_replaces(self, s) -> frozenset:
-        """Categories a traced run takes from `layout` (the traced proxy holds them differently)."""
+        """Categories a traced run takes from `placement` (the traced proxy holds them differently)."""
         return frozenset({"params", "grads", "optimizer"}) if s.offload else frozenset()
 
     def traced_note(self, s) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from ..errors import HybridError
-from ..memory.layout import Layout, optimizer_elements, scratch_elements
+from ..memory.placement import Placement, optimizer_elements, scratch_elements
 from .base import Comm, Family, user_checkpointing
 
 
@@ -22,14 +22,14 @@ class DDPFamily(Family):
 
     def check_cp(self, s, cp, tp=1):
         if cp > 1 and tp > 1:
-            from ..memory.layout import NotApplicable
+            from ..memory.placement import NotApplicable
             raise NotApplicable(f"{s.name} with tp and cp: replicas of tensor-parallel groups run through FSDP2's "
                                 "replication, which has no cp dimension here; use an fsdp strategy with tp and cp")
 
-    def layout(self, s, p, spec, n, cl) -> Layout:
+    def placement(self, s, p, spec, n, cl) -> Placement:
         b = spec.bytes
         grads = p.trainable_params * b.grad
-        lay = Layout(params=p.params * b.param, optimizer=optimizer_elements(p, spec) * b.state,
+        lay = Placement(params=p.params * b.param, optimizer=optimizer_elements(p, spec) * b.state,
                      scratch=scratch_elements(p, spec) * b.state,
                      autocast=spec.precision in ("bf16-mixed", "fp16-mixed"), grads_end=grads)
         if s.gradient_as_bucket_view:

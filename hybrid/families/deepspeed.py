@@ -5,7 +5,7 @@ import json
 
 from ..errors import HybridError
 from ..links import HOST_STEP_RATE, PCIE_BW
-from ..memory.layout import FP32, Layout, NotApplicable, optimizer_elements, scratch_elements
+from ..memory.placement import FP32, Placement, NotApplicable, optimizer_elements, scratch_elements
 from .base import Comm, Family, provenance, user_checkpointing
 
 SUB_GROUP_SIZE = 1_000_000_000
@@ -111,7 +111,7 @@ class DeepSpeedFamily(Family):
         if s.hpz is not None and s.stage != 3:
             raise HybridError(f"{where}: hpz needs stage 3, got stage {s.stage}")
 
-    def simplicity(self, s):
+    def default_complexity(self, s):
         base = {1: 1, 2: 2, 3: 6}[s.stage] + (1 if s.hpz else 0)
         return base + 10 * s.offload_optimizer + 2 * s.offload_params
 
@@ -127,7 +127,7 @@ class DeepSpeedFamily(Family):
             raise NotApplicable(f"{s.name}: DeepSpeed's fp16 mode needs CUDA (its CPU accelerator has no fp16); "
                                 "use ddp or fsdp for fp16-mixed on CPU ranks")
 
-    def layout(self, s, p, spec, n, cl) -> Layout:
+    def placement(self, s, p, spec, n, cl) -> Placement:
         c = spec.bytes.compute                  # module params/grads: bf16 (bf16.enabled) or fp32
         P, h = p.trainable_params, (p.decoder.hidden if p.decoder else None)
         reduce_bucket, prefetch, persist = bucket_sizes(s, h)
@@ -135,7 +135,7 @@ class DeepSpeedFamily(Family):
         opt = (P * FP32 + optimizer_elements(p, spec) * FP32) / n
         fp32_grad = P * FP32 / n                # single_partition_of_fp32_groups[i].grad at the step
         scratch = scratch_elements(p, spec) * FP32 / n
-        lay = Layout()
+        lay = Placement()
         if s.stage in (1, 2):
             lay.params = p.params * c           # the module's bf16 params, whole on every rank
             # stage 1 keeps full bf16 grads until the step; stage 2 reduces them into a 1/N partition

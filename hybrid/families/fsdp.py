@@ -5,7 +5,7 @@ import yaml
 
 from ..errors import HybridError
 from ..links import HOST_STEP_RATE, PCIE_BW
-from ..memory.layout import Layout, optimizer_elements, reduce_bytes, scratch_elements
+from ..memory.placement import Placement, optimizer_elements, reduce_bytes, scratch_elements
 from ..profile import transformers_layer_class
 from .base import Comm, Family, provenance
 
@@ -21,19 +21,19 @@ class FSDPFamily(Family):
             raise HybridError(f"{where}: FSDP2's CPUOffloadPolicy moves params, grads and optimizer "
                               "together; set offload_params and offload_optimizer both true or both false")
 
-    def simplicity(self, s):
+    def default_complexity(self, s):
         base = 3 if not s.reshard_after_forward else (5 if s.shard == "world" else 4)
         return base + 10 * s.offload_optimizer + 2 * s.offload_params
 
     def shard_is_free(self, s):
         return s.shard == "node"
 
-    def layout(self, s, p, spec, n, cl) -> Layout:
+    def placement(self, s, p, spec, n, cl) -> Placement:
         b = spec.bytes
         c = b.compute
         rb = reduce_bytes(spec)
         P = p.trainable_params
-        lay = Layout()
+        lay = Placement()
         # a bare parameter count has no module tree: its units' sizes are unknown (not the whole
         # model as one unit), so only what holds for any units is counted: with
         # reshard_after_forward off every parameter stays gathered from forward to backward

@@ -16,14 +16,15 @@ from __future__ import annotations
 from ..catalogue import Strategy
 from ..cluster import Cluster
 from ..errors import HybridError
+from ..layout import Layout, as_layout
 from ..profile import ModelProfile, tp_share
 from ..spec import TrainSpec
 from .activations import ActivationTerms, activation_terms, largest_transient
 from .breakdown import MemoryBreakdown, fragmentation_floor, overhead_bytes
 from .cp import local_spec, with_gathered_kv
-from .layout import FP32, NotApplicable, reduce_bytes
+from .placement import FP32, NotApplicable, reduce_bytes
 
-__all__ = ["NotApplicable", "check_job", "estimate", "layout_of"]
+__all__ = ["NotApplicable", "check_job", "estimate", "placement_of"]
 
 def check_job(profile: ModelProfile, spec: TrainSpec) -> None:
     """Input rules that hold whatever the strategy."""
@@ -36,17 +37,16 @@ def check_job(profile: ModelProfile, spec: TrainSpec) -> None:
                           f"{mp}; use --seq-len {mp} or less")
 
 
-def layout_of(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster, n: int):
+def placement_of(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster, n: int):
     """The family's layout of this job (NotApplicable when it cannot run it at all)."""
     if spec.precision in ("bf16", "bf16-mixed") and cluster.gpu.is_cuda and not cluster.gpu.bf16:
         raise NotApplicable(f"{cluster.gpu.name} has no bf16 (Ampere or newer needed); use fp16-mixed or fp32")
     family = strategy.family_obj
     family.check(strategy, spec, cluster.gpu.is_cuda)
-    return family.layout(strategy, profile, spec, n, cluster)
+    return family.placement(strategy, profile, spec, n, cluster)
 
 
-def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
-             shard_size: int | None = None, tp: int = 1, cp: int = 1) -> MemoryBreakdown:
+def estimate(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster) -> MemoryBreakdown:
     """Per-GPU memory of one rank. With tp > 1 the rank holds its tensor-parallel share of the
     model (profile.tp_share) and every per-layer and head activation term is split tp ways
     (sequence parallelism and vocab-parallel logits, Korthikanti et al. arXiv 2205.05198), except
@@ -55,9 +55,12 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
     stage_share) keeps its in-flight micro-batches' activations, the logits only on the last
     stage, the receive buffers, and the moment its backward ends with the other micro-batches
     still in flight. With cp > 1 (memory/cp.py) FSDP shards over dp_shard x cp, every
-    per-token term is a sequence S / cp long, and each layer keeps the gathered K and V."""
+    per-token term is a sequence S / cp long, and each layer keeps the gathered K and V. A bare
+    Strategy stands for its layout on the cluster (Layout.of) at the spec's checkpointing."""
     check_job(profile, spec)
-    n = strategy.shard_size(cluster, shard_size, tp, cp)
+    layout = as_layout(layout, cluster, spec)
+    spec = layout.train_spec(spec)
+    strategy, n, tp, cp = layout.dp, layout.dims.dp_shard, layout.dims.tp, layout.dims.cp
     if tp > 1:
         strategy.family_obj.check_tp(strategy, tp)
         if getattr(spec, "float8", False):
@@ -74,7 +77,7 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
     whole, whole_spec = profile, spec
     spec = local_spec(spec, cp)
     profile = tp_share(profile, tp)
-    lay = layout_of(strategy, profile, spec, cluster, n * cp)
+    lay = placement_of(strategy, profile, spec, cluster, n * cp)
     notes = list(lay.notes)
     if profile.decoder:
         act = activation_terms(profile.decoder, spec, lay.autocast)

@@ -83,8 +83,9 @@ def check_host_memory(source, strategy, spec, cluster, shard_size) -> None:
         return
     from ..cluster import available_host_bytes
     from ..units import fmt_bytes
+    from ..layout import Layout
     from .analytic import estimate
-    need = estimate(strategy, source.profile, spec, cluster, strategy.shard_size(cluster, shard_size)).total
+    need = estimate(Layout.of(strategy, cluster, spec, shard_size=shard_size), source.profile, spec, cluster).total
     need *= cluster.world_size
     have = available_host_bytes()
     if need > 0.9 * have:

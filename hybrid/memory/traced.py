@@ -17,7 +17,7 @@ from ..cluster import Cluster
 from ..errors import HybridError
 from ..profile import ModelSource, tp_share
 from ..spec import TrainSpec
-from .analytic import check_job, layout_of
+from .analytic import check_job, placement_of
 from .breakdown import MemoryBreakdown
 
 
@@ -128,7 +128,7 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
         prefer_hf = False      # our decoders run sequence parallelism, as the analytic model assumes
     if cp > 1:
         strategy.family_obj.check_cp(strategy, cp, tp)
-    layout_of(strategy, source.profile, spec, cluster, n * cp)   # NotApplicable, before tracing
+    placement_of(strategy, source.profile, spec, cluster, n * cp)   # NotApplicable, before tracing
     start = time.perf_counter()
     layers = source.decoder_cfg.layers if source.decoder_cfg is not None else 0
     # every block alike: not with layer:N checkpointing, whose 3- and 4-block models mix kinds of block
@@ -213,7 +213,7 @@ def _account(tracker, strategy: Strategy, source: ModelSource, spec: TrainSpec, 
     notes, cpu = [], 0
     replaced = strategy.family_obj.traced_replaces(strategy)
     if replaced:
-        lay = layout_of(strategy, tp_share(source.profile, tp), spec, cluster, n)
+        lay = placement_of(strategy, tp_share(source.profile, tp), spec, cluster, n)
 
         def layout(phase: str, progress: float) -> dict:
             if phase == "step":
@@ -266,7 +266,7 @@ def traced_stage_estimate(source: ModelSource, strategy: Strategy, spec: TrainSp
         raise HybridError("a traced pipeline estimate runs gpipe and 1f1b; use --method analytic for interleaved")
     stage_cl = stage_cluster(cluster, layout.pp)
     n = strategy.shard_size(stage_cl, shard_size, tp)
-    layout_of(strategy, stage_share(source.profile, layout, pp_rank), spec, stage_cl, n)   # NotApplicable first
+    placement_of(strategy, stage_share(source.profile, layout, pp_rank), spec, stage_cl, n)   # NotApplicable first
     d = source.profile.decoder
     m, world = layout.micro_batches, cluster.world_size
     start = time.perf_counter()

@@ -1,4 +1,4 @@
-"""What a family's memory layout is made of (pure): the per-moment bytes a family reports, the
+"""Where a family keeps its bytes, per moment of the step (pure): a family's Placement, the
 optimizer's state size, and the NotApplicable verdict. Used by hybrid/families/* and analytic.py."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ FP32 = 4
 
 
 @dataclass
-class Layout:
+class Placement:
     """Where a family keeps things, bytes per GPU, at each moment of the step."""
     params: float = 0
     optimizer: float = 0

@@ -1,0 +1,71 @@
+"""Layout: the one value a candidate is (dims, data-parallel preset, checkpointing, pipeline,
+compile, float8), its label, its JSON and its one tie-break."""
+from dataclasses import replace
+
+import pytest
+
+from hybrid.catalogue import load_catalogue
+from hybrid.cluster import Cluster
+from hybrid.errors import HybridError
+from hybrid.layout import Layout
+from hybrid.memory.analytic import estimate
+from hybrid.parallel import ParallelDims
+from hybrid.planner import enumerate_candidates, plan
+from hybrid.profile import resolve_model
+from hybrid.spec import TrainSpec
+
+CAT = load_catalogue()
+NODES = Cluster.build(2, 8, "h100-80gb")
+
+
+@pytest.mark.unit
+def test_layout_of_resolves_the_shard_size_and_validates_the_dims():
+    lay = Layout.of(CAT["fsdp"], NODES, TrainSpec(activation_checkpointing="full"), tp=2, cp=2)
+    assert lay.dims == ParallelDims(dp_replicate=1, dp_shard=4, cp=2, tp=2)
+    assert lay.ac == "full" and lay.schedule is None and lay.label == "fsdp+cp2+tp2+ac:full"
+    assert Layout.of(CAT["hsdp"], NODES, shard_size=4).dims == ParallelDims(dp_replicate=4, dp_shard=4)
+    staged = Layout.of(CAT["fsdp"], NODES, pp=2)
+    assert staged.schedule == "1f1b" and staged.dims.dp_shard == 8
+    with pytest.raises(HybridError, match="tp 16 does not divide the 8 GPUs per node"):
+        Layout.of(CAT["fsdp"], NODES, tp=16)
+    with pytest.raises(HybridError, match="a pipeline schedule goes with pp > 1"):
+        Layout(ParallelDims(dp_shard=8, pp=2), CAT["fsdp"])
+    with pytest.raises(HybridError, match="unknown pipeline schedule 'zb'"):
+        Layout(ParallelDims(dp_shard=8, pp=2), CAT["fsdp"], schedule="zb")
+    with pytest.raises(HybridError, match="float8 runs behind torch.compile"):
+        Layout(ParallelDims(dp_shard=8), CAT["fsdp"], float8=True)
+
+
+@pytest.mark.unit
+def test_to_dict_is_the_candidates_json_head():
+    p = plan(resolve_model("llama2-7b").profile, TrainSpec(1, 4096), NODES)
+    c = p.chosen
+    head = {k: v for k, v in c.to_dict().items() if k in ("name", "family", "shard_size", "parallel",
+                                                          "activation_checkpointing")}
+    assert c.layout.to_dict() == head
+    assert c.label == c.layout.label and c.parallel is c.layout.dims and c.strategy is c.layout.dp
+
+
+@pytest.mark.unit
+def test_simplicity_is_one_tuple_and_the_yaml_complexity_overrides_the_family_rank():
+    zero1, fsdp = (Layout.of(CAT[n], NODES) for n in ("zero1", "fsdp"))
+    assert zero1.simplicity < fsdp.simplicity            # partial sharding before full sharding
+    assert CAT["zero1"].complexity < CAT["fsdp"].complexity
+    forced = replace(CAT["fsdp"], complexity=0)          # a preset file's `complexity: 0`
+    assert Layout.of(forced, NODES).simplicity < zero1.simplicity
+    # fewer model-parallel dimensions first, then less recomputation
+    assert Layout.of(CAT["fsdp"], NODES).simplicity < Layout.of(CAT["fsdp"], NODES, tp=2).simplicity
+    assert fsdp.simplicity < replace(fsdp, ac="selective").simplicity < replace(fsdp, ac="full").simplicity
+
+
+@pytest.mark.unit
+def test_enumeration_yields_layouts_and_a_strategy_estimates_as_its_default_layout():
+    prof, spec = resolve_model("llama2-7b").profile, TrainSpec(1, 4096)
+    lays = enumerate_candidates(CAT, prof, spec, NODES, ["fsdp", "ddp"], None, True, tp=None, pp=None)
+    assert lays and all(isinstance(x, Layout) for x in lays)
+    assert {x.ac for x in lays} == {"none", "selective", "full"} and any(x.dims.pp > 1 for x in lays)
+    assert estimate(CAT["fsdp"], prof, spec, NODES) == estimate(Layout.of(CAT["fsdp"], NODES, spec), prof, spec,
+                                                                NODES)
+    # the layout's checkpointing rules over the spec's
+    full = Layout.of(CAT["fsdp"], NODES, TrainSpec(1, 4096, activation_checkpointing="full"))
+    assert estimate(full, prof, spec, NODES).activations < estimate(CAT["fsdp"], prof, spec, NODES).activations
