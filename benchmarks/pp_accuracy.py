@@ -33,7 +33,7 @@ def one_rank(cell, rank, queue):
     from hybrid.memory.traced import traced_stage_estimate
     from hybrid.pipeline import stage_cluster
     from hybrid.planner import pipeline_layout
-    from hybrid.profile import resolve_model, stage_share
+    from hybrid.profile import resolve_model
     from hybrid.spec import TrainSpec
     model, nodes, seq, tp, pp, m, name, ckpt = cell
     src, cl, s = resolve_model(model), Cluster.build(nodes, 8, "h100-80gb"), load_catalogue()[name]
@@ -41,7 +41,7 @@ def one_rank(cell, rank, queue):
     scl = stage_cluster(cl, pp)
     layout = Layout.of(s, cl, spec, tp=tp, pp=pp, schedule="1f1b")
     lay = pipeline_layout(layout, src.profile, spec, scl)
-    a = estimate(layout.with_pipeline(lay), stage_share(src.profile, lay, rank), spec, scl)
+    a = estimate(layout.with_pipeline(lay), src.profile, spec, scl, rank)
     t = traced_stage_estimate(src, s, spec, cl, None, tp, lay, rank)
     queue.put((lay.describe(), lay.in_flight(rank), a.tensors, t.memory.tensors, t.seconds))
 

@@ -43,7 +43,9 @@ from .cluster import Cluster
 from .layout import Layout, as_layout
 from .links import Links
 from .memory.placement import optimizer_elements
-from .profile import ModelProfile, tp_share
+from .pipeline import stage_cluster
+from .profile import ModelProfile
+from .shares import Share, shares
 from .spec import TrainSpec
 
 SELECTIVE_RECOMPUTE = 0.05
@@ -117,11 +119,11 @@ def cp_comm_seconds(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, tp
     return kv_collectives_per_layer(spec) * profile.decoder.layers * one
 
 
-def _busiest_rank(profile: ModelProfile, layout, seq_len: int) -> ModelProfile:
-    """The pipeline rank with the most FLOPs per token (its blocks, and the head on the last)."""
-    from .profile import stage_share
-    shares = [stage_share(profile, layout, r) for r in range(layout.pp)]
-    return max(shares, key=lambda p: model_flops_per_token(p, seq_len))
+def busiest_share(profile: ModelProfile, layout: Layout, spec: TrainSpec) -> Share:
+    """The rank's share with the most FLOPs per token: the pipeline rank's with the most (its
+    blocks, and the head on the last), the only one without stages."""
+    ranks = [shares(profile, layout, spec, r) for r in range(layout.dims.pp)]
+    return max(ranks, key=lambda sh: model_flops_per_token(sh.held, spec.seq_len))
 
 
 def recompute_fraction(profile: ModelProfile, spec: TrainSpec) -> float:
@@ -147,7 +149,7 @@ def recompute_fraction(profile: ModelProfile, spec: TrainSpec) -> float:
     return 0.0
 
 
-def elementwise_seconds(profile: ModelProfile, spec: TrainSpec, gpu, tp: int = 1) -> float:
+def elementwise_seconds(profile: ModelProfile, spec: TrainSpec, gpu, tp: int = 1, has_head: bool = True) -> float:
     """One micro-batch's memory-bound elementwise traffic (hybrid/elementwise.py) on this rank:
     every block's forward and backward, its forward again where checkpointing recomputes it, and
     the loss where the rank holds the head; split tp ways (sequence parallelism and sharded heads),
@@ -167,7 +169,7 @@ def elementwise_seconds(profile: ModelProfile, spec: TrainSpec, gpu, tp: int = 1
     if spec.float8:
         from .elementwise import float8_cast_bytes
         total += d.layers * float8_cast_bytes(d, c)
-    if profile.stage is None or profile.stage.last:
+    if has_head:
         lf, lb = loss_bytes(d.vocab, c, spec.compile)
         total += lf + lb
     return spec.micro_batch * spec.seq_len * total / tp / gpu.mem_bw
@@ -208,16 +210,11 @@ def step_cost(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec,
     efficiency = efficiency or cluster.gpu.efficiency
     whole = profile
     p2p = p2p_seconds(profile, spec, cluster, tp, pipe)
-    if pp > 1:
-        from .pipeline import stage_cluster
-        cluster = stage_cluster(cluster, pp)
-        profile = _busiest_rank(profile, pipe, spec.seq_len)
+    cluster = stage_cluster(cluster, pp)
+    sh = busiest_share(profile, layout, spec)
     g, N = cluster.gpu, shard_size * cp
-    from .memory.cp import local_spec
-    tp_time = tp_comm_seconds(profile, local_spec(spec, cp), cluster, tp) + cp_comm_seconds(profile, spec, cluster,
-                                                                                              tp, cp)
-    stage = profile
-    profile = tp_share(profile, tp)
+    stage, profile = sh.held, sh.profile
+    tp_time = tp_comm_seconds(stage, sh.spec, cluster, tp) + cp_comm_seconds(stage, spec, cluster, tp, cp)
     cluster = replace(cluster, gpus_per_node=cluster.gpus_per_node // tp)
     W = cluster.world_size
     T = spec.micro_batch * spec.seq_len
@@ -233,7 +230,7 @@ def step_cost(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec,
         lin = 6 * linear_params(stage.decoder) * T / tp / cp * (8 / 6 if recompute else 1)
         compute -= lin / (peak * efficiency) - lin / (g.fp8_flops * efficiency)
     compute *= 1 + recompute_fraction(stage, spec)
-    compute += elementwise_seconds(stage, local_spec(spec, cp), g, tp)     # a cp rank streams S / cp tokens
+    compute += elementwise_seconds(stage, sh.spec, g, tp, sh.has_head)     # a cp rank streams S / cp tokens
     fwd_c, bwd_c = compute / 3, 2 * compute / 3       # backward costs twice the forward
     if recompute:
         fwd_c, bwd_c = compute / 4, 3 * compute / 4

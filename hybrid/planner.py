@@ -27,7 +27,7 @@ from .errors import HybridError
 from .memory.analytic import NotApplicable, check_job, estimate
 from .memory.breakdown import MemoryBreakdown, fragmentation_floor, overhead_bytes
 from .pipeline import VIRTUAL, PipelineLayout, balanced_split, even_split, pp_degrees, schedules_for, stage_cluster
-from .profile import ModelProfile, stage_share, tp_degrees
+from .profile import ModelProfile, tp_degrees
 from .report import format_plan
 from .spec import TrainSpec
 from .units import fmt_bytes
@@ -214,8 +214,7 @@ def judge(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec, clu
     try:
         if pp > 1:
             layout = layout.with_pipeline(pipeline_layout(layout, profile, spec, stage_cl))
-            stages = tuple(estimate(layout, stage_share(profile, layout.pipeline, r), spec, stage_cl)
-                           for r in range(pp))
+            stages = tuple(estimate(layout, profile, spec, stage_cl, r) for r in range(pp))
             m = max(stages, key=lambda b: b.total)
         else:
             m = estimate(layout, profile, spec, cluster)
@@ -298,8 +297,7 @@ def pipeline_layout(layout: Layout, profile: ModelProfile, spec: TrainSpec, stag
 
     def totals(k: int) -> list[int]:
         lay = PipelineLayout(pp, schedule, m, (k,) * pp)
-        return [estimate(layout.with_pipeline(lay), stage_share(profile, lay, r), spec, stage_cl).total
-                for r in range(pp)]
+        return [estimate(layout.with_pipeline(lay), profile, spec, stage_cl, r).total for r in range(pp)]
     one, two = totals(1), totals(2)
     per_block = [b - a for a, b in zip(one, two)]
     return PipelineLayout(pp, schedule, m, balanced_split(L, [a - d for a, d in zip(one, per_block)], per_block))

@@ -54,8 +54,6 @@ class ModelProfile:
     by a shape-only forward on the meta device (see probe_activations)."""
     source: str = "module"
     """preset | hf-config | module | params."""
-    stage: "StageShare | None" = None
-    """Set on the share of one pipeline rank (stage_share): what of the model it holds."""
 
     @property
     def max_positions(self) -> int | None:
@@ -70,53 +68,6 @@ class ModelProfile:
         d["tied_groups"] = [list(g) for g in self.tied_groups]
         d["decoder"] = self.decoder.to_dict() if self.decoder else None
         return d
-
-
-@dataclass(frozen=True)
-class StageShare:
-    """What one pipeline rank holds: its blocks, whether it has the embedding (first stage) and
-    the final norm + head + loss (last stage), and how many block activations it keeps in flight."""
-
-    rank: int
-    pp: int
-    blocks: int
-    first: bool
-    last: bool
-    in_flight_layers: int
-    """Block activations held at the rank's peak: in-flight micro-batches x its blocks."""
-    in_flight: int
-    """Micro-batches (interleaved: chunk-micro-batches) in flight."""
-    boundary_elements: int = 0
-    """Elements per token of one stage boundary's activation (the hidden size): the receive
-    buffers torch.distributed.pipelining allocates per micro-batch."""
-
-
-def stage_share(profile: ModelProfile, layout, rank: int) -> ModelProfile:
-    """The profile of pipeline rank `rank` under `layout` (hybrid.pipeline.PipelineLayout): its
-    blocks' parameters, the embedding on the first rank, the final norm and head on the last (a
-    tied head is a second copy there, kept in step by an all-reduce of its gradient)."""
-    import dataclasses
-    d = profile.decoder
-    if d is None:
-        raise HybridError(f"pipeline parallelism splits a transformer's blocks; {profile.name} has no known "
-                          "decoder shape: use pp 1")
-    stages = layout.rank_stages(rank)
-    blocks = sum(layout.blocks[i] for i in stages)
-    first, last = 0 in stages, layout.stages - 1 in stages
-    embed = d.vocab * d.hidden + (d.max_positions * d.hidden if d.style == "gpt2" else 0)
-    head = d.vocab * d.hidden
-    norm = max(profile.root_params - embed - (0 if d.tied else head), 0)
-    root = (embed if first else 0) + ((norm + head) if last else 0)
-    params = blocks * profile.block_params + root
-    frac = params / profile.params
-    return dataclasses.replace(
-        profile, name=f"{profile.name} [pp rank {rank}]", params=params,
-        trainable_params=round(profile.trainable_params * frac), param_bytes=round(profile.param_bytes * frac),
-        dtype_bytes=tuple((k, round(v * frac)) for k, v in profile.dtype_bytes), num_blocks=blocks,
-        root_params=root, factored_state=None if profile.factored_state is None else round(profile.factored_state * frac),
-        tied_groups=(), decoder=dataclasses.replace(d, layers=blocks),
-        stage=StageShare(rank, layout.pp, blocks, first, last, layout.in_flight_layers(rank),
-                         layout.in_flight(rank), d.hidden))
 
 
 def profile_decoder(cfg: DecoderConfig, name: str, source: str = "preset") -> ModelProfile:
@@ -148,9 +99,10 @@ def tp_degrees(profile: ModelProfile, gpus_per_node: int) -> list[int]:
     return [t for t in TP_DEGREES if gpus_per_node % t == 0 and d.heads % t == 0 and d.n_kv_heads % t == 0]
 
 
-def tp_share(profile: ModelProfile, tp: int) -> ModelProfile:
+def tp_share(profile: ModelProfile, tp: int, stage=None) -> ModelProfile:
     """The profile one tensor-parallel rank holds: every block matrix, the embedding and the head
-    split tp ways (Megatron-LM's layout, as backends/tp.py applies it); norms replicated."""
+    split tp ways (Megatron-LM's layout, as backends/tp.py applies it); norms replicated. `stage`
+    (shares.StageShare): the profile is a pipeline rank's, holding the embedding and/or head."""
     if tp == 1:
         return profile
     d = profile.decoder
@@ -158,10 +110,10 @@ def tp_share(profile: ModelProfile, tp: int) -> ModelProfile:
         raise HybridError(f"tensor parallelism needs a transformer's dimensions; {profile.name} has none: use tp 1")
     import dataclasses
     matrices = sum(m[0] * m[1] for m in d.block_matrices() if len(m) == 2)
-    if profile.stage is None:
+    if stage is None:
         head = d.vocab * d.hidden * (1 if d.tied else 2)      # embedding and (untied) head
     else:                                                      # a pipeline rank's embedding and/or head
-        head = d.vocab * d.hidden * (profile.stage.first + profile.stage.last)
+        head = d.vocab * d.hidden * (stage.first + stage.last)
     sharded = d.layers * matrices + head
     cut = sharded - sharded // tp
     frac = (profile.params - cut) / profile.params

@@ -69,3 +69,23 @@ def test_enumeration_yields_layouts_and_a_strategy_estimates_as_its_default_layo
     # the layout's checkpointing rules over the spec's
     full = Layout.of(CAT["fsdp"], NODES, TrainSpec(1, 4096, activation_checkpointing="full"))
     assert estimate(full, prof, spec, NODES).activations < estimate(CAT["fsdp"], prof, spec, NODES).activations
+
+
+@pytest.mark.unit
+def test_shares_compose_the_stage_then_cp_then_tp():
+    from hybrid.pipeline import PipelineLayout
+    from hybrid.profile import ModelProfile, tp_share
+    from hybrid.shares import shares, stage_share
+    prof, spec = resolve_model("llama2-7b").profile, TrainSpec(1, 4096)
+    assert "stage" not in ModelProfile.__dataclass_fields__          # a rank's position is the share's
+    lay = Layout.of(CAT["fsdp"], Cluster.build(4, 8, "h100-80gb"), spec, tp=2, pp=2)
+    lay = lay.with_pipeline(PipelineLayout(2, "1f1b", 4, (16, 16)))
+    first, last = (shares(prof, lay, spec, r) for r in (0, 1))
+    assert first.has_embedding and not first.has_head and last.has_head and not last.has_embedding
+    assert first.held == stage_share(prof, lay.pipeline, 0) and first.profile.params < first.held.params
+    # tp splits the stage's own embedding once (not the whole model's embedding and head)
+    d = prof.decoder
+    whole_cut = first.held.params - tp_share(first.held, 2).params          # as if it held both ends
+    assert whole_cut - (first.held.params - first.profile.params) == d.vocab * d.hidden // 2
+    cp = shares(prof, Layout.of(CAT["fsdp"], NODES, spec, cp=4), spec)
+    assert cp.spec.seq_len == 1024 and cp.whole_spec.seq_len == 4096 and cp.loss_outside_forward

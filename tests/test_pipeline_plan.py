@@ -9,7 +9,8 @@ from hybrid.cluster import Cluster
 from hybrid.errors import HybridError
 from hybrid.pipeline import PipelineLayout, balanced_split, bubble, even_split, in_flight, rank_actions
 from hybrid.planner import plan
-from hybrid.profile import resolve_model, stage_share
+from hybrid.profile import resolve_model
+from hybrid.shares import stage_of, stage_share
 from hybrid.spec import TrainSpec
 
 pytestmark = pytest.mark.unit
@@ -37,8 +38,9 @@ def test_stage_shares_add_up_to_the_model():
     for blocks in ((16, 16), (12, 20), (8, 8, 8, 8)):
         lay = PipelineLayout(len(blocks), "1f1b", 8, blocks)
         shares = [stage_share(prof, lay, r) for r in range(lay.pp)]
+        stages = [stage_of(prof, lay, r) for r in range(lay.pp)]
         assert sum(s.params for s in shares) == prof.params
-        assert shares[0].stage.first and shares[-1].stage.last and shares[0].stage.in_flight == lay.pp
+        assert stages[0].first and stages[-1].last and stages[0].in_flight == lay.pp
 
 
 def test_balanced_split_evens_out_the_largest_stage():

@@ -67,7 +67,7 @@ class Family:
             raise NotApplicable(f"{s.name} offloads GPU memory to the host, which needs CUDA; CPU ranks run in "
                                 "host memory already (use the same strategy without offload)")
 
-    def placement(self, s, profile, spec, n: int, cluster):
+    def placement(self, s, profile, spec, n: int, cluster, stage=None):
         raise NotImplementedError
 
     def comm(self, s, profile, spec, cluster, n: int, links) -> Comm:

@@ -26,7 +26,7 @@ class DDPFamily(Family):
             raise NotApplicable(f"{s.name} with tp and cp: replicas of tensor-parallel groups run through FSDP2's "
                                 "replication, which has no cp dimension here; use an fsdp strategy with tp and cp")
 
-    def placement(self, s, p, spec, n, cl) -> Placement:
+    def placement(self, s, p, spec, n, cl, stage=None) -> Placement:
         b = spec.bytes
         grads = p.trainable_params * b.grad
         lay = Placement(params=p.params * b.param, optimizer=optimizer_elements(p, spec) * b.state,

@@ -127,7 +127,7 @@ class DeepSpeedFamily(Family):
             raise NotApplicable(f"{s.name}: DeepSpeed's fp16 mode needs CUDA (its CPU accelerator has no fp16); "
                                 "use ddp or fsdp for fp16-mixed on CPU ranks")
 
-    def placement(self, s, p, spec, n, cl) -> Placement:
+    def placement(self, s, p, spec, n, cl, stage=None) -> Placement:
         c = spec.bytes.compute                  # module params/grads: bf16 (bf16.enabled) or fp32
         P, h = p.trainable_params, (p.decoder.hidden if p.decoder else None)
         reduce_bucket, prefetch, persist = bucket_sizes(s, h)

@@ -28,7 +28,7 @@ class FSDPFamily(Family):
     def shard_is_free(self, s):
         return s.shard == "node"
 
-    def placement(self, s, p, spec, n, cl) -> Placement:
+    def placement(self, s, p, spec, n, cl, stage=None) -> Placement:
         b = spec.bytes
         c = b.compute
         rb = reduce_bytes(spec)
@@ -67,14 +67,13 @@ class FSDPFamily(Family):
         # block's reduce-scatter input in the reduce dtype (its grads themselves: unit_grads)
         lay.buffers_mid = c * (root + head + gathered_blocks) + rb * unit
         lay.buffers_end = c * (2 * root) + rb * root
-        staged = p.stage is not None and p.stage.pp > 1
-        if staged:
+        if stage is not None:
             # a pipeline stage reduce-scatters once, after its last micro-batch (perform_reduce_grad):
             # until then only the accumulated unsharded gradients exist, then only the shards
             acc = P * rb
             lay.grads_step = lay.grads_end - acc
             lay.grads_start = lay.grads_end = acc
-        if spec.gradient_accumulation > 1 and not staged:
+        if spec.gradient_accumulation > 1 and stage is None:
             # FSDP2's no-sync (set_requires_gradient_sync(False)) keeps every unsharded gradient
             # from the window's first backward to its last reduce-scatter, upcast to the reduce
             # dtype to accumulate (FSDPParam.to_accumulated_grad_if_needed: fp32 under bf16-mixed);
@@ -85,7 +84,7 @@ class FSDPFamily(Family):
             lay.grads_end += P * rb
             lay.notes.append(f"gradient accumulation: unsharded {('bf16' if rb == 2 else 'fp32')} gradients are kept "
                              "between micro-batches (reduce-scatter once per window)")
-        if staged:
+        if stage is not None:
             # ... and with set_reshard_after_backward(False): a block's parameters stay gathered
             # from its backward until its next forward reshards them; all the blocks' at the end
             # of a backward (the stage root's are resharded: traced)

@@ -17,7 +17,8 @@ from ..catalogue import Strategy
 from ..cluster import Cluster
 from ..errors import HybridError
 from ..layout import Layout, as_layout
-from ..profile import ModelProfile, tp_share
+from ..profile import ModelProfile
+from ..shares import Share, shares
 from ..spec import TrainSpec
 from .activations import ActivationTerms, activation_terms, largest_transient
 from .breakdown import MemoryBreakdown, fragmentation_floor, overhead_bytes
@@ -37,83 +38,115 @@ def check_job(profile: ModelProfile, spec: TrainSpec) -> None:
                           f"{mp}; use --seq-len {mp} or less")
 
 
-def placement_of(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster, n: int):
-    """The family's layout of this job (NotApplicable when it cannot run it at all)."""
+def placement_of(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster, n: int, stage=None):
+    """The family's placement of this job (NotApplicable when it cannot run it at all); `stage`
+    (shares.StageShare): the profile is one pipeline rank's."""
     if spec.precision in ("bf16", "bf16-mixed") and cluster.gpu.is_cuda and not cluster.gpu.bf16:
         raise NotApplicable(f"{cluster.gpu.name} has no bf16 (Ampere or newer needed); use fp16-mixed or fp32")
     family = strategy.family_obj
     family.check(strategy, spec, cluster.gpu.is_cuda)
-    return family.placement(strategy, profile, spec, n, cluster)
+    return family.placement(strategy, profile, spec, n, cluster, stage=stage)
 
 
-def estimate(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster) -> MemoryBreakdown:
-    """Per-GPU memory of one rank. With tp > 1 the rank holds its tensor-parallel share of the
-    model (profile.tp_share) and every per-layer and head activation term is split tp ways
-    (sequence parallelism and vocab-parallel logits, Korthikanti et al. arXiv 2205.05198), except
-    the two all-gathered block inputs the column-wise matmuls keep whole (what DTensor's
-    ColwiseParallel saves for backward). A pipeline rank's share (profile.stage, from
-    stage_share) keeps its in-flight micro-batches' activations, the logits only on the last
-    stage, the receive buffers, and the moment its backward ends with the other micro-batches
-    still in flight. With cp > 1 (memory/cp.py) FSDP shards over dp_shard x cp, every
-    per-token term is a sequence S / cp long, and each layer keeps the gathered K and V. A bare
-    Strategy stands for its layout on the cluster (Layout.of) at the spec's checkpointing."""
+def estimate(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
+             rank: int = 0) -> MemoryBreakdown:
+    """Per-GPU memory of one rank (`rank` of the pipeline, 0 without one): its share of the model
+    and the sequence (shares.shares), the family's placement of it, its activations, and the
+    largest of the step's four moments. A bare Strategy stands for its layout on the cluster
+    (Layout.of) at the spec's checkpointing."""
     check_job(profile, spec)
     layout = as_layout(layout, cluster, spec)
     spec = layout.train_spec(spec)
-    strategy, n, tp, cp = layout.dp, layout.dims.dp_shard, layout.dims.tp, layout.dims.cp
+    check_layout(layout, profile, spec)
+    sh = shares(profile, layout, spec, rank)
+    dims = layout.dims
+    lay = placement_of(layout.dp, sh.profile, sh.spec, cluster, dims.dp_shard * dims.cp, sh.stage)
+    act, notes = activations(sh, lay.autocast)
+    moments = step_moments(sh, lay, act)
+    phase, parts = max(moments.items(), key=lambda kv: sum(kv[1].values()))
+    tensors = lay.params + lay.optimizer + sum(parts.values())
+    transient = largest_transient(profile.decoder, sh.spec, lay.autocast, sh.tp) if profile.decoder else 0
+    return MemoryBreakdown(
+        params=int(lay.params), grads=int(parts["grads"]), optimizer=int(lay.optimizer),
+        activations=(None if profile.decoder is None and profile.activation_bytes_per_sample is None
+                     else int(parts["activations"])),
+        temporaries=int(parts["temporaries"]), buffers=int(parts["buffers"]),
+        overhead=int(overhead_bytes(cluster, tensors, transient)), context=cluster.gpu.cuda_context_bytes,
+        floor=fragmentation_floor(cluster, transient), cpu=int(lay.cpu), phase=phase,
+        notes=tuple(list(lay.notes) + notes),
+        model_states=int(lay.params + lay.optimizer + lay.grads_end + lay.grads_step))
+
+
+def check_layout(layout: Layout, profile: ModelProfile, spec: TrainSpec) -> None:
+    """NotApplicable where the layout's dimensions cannot run this job."""
+    tp, cp = layout.dims.tp, layout.dims.cp
     if tp > 1:
-        strategy.family_obj.check_tp(strategy, tp)
-        if getattr(spec, "float8", False):
+        layout.dp.family_obj.check_tp(layout.dp, tp)
+        if spec.float8:
             raise NotApplicable("float8 with tensor parallelism (torchao's Float8ColwiseParallel) is not applied "
                                 "here; float8 layouts run at tp 1")
     if cp > 1:
-        strategy.family_obj.check_cp(strategy, cp, tp)
-        if getattr(spec, "compile", False):
+        layout.dp.family_obj.check_cp(layout.dp, cp, tp)
+        if spec.compile:
             raise NotApplicable("compile with cp > 1: the K/V all-gather inside a fullgraph-compiled block has not "
                                 "run here; use compile with cp 1, or cp without compile")
         if profile.decoder is None:
             raise NotApplicable("context parallelism splits a transformer's sequence; this model has no known "
                                 "decoder shape: use cp 1")
-    whole, whole_spec = profile, spec
-    spec = local_spec(spec, cp)
-    profile = tp_share(profile, tp)
-    lay = placement_of(strategy, profile, spec, cluster, n * cp)
-    notes = list(lay.notes)
-    if profile.decoder:
-        act = activation_terms(profile.decoder, spec, lay.autocast)
-        if tp > 1:
-            # the attention and MLP inputs are all-gathered, and the column-wise matmuls keep them
-            # whole: in every stored block, or only in the recomputed one under full checkpointing
-            gathered = 2 * spec.bytes.compute * whole.decoder.hidden * spec.tokens * (1 - 1 / tp)
-            stored, redone = (0, gathered) if spec.activation_checkpointing == "full" else (gathered, 0)
-            act = ActivationTerms(per_layer=int(act.per_layer / tp + stored), recompute=int(act.recompute / tp + redone),
-                                  head_forward=int(act.head_forward / tp), head_backward=int(act.head_backward / tp),
-                                  autocast_cache=int(act.autocast_cache / tp), layers=act.layers)
-            notes.append(f"tensor parallel {tp}: matrices, embedding and head split {tp} ways; sequence-parallel "
-                         "activations; vocab-parallel logits")
-        if cp > 1:
-            act = with_gathered_kv(act, whole.decoder, whole_spec, cp, tp, lay.autocast)
-            notes.append(f"context parallel {cp}: each rank holds {whole_spec.seq_len // cp} tokens of each "
-                         "sequence and keeps every layer's gathered K/V (or recomputes them with checkpointing)")
-        if profile.stage is not None:
-            act = _stage_activations(act, profile.stage)
-    elif getattr(spec, "compile", False):
+
+
+def activations(sh: Share, autocast: bool) -> tuple[ActivationTerms, list[str]]:
+    """The rank's activation terms: a decoder's per layer and head (memory/activations.py), each
+    split tp ways with sequence parallelism and vocab-parallel logits (Korthikanti et al. arXiv
+    2205.05198) except the two all-gathered block inputs the column-wise matmuls keep whole (what
+    DTensor's ColwiseParallel saves for backward); S / cp long plus the gathered K and V with
+    context parallelism (memory/cp.py); a pipeline rank's in-flight micro-batches' for its blocks.
+    Another model's probed bytes per sample; nothing for a bare parameter count."""
+    profile, spec, tp, cp = sh.profile, sh.spec, sh.tp, sh.cp
+    notes = []
+    if profile.decoder is None and spec.compile:
         raise NotApplicable("compile's memory is modelled for decoder blocks (a preset or a decoder config.json); "
                             "this model has no known decoder shape")
-    elif profile.activation_bytes_per_sample is not None:
+    if profile.decoder is None:
+        if profile.activation_bytes_per_sample is None:
+            return ActivationTerms(0, 0, 0, 0, 0, 0), ["activations unknown: the model is a bare parameter count "
+                                                       "(model states only)"]
         # probed in fp32; convolution and norm outputs follow the compute dtype (bf16 under
         # autocast too, where no fp32 residual stream exists)
         scale = spec.bytes.compute / FP32
         per_batch = int(profile.activation_bytes_per_sample * spec.micro_batch * scale)
-        act = ActivationTerms(per_batch, 0, 0, 0, 0, 1)
         if spec.activation_checkpointing != "none":
-            notes.append("activation checkpointing is not modelled for non-transformer models "
-                         "(use --method traced)")
-    else:
-        notes.append("activations unknown: the model is a bare parameter count (model states only)")
-        act = ActivationTerms(0, 0, 0, 0, 0, 0)
+            notes.append("activation checkpointing is not modelled for non-transformer models (use --method traced)")
+        return ActivationTerms(per_batch, 0, 0, 0, 0, 1), notes
+    act = activation_terms(profile.decoder, spec, autocast)
+    if tp > 1:
+        # the attention and MLP inputs are all-gathered, and the column-wise matmuls keep them
+        # whole: in every stored block, or only in the recomputed one under full checkpointing
+        gathered = 2 * spec.bytes.compute * sh.whole.decoder.hidden * spec.tokens * (1 - 1 / tp)
+        stored, redone = (0, gathered) if spec.activation_checkpointing == "full" else (gathered, 0)
+        act = ActivationTerms(per_layer=int(act.per_layer / tp + stored), recompute=int(act.recompute / tp + redone),
+                              head_forward=int(act.head_forward / tp), head_backward=int(act.head_backward / tp),
+                              autocast_cache=int(act.autocast_cache / tp), layers=act.layers)
+        notes.append(f"tensor parallel {tp}: matrices, embedding and head split {tp} ways; sequence-parallel "
+                     "activations; vocab-parallel logits")
+    if cp > 1:
+        act = with_gathered_kv(act, sh.whole.decoder, sh.whole_spec, cp, tp, autocast)
+        notes.append(f"context parallel {cp}: each rank holds {sh.whole_spec.seq_len // cp} tokens of each "
+                     "sequence and keeps every layer's gathered K/V (or recomputes them with checkpointing)")
+    if sh.stage is not None:
+        # a pipeline rank keeps the activations of its in-flight micro-batches (per the schedule,
+        # hybrid/pipeline.py) for its blocks only; the logits and loss only on the last stage
+        act = ActivationTerms(per_layer=act.per_layer, recompute=act.recompute,
+                              head_forward=act.head_forward if sh.has_head else 0,
+                              head_backward=act.head_backward if sh.has_head else 0,
+                              autocast_cache=act.autocast_cache, layers=sh.stage.in_flight_layers)
+    return act, notes
+
+
+def step_moments(sh: Share, lay, act: ActivationTerms) -> dict[str, dict[str, float]]:
+    """Grads, activations, temporaries and buffers at each of the step's four moments."""
+    profile, spec, st = sh.profile, sh.spec, sh.stage
     acts = act.layers * act.per_layer
-    recv = _receive_buffers(profile, spec, tp)
     unit = profile.block_params if profile.num_blocks else profile.largest_layer_params
     unit_grads = (2 if lay.autocast else spec.bytes.compute) * unit
     moments = {
@@ -127,60 +160,38 @@ def estimate(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec, 
         "step": dict(grads=lay.grads_end + lay.grads_step, activations=0, temporaries=lay.scratch,
                      buffers=lay.buffers_step),
     }
-    if cp > 1:     # backends/cp.py scores the loss outside the model's forward: the root regathers after it
+    if sh.loss_outside_forward:     # the root's parameters are gathered again after the loss backward
         moments["loss"]["buffers"] -= lay.regathered
-    st = profile.stage
-    staged = st is not None and st.pp > 1
-    ends = [act.recompute + unit_grads] if staged else []      # a stage's backward ends in its first block
-    if tp > 1 and profile.decoder is not None and (st is None or st.first):
+    ends = [act.recompute + unit_grads] if st is not None else []     # a stage's backward ends in its first block
+    if sh.tp > 1 and profile.decoder is not None and sh.has_embedding:
         # DTensor's embedding backward (vocab-sharded weight, replicated ids) makes the whole
         # vocab x hidden gradient, not the shard (seen in the traced runs); where FSDP accumulates
         # unsharded gradients, its reduce-dtype copy is whole too and stays until the step (grads
         # count only the shard's)
-        full = whole.decoder.vocab * whole.decoder.hidden
+        full = sh.whole.decoder.vocab * sh.whole.decoder.hidden
         ends.append(full * spec.bytes.compute)
-        if spec.gradient_accumulation > 1 or staged:
-            extra = full * reduce_bytes(spec) * (1 - 1 / tp)
+        if spec.gradient_accumulation > 1 or st is not None:
+            extra = full * reduce_bytes(spec) * (1 - 1 / sh.tp)
             for name in ("loss", "blocks", "grads"):
                 moments[name]["grads"] += extra
     moments["grads"]["temporaries"] += max(ends, default=0)
-    if staged:
+    if st is not None:
         # ... while its other in-flight micro-batches keep their activations (1F1B: in-flight - 1
         # of them), with every gradient (and, under FSDP, every block's parameters gathered since
         # that backward) present
         moments["grads"]["activations"] = act.per_layer * (st.in_flight_layers - st.blocks)
+    recv = receive_buffers(sh)
     for parts in moments.values():
         parts["buffers"] += recv
-    phase, parts = max(moments.items(), key=lambda kv: sum(kv[1].values()))
-    tensors = lay.params + lay.optimizer + sum(parts.values())
-    transient = largest_transient(whole.decoder, spec, lay.autocast, tp) if profile.decoder else 0
-    overhead = overhead_bytes(cluster, tensors, transient)
-    return MemoryBreakdown(
-        params=int(lay.params), grads=int(parts["grads"]), optimizer=int(lay.optimizer),
-        activations=(None if profile.decoder is None and profile.activation_bytes_per_sample is None
-                     else int(parts["activations"])),
-        temporaries=int(parts["temporaries"]), buffers=int(parts["buffers"]), overhead=int(overhead),
-        context=cluster.gpu.cuda_context_bytes, floor=fragmentation_floor(cluster, transient), cpu=int(lay.cpu),
-        phase=phase, notes=tuple(notes),
-        model_states=int(lay.params + lay.optimizer + lay.grads_end + lay.grads_step))
+    return moments
 
 
-def _stage_activations(act: ActivationTerms, st) -> ActivationTerms:
-    """A pipeline rank keeps the activations of its in-flight micro-batches (per the schedule,
-    hybrid/pipeline.py) for its blocks only; the logits and loss only on the last stage."""
-    return ActivationTerms(per_layer=act.per_layer, recompute=act.recompute,
-                           head_forward=act.head_forward if st.last else 0,
-                           head_backward=act.head_backward if st.last else 0,
-                           autocast_cache=act.autocast_cache, layers=st.in_flight_layers)
-
-
-def _receive_buffers(profile: ModelProfile, spec: TrainSpec, tp: int) -> int:
+def receive_buffers(sh: Share) -> int:
     """torch.distributed.pipelining allocates, once, a receive buffer per micro-batch for the
     stage's input activation (all but the first stage) and for its output's gradient (all but the
     last): b x s x h each in the compute dtype (a tp rank's sequence-parallel share)."""
-    st = profile.stage
-    if st is None or st.pp == 1:
+    st, spec = sh.stage, sh.spec
+    if st is None:
         return 0
-    m = spec.gradient_accumulation
-    count = m * ((not st.first) + (not st.last))
-    return int(count * spec.bytes.compute * spec.tokens * st.boundary_elements / tp)
+    count = spec.gradient_accumulation * ((not st.first) + (not st.last))
+    return int(count * spec.bytes.compute * spec.tokens * st.boundary_elements / sh.tp)

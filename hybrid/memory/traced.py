@@ -255,7 +255,7 @@ def traced_stage_estimate(source: ModelSource, strategy: Strategy, spec: TrainSp
     from ..models import causal_lm_loss, pipeline_stage
     from ..parallel import ParallelDims
     from ..pipeline import rank_actions, stage_cluster
-    from ..profile import stage_share
+    from ..shares import stage_of, stage_share
     from .tracker import MemoryTracker
 
     check_traceable(source)
@@ -266,7 +266,8 @@ def traced_stage_estimate(source: ModelSource, strategy: Strategy, spec: TrainSp
         raise HybridError("a traced pipeline estimate runs gpipe and 1f1b; use --method analytic for interleaved")
     stage_cl = stage_cluster(cluster, layout.pp)
     n = strategy.shard_size(stage_cl, shard_size, tp)
-    placement_of(strategy, stage_share(source.profile, layout, pp_rank), spec, stage_cl, n)   # NotApplicable first
+    placement_of(strategy, stage_share(source.profile, layout, pp_rank), spec, stage_cl, n,        # NotApplicable
+                 stage_of(source.profile, layout, pp_rank))                                        # first
     d = source.profile.decoder
     m, world = layout.micro_batches, cluster.world_size
     start = time.perf_counter()
