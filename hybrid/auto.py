@@ -10,13 +10,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .backends import apply
 from .backends.base import LoopOptions, check_optimizer_factory
 from .catalogue import get_strategy, load_catalogue
 from .cluster import ALLOC_CONF_VARS, Cluster, detect
 from .errors import HybridError
 from .mesh import build_mesh, init_distributed
 from .models import prepare_for_training
+from .parallelize import build_engine, parallelize
 from .planner import plan as make_plan
 from .profile import build_profile
 from .spec import TrainSpec, default_seq_len
@@ -222,11 +222,8 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     mesh = build_mesh(chosen.parallel, runtime, cluster.gpus_per_node)
     gradient_accumulation = chosen.spec.gradient_accumulation      # the plan's (searched at a global batch)
     options = LoopOptions(gradient_accumulation, max_grad_norm, bool(find_unused_parameters))
-    if chosen.pipeline is not None:
-        from .backends.pipeline import apply_pipeline
-        engine = apply_pipeline(chosen.strategy, model, optimizer, mesh, chosen.spec, runtime, chosen.pipeline, options)
-    else:
-        engine = apply(chosen.strategy, model, optimizer, mesh, chosen.spec, runtime, options)
+    parallel = parallelize(model, chosen.layout, mesh, chosen.spec, runtime, options)
+    engine = build_engine(parallel, chosen.layout, mesh, chosen.spec, runtime, optimizer, options)
     model._hybrid_wrapped = True
     sched = scheduler(engine.user_optimizer) if scheduler is not None else None
     wrapped = Wrapped(engine, the_plan, chosen, mesh, runtime, gradient_accumulation, max_grad_norm, sched)

@@ -97,8 +97,8 @@ def _run_one(cand, plan, make_model, optimizer, runtime, cluster, ids, steps: in
     the model is built (no collective yet) the ranks agree through `agree(local error or None)`
     whether every rank built it, so a rank that fails there fails the trial on every rank
     instead of leaving its peers waiting in the first collective."""
-    from .backends import apply
     from .backends.base import LoopOptions
+    from .parallelize import apply_layout
     from .memory.tracker import MemoryTracker
     from .mesh import build_mesh
     from .wrapped import Wrapped
@@ -124,12 +124,7 @@ def _run_one(cand, plan, make_model, optimizer, runtime, cluster, ids, steps: in
             return peer
         mesh = build_mesh(cand.parallel, runtime, cluster.gpus_per_node)
         options = LoopOptions(cand.spec.gradient_accumulation, max_grad_norm, False)
-        if cand.pipeline is not None:
-            from .backends.pipeline import apply_pipeline
-            engine = apply_pipeline(cand.strategy, model, optimizer, mesh, cand.spec, runtime, cand.pipeline,
-                                    options)
-        else:
-            engine = apply(cand.strategy, model, optimizer, mesh, cand.spec, runtime, options)
+        engine = apply_layout(model, cand.layout, optimizer, mesh, cand.spec, runtime, options)
         if tracker is not None:         # the whole model built before sharding is set-up, not the job
             tracker.reset_peak()
         w = Wrapped(engine, plan, cand, mesh, runtime, cand.spec.gradient_accumulation, max_grad_norm)

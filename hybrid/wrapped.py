@@ -171,7 +171,8 @@ class Wrapped:
         if loss_fn is not None and self.engine.cp is not None:
             raise HybridError("train_step(loss_fn=) with cp > 1: each rank holds only its chunks of the logits; "
                               "use the model's own loss (labels in the batch) or cp 1")
-        if getattr(self.engine, "pipelined", False):
+        from .backends.pipeline import PipelineEngine
+        if isinstance(self.engine, PipelineEngine):
             with self._guard("train_step"):
                 local, result = self.engine.train_step(ids, labels, loss_fn, self.max_grad_norm)
             self._after_step(result)

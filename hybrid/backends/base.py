@@ -341,23 +341,6 @@ def _selective_policy():
     return policy
 
 
-def prepare(model: nn.Module, mesh, spec):
-    """What every backend applies before its data parallelism, in torchtitan's order: tensor
-    parallelism over the mesh's tp dimension (when > 1), then activation checkpointing. Returns the
-    TensorParallel record (or None)."""
-    from ..float8 import apply_float8
-    # torchtitan converts at model build, before parallelising; float8 all-gather under FSDP2
-    apply_float8(model, spec, fsdp=mesh is not None and "dp_shard" in (mesh.mesh_dim_names or ()))
-    tp = None
-    if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() > 1:
-        from .tp import apply_tensor_parallel
-        tp = apply_tensor_parallel(model, mesh["tp"])
-    apply_activation_checkpointing(model, spec.activation_checkpointing)
-    from ..compile import apply_compile
-    apply_compile(model, spec)                  # after checkpointing, before data parallelism (torchtitan)
-    return tp
-
-
 def _op_context():
     """torchtitan's per-op selective policy, fresh per checkpointed call (its matmul counter
     restarts in every block): keep the outputs of the 1st, 3rd, 5th... aten.mm and of attention,

@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..errors import HybridError
 from ..mesh import replica_group
 from .base import (Engine, LoopOptions, apply_activation_checkpointing, carry_plain_outputs, compute_dtype,
-                   make_scaler, materialize, prepare, to_cpu_state)
+                   make_scaler, materialize, to_cpu_state)
 
 
 class DDPEngine(Engine):
@@ -45,68 +45,63 @@ class DDPEngine(Engine):
         super().zero_grads()
 
 
-def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: LoopOptions | None = None) -> DDPEngine:
+def check(strategy, mesh, spec, runtime) -> None:
+    """Nothing beyond the family's layout rules (Family.check_layout)."""
+
+
+def place(strategy, module, spec, runtime) -> None:
+    """Every rank holds the whole model: a meta-built one is materialised on the device first."""
+    materialize(module, runtime.device)
+    module.to(device=runtime.device, dtype=torch.bfloat16 if spec.precision == "bf16" else None)
+
+
+def float8_all_gather(layout, staged: bool) -> bool:
+    """Replication over tp groups and pipeline stages runs through FSDP2 (see wrap)."""
+    return _through_fsdp(layout, staged)
+
+
+def _through_fsdp(layout, staged: bool) -> bool:
+    # torch's DDP takes no DTensor parameters and breaks under a pipeline schedule (see wrap)
+    return layout.dims.tp > 1 or staged
+
+
+def wrap(strategy, module, layout, mesh, spec, runtime, options=None, staged: bool = False):
+    """DDP over the replicas. Over tensor-parallel groups or a pipeline stage, replication runs
+    through FSDP2 on the (dp_replicate, dp_shard=1) mesh instead: whole parameters on every
+    replica, one all-reduce of the gradients, MixedPrecisionPolicy for the mixed precisions.
+    torch's DDP takes no DTensor parameters (its TP bridge, the private
+    `_pre_dp_module_transform`, swaps the parameters out of the module between steps, which
+    checkpoints cannot follow), and under a pipeline schedule its reducer's bucket rebuild breaks
+    (several micro-batches' backward in one iteration: 'rebuilt parameter indices size is not
+    same as original model parameters size') and its autocast wraps a forward the schedule does
+    not call."""
     options = options or LoopOptions()
-    dtype = torch.bfloat16 if spec.precision == "bf16" else None
-    materialize(model, runtime.device)                  # a meta-built model: every rank holds it all
-    model.to(device=runtime.device, dtype=dtype)
-    if mesh["tp"].size() > 1:
-        if mesh["cp"].size() > 1:
-            raise HybridError(f"{strategy.name} with tp and cp: replication over tensor-parallel groups runs through "
-                              "FSDP2 on the dp_replicate mesh, which has no cp dimension here; use an fsdp strategy "
-                              "with tp and cp")
-        return _replicate_over_tp(strategy, model, optimizer_factory, mesh, spec, runtime)
-    from ..float8 import apply_float8
-    apply_float8(model, spec, fsdp=False)
-    apply_activation_checkpointing(model, spec.activation_checkpointing)
-    from ..compile import apply_compile
-    apply_compile(model, spec)                  # after checkpointing, before the DDP wrap (torchtitan)
-    unpack = carry_plain_outputs(model)
-    ddp = DDP(model, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
+    if _through_fsdp(layout, staged):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        low = compute_dtype(spec)
+        mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
+        unpack = None if staged else carry_plain_outputs(module)
+        fully_shard(module, mesh=mesh["dp_replicate", "dp_shard"], reshard_after_forward=False, mp_policy=mp)
+        if unpack is not None:
+            module.register_forward_hook(unpack)
+        return module
+    unpack = carry_plain_outputs(module)
+    ddp = DDP(module, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
               process_group=replica_group(mesh), bucket_cap_mb=strategy.bucket_cap_mb,
               gradient_as_bucket_view=strategy.gradient_as_bucket_view, static_graph=strategy.static_graph,
               find_unused_parameters=options.find_unused_parameters)
     ddp.register_forward_hook(unpack)
-    optimizer = optimizer_factory([p for p in ddp.parameters() if p.requires_grad])
-    return DDPEngine(model, ddp, optimizer, compute_dtype(spec), runtime.device.type,
-                     make_scaler(spec, runtime.device.type, sharded=False))
+    return ddp
 
 
-def _replicate_over_tp(strategy, model, optimizer_factory, mesh, spec, runtime):
-    """DDP over tensor-parallel groups (each replica a tp group, gradients all-reduced across
-    replicas). torch's DDP takes no DTensor parameters (its TP bridge, the private
-    `_pre_dp_module_transform`, swaps the parameters out of the module between steps, which
-    checkpoints cannot follow), so replication runs through FSDP2 on the (dp_replicate, dp_shard=1)
-    mesh: whole parameters on every replica, one all-reduce of the gradients, as DDP."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
+def engine(strategy, model, runner, optimizer_factory, mesh, spec, runtime, options=None) -> Engine:
+    if isinstance(runner, DDP):
+        optimizer = optimizer_factory([p for p in runner.parameters() if p.requires_grad])
+        return DDPEngine(model, runner, optimizer, compute_dtype(spec), runtime.device.type,
+                         make_scaler(spec, runtime.device.type, sharded=False))
     from .fsdp import FSDPEngine
-    tp = prepare(model, mesh, spec)
-    low = compute_dtype(spec)
-    mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
-    unpack = carry_plain_outputs(model)
-    fully_shard(model, mesh=mesh["dp_replicate", "dp_shard"], reshard_after_forward=False, mp_policy=mp)
-    model.register_forward_hook(unpack)
     optimizer = optimizer_factory([p for p in model.parameters() if p.requires_grad])
-    return FSDPEngine(model, model, optimizer, make_scaler(spec, runtime.device.type, sharded=True), tp=tp)
-
-
-def wrap_stage(strategy, stage, mesh, spec, runtime, options=None):
-    """One pipeline stage replicated over the stage's dp_replicate ranks. torch's DDP under a
-    pipeline schedule breaks its reducer's bucket rebuild (several micro-batches' backward in one
-    iteration: 'rebuilt parameter indices size is not same as original model parameters size'),
-    and its bf16-mixed is autocast around a forward the schedule does not call; so replication
-    runs through FSDP2 on the (dp_replicate, dp_shard=1) mesh, as over tp groups: whole parameters
-    on every replica, one all-reduce of the gradients per step, MixedPrecisionPolicy for bf16."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    materialize(stage, runtime.device)
-    stage.to(device=runtime.device, dtype=torch.bfloat16 if spec.precision == "bf16" else None)
-    tp = prepare(stage, mesh, spec)
-    low = compute_dtype(spec)
-    mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
-    fully_shard(stage, mesh=mesh["dp_replicate", "dp_shard"], reshard_after_forward=False, mp_policy=mp)
-    return stage, tp
+    return FSDPEngine(model, model, optimizer, make_scaler(spec, runtime.device.type, sharded=True))
 
 
 class _EmulatedDDP(torch.nn.Module):

@@ -12,8 +12,7 @@ import torch
 
 from ..errors import HybridError
 from ..profile import decoder_of, names_by_param
-from .base import (Engine, LoopOptions, apply_activation_checkpointing, carry_plain_outputs, materialize,
-                   optimizer_tensors)
+from .base import Engine, LoopOptions, carry_plain_outputs, materialize, optimizer_tensors
 from ..families.deepspeed import ds_config
 
 log = logging.getLogger(__name__)
@@ -287,24 +286,40 @@ def _deepspeed():
     return deepspeed
 
 
-def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: LoopOptions | None = None) -> DeepSpeedEngine:
-    options = options or LoopOptions()
-    deepspeed = _deepspeed()
+def check(strategy, mesh, spec, runtime) -> None:
+    """What DeepSpeed cannot run on this device or mesh, before anything is built."""
     cuda = runtime.device.type == "cuda"
     strategy.family_obj.check(strategy, spec, cuda)
     if mesh["dp_shard"].size() != runtime.world_size:
         raise HybridError(f"{strategy.name}: DeepSpeed ZeRO partitions over the whole world ({runtime.world_size} "
                           f"ranks), but the layout shards over {mesh['dp_shard'].size()}; use an fsdp strategy "
                           "(hsdp) for partial sharding")
-    decoder = decoder_of(model)
-    hidden = decoder.hidden if decoder else None
     if spec.precision == "fp16-mixed" and not cuda:
         raise HybridError(f"{strategy.name}: DeepSpeed's fp16 mode needs CUDA (its CPU accelerator has no fp16); "
                           "use ddp or fsdp for fp16-mixed on CPU ranks, or --precision fp32")
-    config = ds_config(strategy, spec, hidden, runtime.world_size, runtime.local_world_size, cuda,
-                       options.gradient_accumulation, options.max_grad_norm)
-    materialize(model, runtime.device)   # ZeRO partitions it at initialize (deepspeed.zero.Init not used)
-    apply_activation_checkpointing(model, spec.activation_checkpointing)
+
+
+def place(strategy, module, spec, runtime) -> None:
+    """ZeRO partitions the model at initialize (deepspeed.zero.Init is not used): it is whole first."""
+    materialize(module, runtime.device)
+
+
+def float8_all_gather(layout, staged: bool) -> bool:
+    return False
+
+
+def wrap(strategy, module, layout, mesh, spec, runtime, options=None, staged: bool = False):
+    """DeepSpeed wraps at deepspeed.initialize, which needs the optimizer: see engine()."""
+    return module
+
+
+def engine(strategy, model, runner, optimizer_factory, mesh, spec, runtime, options=None) -> DeepSpeedEngine:
+    options = options or LoopOptions()
+    deepspeed = _deepspeed()
+    decoder = decoder_of(model)
+    config = ds_config(strategy, spec, decoder.hidden if decoder else None, runtime.world_size,
+                       runtime.local_world_size, runtime.device.type == "cuda", options.gradient_accumulation,
+                       options.max_grad_norm)
     optimizer = optimizer_factory([p for p in model.parameters() if p.requires_grad])
     unpack = carry_plain_outputs(model, as_dict=True)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,

@@ -7,8 +7,7 @@ import functools
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from .base import (Engine, LoopOptions, carry_plain_outputs, compute_dtype, full_state, make_scaler, materialize,
-                   prepare, shardable_blocks)
+from .base import Engine, carry_plain_outputs, compute_dtype, full_state, make_scaler, materialize, shardable_blocks
 
 
 class FSDPEngine(Engine):
@@ -81,34 +80,44 @@ def shard_placement(param, n: int):
     return None
 
 
-def _shard(strategy, module, mesh, spec, runtime, outputs: bool = False):
-    """fully_shard the blocks, then the module as the root unit (after tensor parallelism and
-    checkpointing); outputs: carry plain output objects past FSDP's hooks. Returns the
-    TensorParallel record (or None)."""
-    kwargs = fsdp_kwargs(strategy, mesh, spec, runtime)
+def check(strategy, mesh, spec, runtime) -> None:
+    """Nothing beyond the family's layout rules (fsdp_kwargs asks the family about the device)."""
+
+
+def place(strategy, module, spec, runtime) -> None:
+    """Nothing is allocated before sharding (a meta-built model is materialised shard by shard in
+    wrap); pure bf16 casts the parameters first."""
     if spec.precision == "bf16" and any(p.dtype != torch.bfloat16 for p in module.parameters()):
         module.to(torch.bfloat16)
-    tp = prepare(module, mesh, spec)
+
+
+def float8_all_gather(layout, staged: bool) -> bool:
+    return True
+
+
+def wrap(strategy, module, layout, mesh, spec, runtime, options=None, staged: bool = False):
+    """fully_shard the blocks, then the module as the root unit; a whole model's plain output
+    objects are carried past FSDP's hooks (a stage returns plain tensors)."""
+    kwargs = fsdp_kwargs(strategy, mesh, spec, runtime)
     for block in shardable_blocks(module):
         fully_shard(block, **kwargs)
-    unpack = carry_plain_outputs(module) if outputs else None
+    unpack = None if staged else carry_plain_outputs(module)
     fully_shard(module, **kwargs)
     if unpack is not None:
         module.register_forward_hook(unpack)            # after FSDP's hook
     materialize(module, "cpu" if strategy.offload_params else runtime.device)   # meta-built: shards only
-    return tp
+    return module
 
 
-def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options: LoopOptions | None = None) -> FSDPEngine:
-    tp = _shard(strategy, model, mesh, spec, runtime, outputs=True)
+def engine(strategy, model, runner, optimizer_factory, mesh, spec, runtime, options=None) -> FSDPEngine:
     optimizer = optimizer_factory([p for p in model.parameters() if p.requires_grad])
-    return FSDPEngine(model, model, optimizer, make_scaler(spec, runtime.device.type, sharded=True), tp=tp)
+    return FSDPEngine(model, model, optimizer, make_scaler(spec, runtime.device.type, sharded=True))
 
 
-def wrap_stage(strategy, stage, mesh, spec, runtime, options=None):
-    """One pipeline stage sharded as apply() shards a model, over the stage's data-parallel
-    ranks (a stage returns plain tensors). Returns (module, TensorParallel or None)."""
-    return stage, _shard(strategy, stage, mesh, spec, runtime)
+def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options=None) -> FSDPEngine:
+    """The whole order (hybrid/parallelize.py) for the layout `mesh` stands for."""
+    from ..parallelize import apply_layout, layout_of_mesh
+    return apply_layout(model, layout_of_mesh(strategy, mesh, spec), optimizer_factory, mesh, spec, runtime, options)
 
 
 traced_apply = apply   # FSDP2 runs as it is under fake tensors and a fake process group

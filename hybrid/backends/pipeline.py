@@ -3,8 +3,8 @@
 family over the stage's (dp_replicate, dp_shard) ranks with tensor parallelism inside, and one
 of torch's schedules (GPipe, 1F1B, interleaved 1F1B) running the micro-batches of a step.
 
-Order, as torchtitan applies it: split into stages (the model's own module names kept), then per
-stage tensor parallelism, activation checkpointing and FSDP2/DDP. A tied embedding and head on
+The order (hybrid/parallelize.py, as torchtitan applies it): split into stages (the model's own
+module names kept), then per stage tensor parallelism, activation checkpointing and FSDP2/DDP. A tied embedding and head on
 the first and last stage are one Parameter in the model and two copies here: their gradients are
 summed across the two ranks before every step, so the copies stay equal.
 """
@@ -15,8 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import HybridError
-from ..models import causal_lm_loss, pipeline_stage
-from ..profile import names_by_param
+from ..models import causal_lm_loss
 from .base import Engine, StepResult, full_state
 
 SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
@@ -27,7 +26,6 @@ class PipelineEngine(Engine):
     exist under a pipeline (the schedule interleaves them across ranks)."""
 
     family = "pipeline"
-    pipelined = True
 
     def __init__(self, model, chunks, stages, layout, mesh, optimizer, tied_group, renames, tp):
         container = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
@@ -191,38 +189,21 @@ def _tied_group(tied, chunks, layout, mesh, pp_rank):
     return (mine, params) if params else None
 
 
-def apply_pipeline(strategy, model, optimizer_factory, mesh, spec, runtime, layout, options=None) -> PipelineEngine:
-    """Cut `model` into this rank's stages, wrap each with the family over the stage's ranks,
-    and build the schedule's stages (torch.distributed.pipelining.PipelineStage)."""
+def pipeline_engine(parallel, layout, mesh, runtime, optimizer_factory) -> PipelineEngine:
+    """The schedule's stages (torch.distributed.pipelining.PipelineStage) over this rank's wrapped
+    stage chunks (hybrid.parallelize split and wrapped them), the optimizer over their parameters,
+    and the tied copies' group."""
     from torch.distributed.pipelining import PipelineStage
 
-    family_runtime = strategy.family_obj.runtime()
-    if not hasattr(family_runtime, "wrap_stage"):
-        raise HybridError(f"{strategy.name}: {strategy.family} strategies do not run pipeline stages; use an fsdp or "
-                          "ddp strategy with pp")
-    if spec.precision == "fp16-mixed":
-        raise HybridError("fp16-mixed loss scaling is not wired through pipeline schedules; use bf16-mixed or fp32 "
-                          "with pp > 1")
-    pp_rank = mesh["pp"].get_local_rank()
-    tied = [names for names in names_by_param(model).values() if len(names) > 1]
-    canonical = {n: names[0] for names in tied for n in names[1:]}
-    chunks, stages, renames, tp = [], [], {}, None
-    local = layout.rank_stages(pp_rank)
-    for k, index in enumerate(local):
-        lo, hi = layout.stage_range(index)
-        chunk = pipeline_stage(model, lo, hi, first=index == 0, last=index == layout.stages - 1)
-        prefix = "" if len(local) == 1 else f"{k}."          # interleaved: the container's index
-        for n, _ in chunk.named_parameters(remove_duplicate=False):
-            if prefix or n in canonical:
-                renames[prefix + n] = canonical.get(n, n)
-        wrapped, tp = family_runtime.wrap_stage(strategy, chunk, mesh, spec, runtime, options)
-        chunks.append(wrapped)
-        stages.append(PipelineStage(wrapped, index, layout.stages, runtime.device, group=mesh["pp"].get_group()))
-    _free_others(model, chunks)
+    chunks = parallel.runners
+    stages = [PipelineStage(chunk, index, layout.stages, runtime.device, group=mesh["pp"].get_group())
+              for chunk, index in zip(chunks, parallel.indices)]
+    _free_others(parallel.model, chunks)
     params = [p for c in chunks for p in c.parameters() if p.requires_grad]
     optimizer = optimizer_factory(params)
-    return PipelineEngine(model, chunks, stages, layout, mesh, optimizer,
-                          _tied_group(tied, chunks, layout, mesh, pp_rank), renames, tp)
+    pp_rank = mesh["pp"].get_local_rank()
+    return PipelineEngine(parallel.model, chunks, stages, layout, mesh, optimizer,
+                          _tied_group(parallel.tied, chunks, layout, mesh, pp_rank), parallel.renames, parallel.tp)
 
 
 def _free_others(model, chunks) -> None:

@@ -94,6 +94,16 @@ class Family:
             raise NotApplicable(f"{s.name}: not applicable with cp > 1 (ZeRO partitions over the whole world, "
                                 "the cp ranks included; use an fsdp or ddp strategy with cp)")
 
+    def check_layout(self, layout) -> None:
+        """NotApplicable, with the reason, when this family cannot run the layout's dimensions."""
+        s, d = layout.dp, layout.dims
+        self.check_tp(s, d.tp)
+        self.check_cp(s, d.cp, d.tp)
+        if d.pp > 1 and not self.supports_pp:
+            from ..memory.placement import NotApplicable
+            raise NotApplicable(f"{s.family} strategies do not run pipeline stages here; use an fsdp or ddp "
+                                "strategy with pp")
+
     def sharded_optimizer(self, s) -> bool:
         """Whether the optimizer step runs on 1/N of the parameters."""
         return True

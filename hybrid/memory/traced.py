@@ -191,7 +191,7 @@ def _trace(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cl
                                            dtype=dtype)
                 prepare_for_training(model)
                 engine = backend.traced_apply(strategy, model, optimizer_factory(spec), mesh, spec, runtime)
-                if cp > 1:
+                if cp > 1 and engine.cp is None:       # parallelize gave fsdp (and its proxies) theirs
                     from ..backends.cp import apply_context_parallel
                     engine.cp = apply_context_parallel(engine.model, mesh["cp"], spec)
                 tracker.relabel(list(model.parameters()), "params")
@@ -255,6 +255,7 @@ def traced_stage_estimate(source: ModelSource, strategy: Strategy, spec: TrainSp
     from ..models import causal_lm_loss, pipeline_stage
     from ..parallel import ParallelDims
     from ..pipeline import rank_actions, stage_cluster
+    from ..parallelize import layout_of_mesh, parallelize_piece
     from ..shares import stage_of, stage_share
     from .tracker import MemoryTracker
 
@@ -289,7 +290,8 @@ def traced_stage_estimate(source: ModelSource, strategy: Strategy, spec: TrainSp
             del model
             tracker = MemoryTracker()
             with tracker:
-                chunk, tp_state = strategy.family_obj.runtime().wrap_stage(strategy, chunk, mesh, spec, runtime)
+                chunk, tp_state, _ = parallelize_piece(chunk, layout_of_mesh(strategy, mesh, spec), mesh, spec, runtime,
+                                                       staged=True)
                 tp_context = tp_state.context if tp_state is not None else contextlib.nullcontext
                 stage = PipelineStage(chunk, index, layout.stages, torch.device("cpu"), group=mesh["pp"].get_group())
                 optimizer = optimizer_factory(spec)([p for p in chunk.parameters() if p.requires_grad])
