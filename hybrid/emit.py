@@ -64,7 +64,7 @@ def _named(p: Plan, name: str | None) -> Candidate | None:
 
 def _pick_torchtitan(p: Plan, name: str | None) -> Candidate:
     """torchtitan runs FSDP2/HSDP (and DDP) with TP; not DeepSpeed."""
-    pool = [c for c in p.candidates if c.memory is not None and c.strategy.family_obj.supports_tp
+    pool = [c for c in p.candidates if c.memory is not None and c.strategy.family_obj.torchtitan
             and (name is None or c.name == name)]
     if name and not pool:
         raise HybridError(f"strategy {name!r} has no torchtitan equivalent; --emit torchtitan needs an fsdp or ddp "

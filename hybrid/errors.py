@@ -23,3 +23,8 @@ def short(value, n: int = 80) -> str:
 
 class NotApplicable(HybridError):
     """This strategy cannot run this job at all (not a matter of memory)."""
+
+    def __init__(self, message: str, dim: str | None = None):
+        super().__init__(message)
+        self.dim = dim
+        """The layout dimension (pp, tp, cp) the reason is about, when it is about one."""

@@ -52,7 +52,7 @@ def parallelize(model: nn.Module, layout: Layout, mesh, spec, runtime, options=N
     spec = layout.train_spec(spec)
     family, dims = layout.dp.family_obj, layout.dims
     backend = family.runtime()
-    family.check_layout(layout)
+    family.check(layout)
     backend.check(layout.dp, mesh, spec, runtime)
     if dims.cp > 1:
         from .backends.cp import check_context_parallel

@@ -212,6 +212,7 @@ def judge(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec, clu
     stage_cl = stage_cluster(cluster, pp)
     stages = ()
     try:
+        strategy.family_obj.check(layout)
         if pp > 1:
             layout = layout.with_pipeline(pipeline_layout(layout, profile, spec, stage_cl))
             stages = tuple(estimate(layout, profile, spec, stage_cl, r) for r in range(pp))
@@ -276,10 +277,7 @@ def pipeline_layout(layout: Layout, profile: ModelProfile, spec: TrainSpec, stag
     memory of each rank (its embedding or head, and per block its states and in-flight
     activations: linear in the block count, so two estimates per rank fix it); interleaved: two
     chunks per rank, as even as the block count allows."""
-    strategy, pp, schedule = layout.dp, layout.dims.pp, layout.schedule
-    if not strategy.family_obj.supports_pp:
-        raise NotApplicable(f"{strategy.family} strategies do not run pipeline stages here; use an fsdp or ddp "
-                            "strategy with pp")
+    pp, schedule = layout.dims.pp, layout.schedule
     if profile.decoder is None or profile.num_blocks == 0:
         raise NotApplicable("pipeline stages split a transformer's blocks; this model has no known decoder shape")
     L, m = profile.num_blocks, spec.gradient_accumulation
@@ -321,14 +319,11 @@ def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, 
                         if profile.decoder is not None else [])
     else:
         stages = [pp]
+    pinned = {"tp": tp is not None, "pp": pp is not None, "cp": cp_pinned}
     out = []
     for name in names:
         s = catalogue[name]
-        if cp > 1 and not s.family_obj.supports_cp and not cp_pinned:
-            continue
         for p in stages:
-            if p > 1 and not s.family_obj.supports_pp and pp is None:
-                continue
             if p > 1 and cp > 1:                  # stages do not carry sequence positions (backends/cp.py)
                 continue
             cl = stage_cluster(cluster, p)
@@ -338,18 +333,15 @@ def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, 
                 scheds = [schedule] if schedule else schedules_for(p, spec.gradient_accumulation,
                                                                    profile.num_blocks // p)
             for t in (tp_degrees(profile, cl.gpus_per_node) if tp is None else [tp]):
-                if t > 1 and not s.family_obj.supports_tp and tp is None:
+                # a family that cannot run an unpinned degree leaves it out; a pinned one is shown, with the reason
+                dims = Layout(ParallelDims(cp=cp, tp=t, pp=p), s, schedule="1f1b" if p > 1 else None)
+                if any(not pinned.get(x.dim, False) for x in s.family_obj.problems(dims)):
                     continue
                 if cl.gpus_per_node % t:          # a pinned tp wider than a stage's GPUs
                     continue
                 g = t * cp
                 if cl.world_size % g or not (cl.gpus_per_node % g == 0 or g % cl.gpus_per_node == 0):
                     continue                      # cp x tp inside a node or on whole nodes (ParallelDims)
-                if cp > 1 and not cp_pinned:
-                    try:
-                        s.family_obj.check_cp(s, cp, t)
-                    except NotApplicable:
-                        continue
                 groups = cl.world_size // g
                 if s.shard_is_free and shard_size is None and search_shards and p == 1:
                     default = s.shard_size(cl, None, t, cp)
@@ -432,7 +424,8 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
                                              pp=pp if pp is not None or estimator is None else 1, schedule=schedule,
                                              cp=c, cp_pinned=cp is not None)]
     if estimator is not None and (pp or 1) > 1:         # a traced pipeline: its families and schedules
-        todo = [t for t in todo if t.dp.family_obj.supports_pp and t.schedule != "interleaved"]
+        todo = [t for t in todo if t.schedule != "interleaved"
+                and not any(x.dim == "pp" for x in t.dp.family_obj.problems(t))]
     if hasattr(estimator, "expect"):                    # how many candidates it will see (progress)
         estimator.expect(len(todo))
     cands = judge_all(todo, profile, spec, cluster, estimator, efficiency, micro_batch, schedule is not None)

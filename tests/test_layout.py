@@ -89,3 +89,23 @@ def test_shares_compose_the_stage_then_cp_then_tp():
     assert whole_cut - (first.held.params - first.profile.params) == d.vocab * d.hidden // 2
     cp = shares(prof, Layout.of(CAT["fsdp"], NODES, spec, cp=4), spec)
     assert cp.spec.seq_len == 1024 and cp.whole_spec.seq_len == 4096 and cp.loss_outside_forward
+
+
+@pytest.mark.unit
+def test_a_family_checks_a_layout_and_names_the_dimension_it_cannot_run():
+    from hybrid.errors import NotApplicable
+    zero3 = Layout(ParallelDims(dp_shard=2, cp=2, tp=2, pp=2), CAT["zero3"], schedule="1f1b")
+    assert [p.dim for p in CAT["zero3"].family_obj.problems(zero3)] == ["pp", "tp", "cp"]
+    with pytest.raises(NotApplicable, match="deepspeed strategies do not run pipeline stages here"):
+        CAT["zero3"].family_obj.check(zero3)
+    ddp = Layout(ParallelDims(dp_shard=1, dp_replicate=4, cp=2, tp=2), CAT["ddp"])
+    with pytest.raises(NotApplicable, match="ddp with tp and cp: replicas of tensor-parallel groups") as e:
+        CAT["ddp"].family_obj.check(ddp)
+    assert e.value.dim == "cp"
+    CAT["fsdp"].family_obj.check(replace(zero3, dp=CAT["fsdp"]))        # fsdp runs every dimension
+    # the planner leaves out what a family cannot run unless that degree was pinned
+    prof, spec = resolve_model("llama2-7b").profile, TrainSpec(1, 4096, gradient_accumulation=4)
+    free = plan(prof, spec, NODES, strategies=["zero3"], tp=None, pp=None)
+    assert all(c.tp == 1 and c.pp == 1 for c in free.candidates)
+    pinned = plan(prof, spec, NODES, strategies=["zero3"], tp=2)
+    assert pinned.chosen is None and all("not applicable with tp > 1" in c.reason for c in pinned.candidates)

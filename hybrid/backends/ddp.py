@@ -46,7 +46,7 @@ class DDPEngine(Engine):
 
 
 def check(strategy, mesh, spec, runtime) -> None:
-    """Nothing beyond the family's layout rules (Family.check_layout)."""
+    """Nothing beyond the family's layout rules (Family.check)."""
 
 
 def place(strategy, module, spec, runtime) -> None:

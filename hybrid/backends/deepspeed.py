@@ -289,7 +289,7 @@ def _deepspeed():
 def check(strategy, mesh, spec, runtime) -> None:
     """What DeepSpeed cannot run on this device or mesh, before anything is built."""
     cuda = runtime.device.type == "cuda"
-    strategy.family_obj.check(strategy, spec, cuda)
+    strategy.family_obj.check_device(strategy, spec, cuda)
     if mesh["dp_shard"].size() != runtime.world_size:
         raise HybridError(f"{strategy.name}: DeepSpeed ZeRO partitions over the whole world ({runtime.world_size} "
                           f"ranks), but the layout shards over {mesh['dp_shard'].size()}; use an fsdp strategy "

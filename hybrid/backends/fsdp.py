@@ -54,7 +54,7 @@ def dp_mesh(mesh):
 def fsdp_kwargs(strategy, mesh, spec, runtime) -> dict:
     """fully_shard arguments: the mesh (2D = hybrid sharding), mixed precision, offload."""
     if runtime.backend != "fake":     # a traced run simulates the GPU job on this CPU
-        strategy.family_obj.check(strategy, spec, runtime.device.type == "cuda")
+        strategy.family_obj.check_device(strategy, spec, runtime.device.type == "cuda")
     fsdp_mesh = dp_mesh(mesh)
     low = compute_dtype(spec)
     mp = (MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low is not None

@@ -59,7 +59,18 @@ class Family:
         return False
 
     # --- estimation -----------------------------------------------------------------------------
-    def check(self, s, spec, cuda: bool) -> None:
+    def check(self, layout) -> None:
+        """NotApplicable, with the reason, when this family cannot run the layout's dimensions (the
+        first of problems())."""
+        for problem in self.problems(layout):
+            raise problem
+
+    def problems(self, layout) -> list:
+        """Every reason (NotApplicable, naming its dimension) this family cannot run the layout's
+        pipeline, tensor- and context-parallel dimensions, in that order; empty when it can."""
+        return []
+
+    def check_device(self, s, spec, cuda: bool) -> None:
         """NotApplicable when the family cannot run this job at all on this kind of device (the one
         place each such rule lives: the planner asks it of the cluster, the backends of the device)."""
         if s.offload and not cuda:
@@ -73,36 +84,8 @@ class Family:
     def comm(self, s, profile, spec, cluster, n: int, links) -> Comm:
         raise NotImplementedError
 
-    supports_tp: bool = True
-    supports_pp: bool = True
-    """Whether the family's wrapper runs on pipeline stages (torch.distributed.pipelining)."""
-    """Whether the family runs over tensor-parallel groups (tp > 1)."""
-
-    def check_tp(self, s, tp: int) -> None:
-        if tp > 1 and not self.supports_tp:
-            from ..memory.placement import NotApplicable
-            raise NotApplicable(f"{s.name}: not applicable with tp > 1 (use an fsdp or ddp strategy over the "
-                                "tensor-parallel groups)")
-
-    supports_cp: bool = True
-    """Whether the family runs over context-parallel groups (cp > 1): its gradient reduction
-    spans dp x cp (FSDP shards over dp_shard x cp; DDP all-reduces over dp_replicate x cp)."""
-
-    def check_cp(self, s, cp: int, tp: int = 1) -> None:
-        if cp > 1 and not self.supports_cp:
-            from ..memory.placement import NotApplicable
-            raise NotApplicable(f"{s.name}: not applicable with cp > 1 (ZeRO partitions over the whole world, "
-                                "the cp ranks included; use an fsdp or ddp strategy with cp)")
-
-    def check_layout(self, layout) -> None:
-        """NotApplicable, with the reason, when this family cannot run the layout's dimensions."""
-        s, d = layout.dp, layout.dims
-        self.check_tp(s, d.tp)
-        self.check_cp(s, d.cp, d.tp)
-        if d.pp > 1 and not self.supports_pp:
-            from ..memory.placement import NotApplicable
-            raise NotApplicable(f"{s.family} strategies do not run pipeline stages here; use an fsdp or ddp "
-                                "strategy with pp")
+    torchtitan: bool = True
+    """Whether torchtitan runs this family (--emit torchtitan)."""
 
     def sharded_optimizer(self, s) -> bool:
         """Whether the optimizer step runs on 1/N of the parameters."""

@@ -20,11 +20,14 @@ class DDPFamily(Family):
     def sharded_optimizer(self, s):
         return False
 
-    def check_cp(self, s, cp, tp=1):
-        if cp > 1 and tp > 1:
+    def problems(self, layout):
+        s, d = layout.dp, layout.dims
+        if d.cp > 1 and d.tp > 1:
             from ..memory.placement import NotApplicable
-            raise NotApplicable(f"{s.name} with tp and cp: replicas of tensor-parallel groups run through FSDP2's "
-                                "replication, which has no cp dimension here; use an fsdp strategy with tp and cp")
+            return [NotApplicable(f"{s.name} with tp and cp: replicas of tensor-parallel groups run through FSDP2's "
+                                  "replication, which has no cp dimension here; use an fsdp strategy with tp and cp",
+                                  "cp")]
+        return []
 
     def placement(self, s, p, spec, n, cl, stage=None) -> Placement:
         b = spec.bytes

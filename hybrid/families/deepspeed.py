@@ -88,15 +88,26 @@ class DeepSpeedFamily(Family):
     runtime_module = "hybrid.backends.deepspeed"
     emits = "deepspeed"
     keeps_master_copy = True
-    supports_tp = False
-    supports_pp = False
-    """DeepSpeed's own PipelineModule engine is a different runtime (its own schedules and
-    checkpoints): not driven from here, so ZeRO candidates have pp 1."""
-    supports_cp = False
-    """ZeRO partitions over the whole world; DeepSpeed's own sequence parallelism (Ulysses) is a
-    different runtime, not driven from here."""
-    """DeepSpeed's AutoTP training path (0.16+) composes with ZeRO 1/2 only, on CUDA, and shards
-    by its own module rules: not driven from here (the plan says "not applicable with tp > 1")."""
+    torchtitan = False
+
+    def problems(self, layout):
+        s, d, out = layout.dp, layout.dims, []
+        if d.pp > 1:
+            # DeepSpeed's own PipelineModule engine is a different runtime (its own schedules and
+            # checkpoints): not driven from here, so ZeRO candidates have pp 1
+            out.append(NotApplicable(f"{s.family} strategies do not run pipeline stages here; use an fsdp or ddp "
+                                     "strategy with pp", "pp"))
+        if d.tp > 1:
+            # DeepSpeed's AutoTP training path (0.16+) composes with ZeRO 1/2 only, on CUDA, and
+            # shards by its own module rules: not driven from here
+            out.append(NotApplicable(f"{s.name}: not applicable with tp > 1 (use an fsdp or ddp strategy over the "
+                                     "tensor-parallel groups)", "tp"))
+        if d.cp > 1:
+            # ZeRO partitions over the whole world; DeepSpeed's own sequence parallelism (Ulysses)
+            # is a different runtime, not driven from here
+            out.append(NotApplicable(f"{s.name}: not applicable with cp > 1 (ZeRO partitions over the whole world, "
+                                     "the cp ranks included; use an fsdp or ddp strategy with cp)", "cp"))
+        return out
 
     def validate(self, s, where):
         if s.stage not in (1, 2, 3):
@@ -115,8 +126,8 @@ class DeepSpeedFamily(Family):
         base = {1: 1, 2: 2, 3: 6}[s.stage] + (1 if s.hpz else 0)
         return base + 10 * s.offload_optimizer + 2 * s.offload_params
 
-    def check(self, s, spec, cuda):
-        super().check(s, spec, cuda)
+    def check_device(self, s, spec, cuda):
+        super().check_device(s, spec, cuda)
         if spec.precision == "bf16":
             raise NotApplicable(f"{s.name}: DeepSpeed ZeRO keeps an fp32 master copy; pure bf16 training is "
                                 "not one of its modes. Use --precision bf16-mixed, or an fsdp/ddp strategy")

@@ -44,7 +44,7 @@ def placement_of(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, clu
     if spec.precision in ("bf16", "bf16-mixed") and cluster.gpu.is_cuda and not cluster.gpu.bf16:
         raise NotApplicable(f"{cluster.gpu.name} has no bf16 (Ampere or newer needed); use fp16-mixed or fp32")
     family = strategy.family_obj
-    family.check(strategy, spec, cluster.gpu.is_cuda)
+    family.check_device(strategy, spec, cluster.gpu.is_cuda)
     return family.placement(strategy, profile, spec, n, cluster, stage=stage)
 
 
@@ -80,13 +80,12 @@ def estimate(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec, 
 def check_layout(layout: Layout, profile: ModelProfile, spec: TrainSpec) -> None:
     """NotApplicable where the layout's dimensions cannot run this job."""
     tp, cp = layout.dims.tp, layout.dims.cp
+    layout.dp.family_obj.check(layout)
     if tp > 1:
-        layout.dp.family_obj.check_tp(layout.dp, tp)
         if spec.float8:
             raise NotApplicable("float8 with tensor parallelism (torchao's Float8ColwiseParallel) is not applied "
                                 "here; float8 layouts run at tp 1")
     if cp > 1:
-        layout.dp.family_obj.check_cp(layout.dp, cp, tp)
         if spec.compile:
             raise NotApplicable("compile with cp > 1: the K/V all-gather inside a fullgraph-compiled block has not "
                                 "run here; use compile with cp 1, or cp without compile")

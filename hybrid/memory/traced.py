@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from ..catalogue import Strategy
 from ..cluster import Cluster
 from ..errors import HybridError
+from ..layout import Layout
+from ..parallel import ParallelDims
 from ..profile import ModelSource, tp_share
 from ..spec import TrainSpec
 from .analytic import check_job, placement_of
@@ -123,11 +125,9 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
                           "distributed job (e.g. from the CLI)")
     check_job(source.profile, spec)
     n = strategy.shard_size(cluster, shard_size, tp, cp)
+    strategy.family_obj.check(Layout(ParallelDims(cp=cp, tp=tp), strategy))
     if tp > 1:
-        strategy.family_obj.check_tp(strategy, tp)
         prefer_hf = False      # our decoders run sequence parallelism, as the analytic model assumes
-    if cp > 1:
-        strategy.family_obj.check_cp(strategy, cp, tp)
     placement_of(strategy, source.profile, spec, cluster, n * cp)   # NotApplicable, before tracing
     start = time.perf_counter()
     layers = source.decoder_cfg.layers if source.decoder_cfg is not None else 0
