@@ -10,43 +10,15 @@ a plan trains the same global batch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
+from .candidate import BatchChoice, Candidate
 from .errors import HybridError
 from .parallel import divisors
-from .pipeline import VIRTUAL
 
 if TYPE_CHECKING:
     from .layout import Layout
-    from .planner import Candidate
-
-
-@dataclass(frozen=True)
-class BatchChoice:
-    """How one layout trains the global batch."""
-
-    global_batch: int
-    """Sequences per optimizer step over every data-parallel rank."""
-    micro_batch: int
-    """Sequences per rank per forward: the chosen one (or the pinned one)."""
-    gradient_accumulation: int
-    """Micro-batches per optimizer step on each data-parallel rank."""
-    max_micro_batch: int | None
-    """The largest micro-batch that fits among those the global batch allows on this layout;
-    None when not even the smallest fits."""
-    pinned: bool = False
-    """The micro-batch was given (--micro-batch), not searched."""
-
-    def describe(self) -> str:
-        """`4 x 2 (max 8)`: micro-batch x accumulation, and the largest micro-batch that fits."""
-        top = "-" if self.max_micro_batch is None else str(self.max_micro_batch)
-        return f"{self.micro_batch} x {self.gradient_accumulation} (max {top})"
-
-    def to_dict(self) -> dict:
-        return {"global_batch": self.global_batch, "micro_batch": self.micro_batch,
-                "gradient_accumulation": self.gradient_accumulation, "max_micro_batch": self.max_micro_batch,
-                "micro_batch_pinned": self.pinned}
 
 
 def micro_batch_options(per_rank: int, pinned: int | None = None) -> list[int]:
@@ -55,17 +27,6 @@ def micro_batch_options(per_rank: int, pinned: int | None = None) -> list[int]:
     if pinned is not None:
         return [pinned] if per_rank % pinned == 0 else []
     return divisors(per_rank)
-
-
-def schedules(pp: int, layers_per_rank: int, pinned: str | None) -> list[str]:
-    """Pipeline schedules searched at a global batch (the micro-batch count varies with the
-    micro-batch): 1f1b (run as gpipe where the count is below pp, as torch's 1F1B needs m >= pp,
-    pipeline.schedules_for) and interleaved where each rank's blocks make two chunks."""
-    if pinned:
-        return [pinned]
-    if pp == 1:
-        return ["1f1b"]
-    return ["1f1b"] + (["interleaved"] if layers_per_rank >= VIRTUAL else [])
 
 
 def search(judge: Callable[..., "Candidate"], layout: "Layout", spec, estimator=None,

@@ -77,6 +77,22 @@ class Layout:
         return cls(dims, strategy, spec.activation_checkpointing, (schedule or "1f1b") if pp > 1 else None,
                    None, spec.compile, spec.float8)
 
+    def check(self, profile) -> None:
+        """NotApplicable, with the reason, when this layout cannot run the job: its family's rules
+        (Family.check), then the combinations not run here."""
+        from .errors import NotApplicable
+        d = self.dims
+        self.dp.family_obj.check(self)
+        if d.tp > 1 and self.float8:
+            raise NotApplicable("float8 with tensor parallelism (torchao's Float8ColwiseParallel) is not applied "
+                                "here; float8 layouts run at tp 1")
+        if d.cp > 1 and self.compile:
+            raise NotApplicable("compile with cp > 1: the K/V all-gather inside a fullgraph-compiled block has not "
+                                "run here; use compile with cp 1, or cp without compile")
+        if d.cp > 1 and profile.decoder is None:
+            raise NotApplicable("context parallelism splits a transformer's sequence; this model has no known "
+                                "decoder shape: use cp 1")
+
     def train_spec(self, spec: TrainSpec) -> TrainSpec:
         """The job's spec run under this layout (its checkpointing, compile and float8)."""
         return replace(spec, activation_checkpointing=self.ac, compile=self.compile, float8=self.float8)

@@ -185,3 +185,14 @@ def schedules_for(pp: int, m: int, layers_per_rank: int) -> list[str]:
     if layers_per_rank >= VIRTUAL and m >= pp and m % max(1, m // pp) == 0:
         out.append("interleaved")
     return out
+
+
+def batch_schedules(pp: int, layers_per_rank: int, pinned: str | None) -> list[str]:
+    """Pipeline schedules searched at a global batch (the micro-batch count varies with the
+    micro-batch): 1f1b (run as gpipe where the count is below pp, as torch's 1F1B needs m >= pp,
+    pipeline.schedules_for) and interleaved where each rank's blocks make two chunks."""
+    if pinned:
+        return [pinned]
+    if pp == 1:
+        return ["1f1b"]
+    return ["1f1b"] + (["interleaved"] if layers_per_rank >= VIRTUAL else [])

@@ -99,34 +99,6 @@ def tp_degrees(profile: ModelProfile, gpus_per_node: int) -> list[int]:
     return [t for t in TP_DEGREES if gpus_per_node % t == 0 and d.heads % t == 0 and d.n_kv_heads % t == 0]
 
 
-def tp_share(profile: ModelProfile, tp: int, stage=None) -> ModelProfile:
-    """The profile one tensor-parallel rank holds: every block matrix, the embedding and the head
-    split tp ways (Megatron-LM's layout, as backends/tp.py applies it); norms replicated. `stage`
-    (shares.StageShare): the profile is a pipeline rank's, holding the embedding and/or head."""
-    if tp == 1:
-        return profile
-    d = profile.decoder
-    if d is None:
-        raise HybridError(f"tensor parallelism needs a transformer's dimensions; {profile.name} has none: use tp 1")
-    import dataclasses
-    matrices = sum(m[0] * m[1] for m in d.block_matrices() if len(m) == 2)
-    if stage is None:
-        head = d.vocab * d.hidden * (1 if d.tied else 2)      # embedding and (untied) head
-    else:                                                      # a pipeline rank's embedding and/or head
-        head = d.vocab * d.hidden * (stage.first + stage.last)
-    sharded = d.layers * matrices + head
-    cut = sharded - sharded // tp
-    frac = (profile.params - cut) / profile.params
-    return dataclasses.replace(
-        profile, params=profile.params - cut, trainable_params=round(profile.trainable_params * frac),
-        param_bytes=round(profile.param_bytes * frac),
-        dtype_bytes=tuple((k, round(v * frac)) for k, v in profile.dtype_bytes),
-        block_params=profile.block_params - matrices + matrices // tp,
-        root_params=profile.root_params - head + head // tp,
-        largest_layer_params=max(1, profile.largest_layer_params // tp), largest_param=max(1, profile.largest_param // tp),
-        factored_state=None if profile.factored_state is None else profile.factored_state // tp)
-
-
 HF_LAYERS = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "qwen2": "Qwen2DecoderLayer",
              "gpt2": "GPT2Block", "mixtral": "MixtralDecoderLayer", "olmoe": "OlmoeDecoderLayer",
              "qwen3_moe": "Qwen3MoeDecoderLayer"}

@@ -7,7 +7,7 @@ from .memory.breakdown import CATEGORIES
 from .units import fmt_bytes
 
 if TYPE_CHECKING:                 # report formats planner values; it never needs them at run time
-    from .planner import Candidate, Plan
+    from .candidate import Candidate, Plan
 
 _COLS = CATEGORIES + ("total",)
 

@@ -4,10 +4,11 @@ each matrix (tensor parallel). The memory estimate and the cost model both start
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .errors import HybridError
-from .profile import ModelProfile, tp_share
+from .memory.activations import ActivationTerms
+from .profile import ModelProfile
 from .spec import TrainSpec
 
 
@@ -77,7 +78,7 @@ class Share:
     profile: ModelProfile
     """... of which its tensor-parallel share: what the rank stores."""
     spec: TrainSpec
-    """The job on this rank: each sequence S / cp long (memory/cp.local_spec)."""
+    """The job on this rank: each sequence S / cp long (local_spec)."""
     tp: int
     cp: int
 
@@ -98,10 +99,86 @@ class Share:
 
 def shares(profile: ModelProfile, layout, spec: TrainSpec, rank: int = 0) -> Share:
     """Rank `rank` of the pipeline (0 without one) under `layout`: pipeline stage, then cp, then tp."""
-    from .memory.cp import local_spec
     stage, held = None, profile
     if layout.pipeline is not None:
         stage, held = stage_of(profile, layout.pipeline, rank), stage_share(profile, layout.pipeline, rank)
     tp, cp = layout.dims.tp, layout.dims.cp
     return Share(whole=profile, whole_spec=spec, stage=stage, held=held, profile=tp_share(held, tp, stage),
                  spec=local_spec(spec, cp), tp=tp, cp=cp)
+
+
+def tp_share(profile: ModelProfile, tp: int, stage=None) -> ModelProfile:
+    """The profile one tensor-parallel rank holds: every block matrix, the embedding and the head
+    split tp ways (Megatron-LM's layout, as backends/tp.py applies it); norms replicated. `stage`
+    (shares.StageShare): the profile is a pipeline rank's, holding the embedding and/or head."""
+    if tp == 1:
+        return profile
+    d = profile.decoder
+    if d is None:
+        raise HybridError(f"tensor parallelism needs a transformer's dimensions; {profile.name} has none: use tp 1")
+    import dataclasses
+    matrices = sum(m[0] * m[1] for m in d.block_matrices() if len(m) == 2)
+    if stage is None:
+        head = d.vocab * d.hidden * (1 if d.tied else 2)      # embedding and (untied) head
+    else:                                                      # a pipeline rank's embedding and/or head
+        head = d.vocab * d.hidden * (stage.first + stage.last)
+    sharded = d.layers * matrices + head
+    cut = sharded - sharded // tp
+    frac = (profile.params - cut) / profile.params
+    return dataclasses.replace(
+        profile, params=profile.params - cut, trainable_params=round(profile.trainable_params * frac),
+        param_bytes=round(profile.param_bytes * frac),
+        dtype_bytes=tuple((k, round(v * frac)) for k, v in profile.dtype_bytes),
+        block_params=profile.block_params - matrices + matrices // tp,
+        root_params=profile.root_params - head + head // tp,
+        largest_layer_params=max(1, profile.largest_layer_params // tp), largest_param=max(1, profile.largest_param // tp),
+        factored_state=None if profile.factored_state is None else profile.factored_state // tp)
+
+
+def local_spec(spec: TrainSpec, cp: int) -> TrainSpec:
+    """The spec one cp rank's blocks see: S / cp tokens per sequence, causal SDPA attention (the
+    CP attention is SDPA whatever the model's own attention setting)."""
+    if cp == 1:
+        return spec
+    return replace(spec, seq_len=spec.seq_len // cp, attention="sdpa")
+
+
+def share_activations(sh: Share, act: ActivationTerms, autocast: bool, notes: list[str]):
+    """A decoder's activation terms (memory/activations.py) as this rank keeps them: split tp ways
+    with sequence parallelism and vocab-parallel logits (Korthikanti et al. arXiv 2205.05198)
+    except the two all-gathered block inputs the column-wise matmuls keep whole (what DTensor's
+    ColwiseParallel saves for backward); S / cp long plus the gathered K and V with context
+    parallelism (memory/cp.py); a pipeline rank's in-flight micro-batches' for its blocks.
+    Returns (the terms, notes)."""
+    from .memory.cp import with_gathered_kv
+    spec, tp, cp = sh.spec, sh.tp, sh.cp
+    if tp > 1:
+        # the attention and MLP inputs are all-gathered, and the column-wise matmuls keep them
+        # whole: in every stored block, or only in the recomputed one under full checkpointing
+        gathered = 2 * spec.bytes.compute * sh.whole.decoder.hidden * spec.tokens * (1 - 1 / tp)
+        stored, redone = (0, gathered) if spec.activation_checkpointing == "full" else (gathered, 0)
+        act = ActivationTerms(per_layer=int(act.per_layer / tp + stored), recompute=int(act.recompute / tp + redone),
+                              head_forward=int(act.head_forward / tp), head_backward=int(act.head_backward / tp),
+                              autocast_cache=int(act.autocast_cache / tp), layers=act.layers)
+        notes.append(f"tensor parallel {tp}: matrices, embedding and head split {tp} ways; sequence-parallel "
+                     "activations; vocab-parallel logits")
+    if cp > 1:
+        act = with_gathered_kv(act, sh.whole.decoder, sh.whole_spec, cp, tp, autocast)
+        notes.append(f"context parallel {cp}: each rank holds {sh.whole_spec.seq_len // cp} tokens of each "
+                     "sequence and keeps every layer's gathered K/V (or recomputes them with checkpointing)")
+    if sh.stage is not None:
+        # a pipeline rank keeps the activations of its in-flight micro-batches (per the schedule,
+        # hybrid/pipeline.py) for its blocks only; the logits and loss only on the last stage
+        act = ActivationTerms(per_layer=act.per_layer, recompute=act.recompute,
+                              head_forward=act.head_forward if sh.has_head else 0,
+                              head_backward=act.head_backward if sh.has_head else 0,
+                              autocast_cache=act.autocast_cache, layers=sh.stage.in_flight_layers)
+    return act, notes
+
+
+def whole_embedding_gradient(sh: Share) -> int:
+    """Elements of the whole vocab x hidden gradient a tensor-parallel rank holding the embedding
+    makes in its backward: DTensor's embedding backward (vocab-sharded weight, replicated ids)
+    makes the whole gradient, not the shard (seen in the traced runs). 0 otherwise."""
+    d = sh.whole.decoder
+    return d.vocab * d.hidden if sh.tp > 1 and d is not None and sh.has_embedding else 0

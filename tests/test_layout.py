@@ -74,8 +74,8 @@ def test_enumeration_yields_layouts_and_a_strategy_estimates_as_its_default_layo
 @pytest.mark.unit
 def test_shares_compose_the_stage_then_cp_then_tp():
     from hybrid.pipeline import PipelineLayout
-    from hybrid.profile import ModelProfile, tp_share
-    from hybrid.shares import shares, stage_share
+    from hybrid.profile import ModelProfile
+    from hybrid.shares import shares, stage_share, tp_share
     prof, spec = resolve_model("llama2-7b").profile, TrainSpec(1, 4096)
     assert "stage" not in ModelProfile.__dataclass_fields__          # a rank's position is the share's
     lay = Layout.of(CAT["fsdp"], Cluster.build(4, 8, "h100-80gb"), spec, tp=2, pp=2)

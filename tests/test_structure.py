@@ -3,8 +3,10 @@ import ast
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import yaml
 
 pytestmark = pytest.mark.unit
 
@@ -99,3 +101,180 @@ def test_estimators_do_not_import_the_auto_wrap_entry_point():
                     seen.add(d)
                     todo.append(d)
         assert "hybrid.auto" not in seen, f"{mod} reaches hybrid.auto"
+
+
+# --- the layout's shape (issue 21) -----------------------------------------------------------
+# Dimension branches live in the modules that compose a layout, family names in families/, no
+# import cycle through type-only imports, and one module applies the runtime order. A count below
+# says where a rule is not met yet: lower it when you remove one, never raise it (a new dimension
+# is a new field of the Layout and a term in the composing modules).
+PKG = Path(ROOT)
+REPO = PKG.parent
+
+DIMENSION_MODULES = {"layout.py", "shares.py", "cost.py", "parallel.py", "pipeline.py", "parallelize.py", "mesh.py",
+                     "memory/cp.py"}
+"""Where `tp > 1`, `cp == 1`, `pipeline is None` and the like belong: the Layout, the per-rank
+shares, the cost model, ParallelDims and its mesh, the pipeline's and cp's own arithmetic, the
+runtime order. backends/ (the engines) and families/ (each family's rules on the dimensions, its
+Family.problems) are allowed too."""
+DIMENSION_DEBT = {"candidate.py": 1, "catalogue.py": 1, "cli.py": 5, "emit.py": 4, "planner.py": 7, "report.py": 4,
+                  "memory/traced.py": 2}
+"""Dimension branches still outside those modules (the planner's enumeration and estimator
+dispatch, the CLI's method checks, the report's and emitters' wording, Strategy.shard_size's
+message, the traced estimate's tp and cp set-up)."""
+FAMILY_DEBT = {"api.py": 1, "cli.py": 3, "cost.py": 1, "emit.py": 3, "memory/tracker.py": 1}
+"""Family or preset names and family knobs outside families/, backends/ and the catalogue:
+estimate()'s default strategy, the --emit kinds, the cost model's host-offloaded optimizer step,
+the torchtitan emitter's FSDP knobs, and torch's "fsdp" op namespace in the tracker."""
+DIMS = {"tp", "pp", "cp"}
+KNOBS = {"hpz", "reshard_after_forward", "bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "offload_params",
+         "offload_optimizer", "reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size",
+         "max_live_parameters", "max_reuse_distance", "param_persistence_threshold"}
+"""The families' own catalogue knobs (`stage` is left out: pipeline stages use the word too)."""
+
+
+def _modules():
+    for path in sorted(PKG.rglob("*.py")):
+        yield path.relative_to(PKG).as_posix(), ast.parse(path.read_text(encoding="utf-8"))
+
+
+def _name(node):
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+
+
+def dimension_branches(tree) -> list[int]:
+    """Lines comparing tp, pp or cp with 1, or testing a pipeline against None."""
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare) or len(node.ops) != 1:
+            continue
+        left, right, op = node.left, node.comparators[0], node.ops[0]
+        if isinstance(op, (ast.Is, ast.IsNot)) and _name(left) == "pipeline" and \
+                isinstance(right, ast.Constant) and right.value is None:
+            out.append(node.lineno)
+        elif isinstance(op, (ast.Gt, ast.GtE, ast.Lt, ast.LtE, ast.Eq, ast.NotEq)) and any(
+                _name(a) in DIMS and isinstance(b, ast.Constant) and b.value == 1
+                for a, b in ((left, right), (right, left))):
+            out.append(node.lineno)
+    return out
+
+
+def family_references(tree, names: set[str]) -> list[int]:
+    """Lines naming a family or a preset in a string (docstrings aside), or reading a family knob."""
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and ast.get_docstring(n, clean=False) is not None}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names \
+                and id(node) not in docs:
+            out.append(node.lineno)
+        elif isinstance(node, ast.Attribute) and node.attr in KNOBS:
+            out.append(node.lineno)
+    return out
+
+
+def _outside(rel: str, allowed: set[str]) -> bool:
+    return rel not in allowed and not rel.startswith(("backends/", "families/"))
+
+
+def test_dimension_branches_live_in_the_modules_that_compose_a_layout():
+    found = {rel: dimension_branches(tree) for rel, tree in _modules()}
+    over = {rel: lines for rel, lines in found.items()
+            if _outside(rel, DIMENSION_MODULES) and len(lines) > DIMENSION_DEBT.get(rel, 0)}
+    assert not over, (f"tp/pp/cp compared with 1 or a pipeline tested against None outside {sorted(DIMENSION_MODULES)}"
+                      f": {over}; make it a Layout field or a term in shares/cost/parallelize")
+    lower = {rel: (n, len(found.get(rel, []))) for rel, n in DIMENSION_DEBT.items() if len(found.get(rel, [])) < n}
+    assert not lower, f"fewer dimension branches than DIMENSION_DEBT says (file: (debt, found)): lower it: {lower}"
+
+
+def test_family_names_and_knobs_stay_in_families():
+    strategies = REPO / "strategies"
+    names = {"ddp", "fsdp", "deepspeed"} | {yaml.safe_load(p.read_text())["name"] for p in strategies.glob("*.yaml")}
+    found = {rel: family_references(tree, names) for rel, tree in _modules()}
+    over = {rel: lines for rel, lines in found.items()
+            if _outside(rel, {"catalogue.py"}) and len(lines) > FAMILY_DEBT.get(rel, 0)}
+    assert not over, f"a family or preset name, or a family knob, outside families/: {over}; ask the family instead"
+    lower = {rel: (n, len(found.get(rel, []))) for rel, n in FAMILY_DEBT.items() if len(found.get(rel, [])) < n}
+    assert not lower, f"fewer family references than FAMILY_DEBT says (file: (debt, found)): lower it: {lower}"
+
+
+def _imports(rel: str, tree, modules: set[str], everywhere: bool = False) -> set[str]:
+    """Modules of the package `rel` imports at module level (type-only imports included), or
+    anywhere in it with `everywhere`."""
+    me = "hybrid." + rel[:-3].replace("/", ".").removesuffix(".__init__")
+    pkg = me if rel.endswith("__init__.py") else me.rsplit(".", 1)[0]
+
+    def top(body):
+        for node in body:
+            yield node
+            if isinstance(node, (ast.If, ast.Try)):
+                yield from top(node.body + node.orelse + getattr(node, "finalbody", [])
+                               + [s for h in getattr(node, "handlers", []) for s in h.body])
+    out = set()
+    for node in (ast.walk(tree) if everywhere else top(tree.body)):
+        if isinstance(node, ast.ImportFrom):
+            base = pkg.split(".")[:len(pkg.split(".")) - node.level + 1] if node.level else []
+            name = ".".join(base + ([node.module] if node.module else []))
+            subs = {f"{name}.{a.name}" for a in node.names} & modules
+            out |= subs
+            if name in modules and len(subs) < len(node.names):
+                out.add(name)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names} & modules
+    return out - {me}
+
+
+def _graph(everywhere: bool = False) -> dict[str, set[str]]:
+    trees = dict(_modules())
+    names = {"hybrid." + rel[:-3].replace("/", ".").removesuffix(".__init__"): rel for rel in trees}
+    return {m: _imports(rel, trees[rel], set(names), everywhere) for m, rel in names.items()}
+
+
+def test_no_import_cycle_at_module_level_type_only_imports_included():
+    """test_no_import_cycles leaves TYPE_CHECKING blocks out; a cycle through them is one too
+    (planner and report imported each other for types)."""
+    graph = _graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_one_module_applies_the_runtime_order():
+    """tensor parallel, context parallel, checkpointing, compile and float8 are applied by
+    hybrid/parallelize.py; the backends supply only their family's place/wrap/engine."""
+    steps = {"apply_tensor_parallel", "apply_activation_checkpointing", "apply_compile", "apply_float8",
+             "ContextParallel", "apply_context_parallel"}
+    # the traced DDP stand-in checkpoints its blocks itself; the compiled-memory probe and the
+    # traced estimate's cp set-up for families parallelize does not serve there (ddp's traced_apply)
+    known = {"backends/ddp.py": 1, "memory/compiled.py": 1, "memory/traced.py": 1, "backends/cp.py": 1}
+    calls: dict[str, int] = {}
+    for rel, tree in _modules():
+        n = sum(1 for node in ast.walk(tree) if isinstance(node, ast.Call) and _name(node.func) in steps)
+        if n and rel != "parallelize.py":
+            calls[rel] = n
+    assert calls == known, f"runtime steps applied outside hybrid/parallelize.py: {calls} (known: {known})"
+    order = (PKG / "parallelize.py").read_text()
+    at = [order.index(s + "(") for s in ("apply_float8", "apply_tensor_parallel", "ContextParallel",
+                                         "apply_activation_checkpointing", "apply_compile", "backend.wrap")]
+    assert at == sorted(at), "parallelize's order: float8, tp, cp, checkpointing, compile, the data-parallel wrap"
+
+
+def test_the_rules_catch_what_they_name():
+    """The checkers themselves: each finds the construct it names."""
+    tree = ast.parse("if d.tp > 1 and 1 != cp:\n    x = c.pipeline is None\ny = 'zero3'\nz = s.hpz\n")
+    assert dimension_branches(tree) == [1, 1, 2]
+    assert family_references(tree, {"zero3"}) == [3, 4]

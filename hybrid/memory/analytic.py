@@ -18,11 +18,10 @@ from ..cluster import Cluster
 from ..errors import HybridError
 from ..layout import Layout, as_layout
 from ..profile import ModelProfile
-from ..shares import Share, shares
+from ..shares import Share, share_activations, shares, whole_embedding_gradient
 from ..spec import TrainSpec
 from .activations import ActivationTerms, activation_terms, largest_transient
 from .breakdown import MemoryBreakdown, fragmentation_floor, overhead_bytes
-from .cp import local_spec, with_gathered_kv
 from .placement import FP32, NotApplicable, reduce_bytes
 
 __all__ = ["NotApplicable", "check_job", "estimate", "placement_of"]
@@ -57,7 +56,7 @@ def estimate(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec, 
     check_job(profile, spec)
     layout = as_layout(layout, cluster, spec)
     spec = layout.train_spec(spec)
-    check_layout(layout, profile, spec)
+    layout.check(profile)
     sh = shares(profile, layout, spec, rank)
     dims = layout.dims
     lay = placement_of(layout.dp, sh.profile, sh.spec, cluster, dims.dp_shard * dims.cp, sh.stage)
@@ -77,23 +76,6 @@ def estimate(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec, 
         model_states=int(lay.params + lay.optimizer + lay.grads_end + lay.grads_step))
 
 
-def check_layout(layout: Layout, profile: ModelProfile, spec: TrainSpec) -> None:
-    """NotApplicable where the layout's dimensions cannot run this job."""
-    tp, cp = layout.dims.tp, layout.dims.cp
-    layout.dp.family_obj.check(layout)
-    if tp > 1:
-        if spec.float8:
-            raise NotApplicable("float8 with tensor parallelism (torchao's Float8ColwiseParallel) is not applied "
-                                "here; float8 layouts run at tp 1")
-    if cp > 1:
-        if spec.compile:
-            raise NotApplicable("compile with cp > 1: the K/V all-gather inside a fullgraph-compiled block has not "
-                                "run here; use compile with cp 1, or cp without compile")
-        if profile.decoder is None:
-            raise NotApplicable("context parallelism splits a transformer's sequence; this model has no known "
-                                "decoder shape: use cp 1")
-
-
 def activations(sh: Share, autocast: bool) -> tuple[ActivationTerms, list[str]]:
     """The rank's activation terms: a decoder's per layer and head (memory/activations.py), each
     split tp ways with sequence parallelism and vocab-parallel logits (Korthikanti et al. arXiv
@@ -101,7 +83,7 @@ def activations(sh: Share, autocast: bool) -> tuple[ActivationTerms, list[str]]:
     DTensor's ColwiseParallel saves for backward); S / cp long plus the gathered K and V with
     context parallelism (memory/cp.py); a pipeline rank's in-flight micro-batches' for its blocks.
     Another model's probed bytes per sample; nothing for a bare parameter count."""
-    profile, spec, tp, cp = sh.profile, sh.spec, sh.tp, sh.cp
+    profile, spec = sh.profile, sh.spec
     notes = []
     if profile.decoder is None and spec.compile:
         raise NotApplicable("compile's memory is modelled for decoder blocks (a preset or a decoder config.json); "
@@ -117,29 +99,7 @@ def activations(sh: Share, autocast: bool) -> tuple[ActivationTerms, list[str]]:
         if spec.activation_checkpointing != "none":
             notes.append("activation checkpointing is not modelled for non-transformer models (use --method traced)")
         return ActivationTerms(per_batch, 0, 0, 0, 0, 1), notes
-    act = activation_terms(profile.decoder, spec, autocast)
-    if tp > 1:
-        # the attention and MLP inputs are all-gathered, and the column-wise matmuls keep them
-        # whole: in every stored block, or only in the recomputed one under full checkpointing
-        gathered = 2 * spec.bytes.compute * sh.whole.decoder.hidden * spec.tokens * (1 - 1 / tp)
-        stored, redone = (0, gathered) if spec.activation_checkpointing == "full" else (gathered, 0)
-        act = ActivationTerms(per_layer=int(act.per_layer / tp + stored), recompute=int(act.recompute / tp + redone),
-                              head_forward=int(act.head_forward / tp), head_backward=int(act.head_backward / tp),
-                              autocast_cache=int(act.autocast_cache / tp), layers=act.layers)
-        notes.append(f"tensor parallel {tp}: matrices, embedding and head split {tp} ways; sequence-parallel "
-                     "activations; vocab-parallel logits")
-    if cp > 1:
-        act = with_gathered_kv(act, sh.whole.decoder, sh.whole_spec, cp, tp, autocast)
-        notes.append(f"context parallel {cp}: each rank holds {sh.whole_spec.seq_len // cp} tokens of each "
-                     "sequence and keeps every layer's gathered K/V (or recomputes them with checkpointing)")
-    if sh.stage is not None:
-        # a pipeline rank keeps the activations of its in-flight micro-batches (per the schedule,
-        # hybrid/pipeline.py) for its blocks only; the logits and loss only on the last stage
-        act = ActivationTerms(per_layer=act.per_layer, recompute=act.recompute,
-                              head_forward=act.head_forward if sh.has_head else 0,
-                              head_backward=act.head_backward if sh.has_head else 0,
-                              autocast_cache=act.autocast_cache, layers=sh.stage.in_flight_layers)
-    return act, notes
+    return share_activations(sh, activation_terms(profile.decoder, spec, autocast), autocast, notes)
 
 
 def step_moments(sh: Share, lay, act: ActivationTerms) -> dict[str, dict[str, float]]:
@@ -162,12 +122,10 @@ def step_moments(sh: Share, lay, act: ActivationTerms) -> dict[str, dict[str, fl
     if sh.loss_outside_forward:     # the root's parameters are gathered again after the loss backward
         moments["loss"]["buffers"] -= lay.regathered
     ends = [act.recompute + unit_grads] if st is not None else []     # a stage's backward ends in its first block
-    if sh.tp > 1 and profile.decoder is not None and sh.has_embedding:
-        # DTensor's embedding backward (vocab-sharded weight, replicated ids) makes the whole
-        # vocab x hidden gradient, not the shard (seen in the traced runs); where FSDP accumulates
-        # unsharded gradients, its reduce-dtype copy is whole too and stays until the step (grads
-        # count only the shard's)
-        full = sh.whole.decoder.vocab * sh.whole.decoder.hidden
+    full = whole_embedding_gradient(sh)
+    if full:
+        # where FSDP accumulates unsharded gradients, its reduce-dtype copy is whole too and stays
+        # until the step (grads count only the shard's)
         ends.append(full * spec.bytes.compute)
         if spec.gradient_accumulation > 1 or st is not None:
             extra = full * reduce_bytes(spec) * (1 - 1 / sh.tp)

@@ -52,14 +52,6 @@ def query_key_pairs(seq: int, cp: int) -> list[int]:
     return [sum(p + 1 for p in rank_positions(seq, cp, r)) for r in range(cp)]
 
 
-def local_spec(spec: TrainSpec, cp: int) -> TrainSpec:
-    """The spec one cp rank's blocks see: S / cp tokens per sequence, causal SDPA attention (the
-    CP attention is SDPA whatever the model's own attention setting)."""
-    if cp == 1:
-        return spec
-    return replace(spec, seq_len=spec.seq_len // cp, attention="sdpa")
-
-
 def gathered_kv_bytes(d: DecoderConfig, spec: TrainSpec, cp: int, tp: int = 1, autocast: bool = False) -> float:
     """Bytes of one layer's gathered K and V beyond the rank's own (b x S x kv_dim each, the
     rank's kv heads / tp), in the compute dtype (bf16 under autocast)."""

@@ -17,7 +17,8 @@ from ..cluster import Cluster
 from ..errors import HybridError
 from ..layout import Layout
 from ..parallel import ParallelDims
-from ..profile import ModelSource, tp_share
+from ..profile import ModelSource
+from ..shares import tp_share
 from ..spec import TrainSpec
 from .analytic import check_job, placement_of
 from .breakdown import MemoryBreakdown
