@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import importlib.resources
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
+
 import yaml
 
 from .errors import HybridError, short, unknown_name
 from .families import FAMILIES, get_family
+from .families.base import FamilyConfig
 from .parallel import validate_shard_size
 
 _COMMON = {"name", "family", "description", "shard", "complexity"}
@@ -28,39 +31,9 @@ class Strategy:
     complexity: int | None = None
     """Tie-break rank of the preset, lower is simpler (Layout.simplicity); when not given, the
     family's rank of its knobs (Family.default_complexity), set once here."""
-    # ddp
-    bucket_cap_mb: float = 25.0
-    """DDP all-reduce bucket size in MB (torch default 25)."""
-    gradient_as_bucket_view: bool = True
-    """DDP: gradients are views into the buckets (one gradient copy instead of two)."""
-    static_graph: bool = False
-    """DDP static_graph (same used parameters every step)."""
-    # fsdp
-    reshard_after_forward: bool = True
-    """FSDP2: free gathered params after each block's forward (re-gather in backward)."""
-    # fsdp + deepspeed
-    offload_optimizer: bool = False
-    """Optimizer state (and fp32 master, and for FSDP the step itself) on the host."""
-    offload_params: bool = False
-    """Parameter shards on the host, copied in per use."""
-    # deepspeed
-    stage: int = 0
-    """ZeRO stage 1, 2 or 3 (0 for non-DeepSpeed families)."""
-    hpz: str | None = None
-    """ZeRO++ hpZ secondary partition size rule ('node' or a number); None = off."""
-    reduce_bucket_size: int | None = None
-    """Elements per gradient reduce bucket; None = hidden^2 (HF 'auto'), 5e8 if unknown."""
-    allgather_bucket_size: int = 500_000_000
-    """ZeRO-1/2 elements per parameter all-gather bucket (DeepSpeed default 5e8)."""
-    prefetch_bucket_size: int | None = None
-    """ZeRO-3 elements prefetched ahead; None = 0.9 hidden^2 (HF 'auto'), 5e7 if unknown."""
-    max_live_parameters: int = 1_000_000_000
-    """ZeRO-3 cap on gathered elements alive at once (DeepSpeed default 1e9)."""
-    max_reuse_distance: int = 1_000_000_000
-    """ZeRO-3 keeps a gathered parameter if it is used again within this many parameter fetches
-    (DeepSpeed default 1e9): the last blocks of forward stay gathered into backward."""
-    param_persistence_threshold: int | None = None
-    """ZeRO-3: params smaller than this stay whole on every rank; None = 10 hidden (HF 'auto')."""
+    config: FamilyConfig | Mapping | None = None
+    """The family's typed knobs (families/*: DDPConfig, FSDPConfig, DeepSpeedConfig), validated
+    there; a mapping of knob: value is turned into one, None is the family's defaults."""
     source: str = "<builtin>"
 
     def __post_init__(self):
@@ -71,9 +44,6 @@ class Strategy:
         where = f"{self.source}: strategy {self.name!r}"
         if not isinstance(self.description, str):
             raise HybridError(f"{where}: description must be a string, got {self.description!r}")
-        if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)) \
-                or not 0 < self.bucket_cap_mb <= 1e6:
-            raise HybridError(f"{where}: bucket_cap_mb must be a positive number of MB, got {self.bucket_cap_mb!r}")
         if self.complexity is not None and (isinstance(self.complexity, bool) or not isinstance(self.complexity, int)):
             raise HybridError(f"{where}: complexity must be an integer, got {self.complexity!r}")
         if self.family not in FAMILIES:
@@ -82,14 +52,21 @@ class Strategy:
         if shard not in ("none", "node", "world") and not (shard.isdigit() and int(shard) >= 1):
             raise HybridError(f"{where}: shard {self.shard!r} must be none, node, world or a positive integer")
         object.__setattr__(self, "shard", shard)
-        if self.stage and "stage" not in get_family(self.family).knobs:
-            raise HybridError(f"{where}: stage is a DeepSpeed knob; family is {self.family}")
-        get_family(self.family).validate(self, where)
-        if self.hpz is not None:
-            h = str(self.hpz).lower()
-            if h != "node" and not (h.isdigit() and int(h) >= 1):
-                raise HybridError(f"{where}: hpz {self.hpz!r} must be node or a positive integer")
-            object.__setattr__(self, "hpz", h)
+        family = get_family(self.family)
+        config = self.config if self.config is not None else {}
+        if isinstance(config, Mapping):
+            unknown = sorted(set(config) - family.knobs)
+            if unknown:
+                raise HybridError(f"{where}: {unknown[0]} is not a {self.family} knob; its knobs: "
+                                  f"{', '.join(sorted(family.knobs))}")
+            try:
+                config = family.config(**config)
+            except HybridError as e:
+                raise HybridError(f"{where}: {e}") from None
+        if not isinstance(config, family.config):
+            raise HybridError(f"{where}: config must be a {family.config.__name__}, got {type(config).__name__}")
+        object.__setattr__(self, "config", config)
+        family.validate(self, where)
         if self.complexity is None:
             object.__setattr__(self, "complexity", get_family(self.family).default_complexity(self))
 
@@ -101,7 +78,8 @@ class Strategy:
 
     @property
     def offload(self) -> bool:
-        return self.offload_optimizer or self.offload_params
+        """Anything kept in host memory (the family's config says)."""
+        return self.config.offload
 
     @property
     def shard_is_free(self) -> bool:
@@ -128,19 +106,10 @@ class Strategy:
             ParallelDims(dp_replicate=world // g // n, dp_shard=n, cp=cp, tp=tp).validate(world, per_node)
         return n
 
-    def hpz_size(self, cluster) -> int | None:
-        if self.hpz is None:
-            return None
-        n = cluster.gpus_per_node if self.hpz == "node" else int(self.hpz)
-        validate_shard_size(n, cluster.world_size, cluster.gpus_per_node)
-        return n
-
     def knobs(self) -> dict:
         """The knobs this preset's family has, with their values (unset ones omitted)."""
-        skip = {"name", "family", "description", "source", "complexity"}
-        allowed = _COMMON | self.family_obj.knobs
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in skip and f.name in allowed and getattr(self, f.name) is not None}
+        knobs = {f.name: getattr(self.config, f.name) for f in fields(self.config)}
+        return {k: v for k, v in {"shard": self.shard, **knobs}.items() if v is not None}
 
 
 # --- loading ---------------------------------------------------------------------------------
@@ -229,7 +198,7 @@ def load_file(path: str) -> Strategy:
                               f"Allowed: {', '.join(sorted(allowed))}")
     if "name" not in data:
         raise HybridError(f"{path}: missing 'name'")
-    types = {f.name: str(f.type) for f in fields(Strategy)}
+    types = {f.name: str(f.type) for f in fields(Strategy)} | {f.name: str(f.type) for f in fields(FAMILIES[family].config)}
     for key, value in data.items():
         if not _type_ok(types[key], key, value):
             t = types[key]
@@ -240,8 +209,9 @@ def load_file(path: str) -> Strategy:
             if data[key] < 0:
                 raise HybridError(f"{path}:{lines.get(key, 1)}: {key} must be >= 0, got {data[key]!r}")
             data[key] = int(data[key])
+    knobs = {k: data.pop(k) for k in list(data) if k in FAMILIES[family].knobs}
     try:
-        return Strategy(**data, source=path)
+        return Strategy(**data, config=knobs, source=path)
     except HybridError as e:
         raise HybridError(str(e)) from None
 

@@ -238,7 +238,7 @@ def step_cost(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec,
     fam = strategy.family_obj
     P = profile.trainable_params
     optimizer = 0.0
-    if not strategy.offload_optimizer:
+    if not strategy.config.optimizer_on_host:
         local = P / (N if fam.sharded_optimizer(strategy) else 1)
         b = spec.bytes
         step_bytes = 2 * (local * (b.param + b.grad) + optimizer_elements(profile, spec) * local / P * b.state)

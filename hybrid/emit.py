@@ -116,7 +116,7 @@ def _torchtitan_groups(c: Candidate, p: Plan) -> list[list[str]]:
             ["--config", config or "${TT_CONFIG:?your config_registry function}"],
             ["--parallelism.data_parallel_replicate_degree", str(d.dp_replicate)],
             ["--parallelism.data_parallel_shard_degree", str(d.dp_shard)],
-            ["--parallelism.fsdp_reshard_after_forward", "default" if s.reshard_after_forward else "never"],
+            ["--parallelism.fsdp_reshard_after_forward", "default" if s.config.reshard_after_forward else "never"],
             ["--parallelism.tensor_parallel_degree", str(d.tp)],
             ["--parallelism.pipeline_parallel_degree", str(d.pp)]]
     if d.cp > 1:
@@ -139,7 +139,7 @@ def _torchtitan_groups(c: Candidate, p: Plan) -> list[list[str]]:
         args += [["--training.dtype", "float32"],
                  ["--training.mixed_precision_param", "bfloat16" if spec.precision == "bf16-mixed" else "float32"],
                  ["--training.mixed_precision_reduce", "float32"]]
-    if s.offload_params:
+    if s.config.offload_params:
         args += [["--training.enable_cpu_offload"]]           # tyro bool flags take no value
     # compiled as the plan estimates it (each block and the loss, as hybrid compiles), or eager; no
     # CUDA-graph capture (whose private memory pool the plan does not model; torchtitan also refuses

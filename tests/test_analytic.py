@@ -126,15 +126,15 @@ def test_offload_states_are_where_deepspeed_keeps_them(name):
     prof = resolve_model("llama2-7b").profile
     s = CAT[name]
     ours = estimate(s, prof, TrainSpec(), PAPER)
-    if s.stage == 2:
+    if s.config.stage == 2:
         _, ds = estimate_zero2_model_states_mem_needs(prof.params, 8, 8, cpu_offload=True)
         assert ours.model_states == pytest.approx(ds, rel=1e-6)
         assert ours.grads == 0 and ours.cpu > 16 * prof.params / 64
     else:
         _, ds, largest = estimate_zero3_model_states_mem_needs(
-            prof.params, prof.largest_layer_params, 8, 8, cpu_offload=True, cpu_offload_params=s.offload_params)
+            prof.params, prof.largest_layer_params, 8, 8, cpu_offload=True, cpu_offload_params=s.config.offload_params)
         # ours keeps the params under the persistence threshold whole; the gathered layer is in buffers
-        small = 0 if s.offload_params else 2 * persistent_params(prof, bucket_sizes(s, prof.decoder.hidden)[2]) * (1 - 1 / 64)
+        small = 0 if s.config.offload_params else 2 * persistent_params(prof, bucket_sizes(s, prof.decoder.hidden)[2]) * (1 - 1 / 64)
         assert ours.model_states == pytest.approx(ds - largest + small, rel=1e-6, abs=8)
         assert ours.buffers >= 2 * prof.largest_layer_params
 

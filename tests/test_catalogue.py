@@ -18,7 +18,7 @@ def test_shipped_catalogue():
     cl = Cluster.build(4, 8)
     assert cat["hsdp"].shard_size(cl) == 8 and cat["fsdp"].shard_size(cl) == 32
     assert cat["hsdp"].shard_size(cl, override=16) == 16
-    assert cat["zero3-hpz"].hpz_size(cl) == 8
+    assert cat["zero3-hpz"].config.hpz_size(cl) == 8
 
 
 def test_user_directory_overrides_and_adds(tmp_path):
@@ -26,7 +26,7 @@ def test_user_directory_overrides_and_adds(tmp_path):
     (tmp_path / "zero2.yaml").write_text("name: zero2\nfamily: deepspeed\nstage: 2\nreduce_bucket_size: 1000\n")
     cat = load_catalogue([str(tmp_path)])
     assert cat["hsdp-2"].shard_size(Cluster.build(1, 8)) == 2
-    assert cat["zero2"].reduce_bucket_size == 1000
+    assert cat["zero2"].config.reduce_bucket_size == 1000
 
 
 @pytest.mark.parametrize("text,match", [
@@ -61,3 +61,25 @@ def test_shard_size_rules(n, world, per_node, match):
         validate_shard_size(n, world, per_node)
     validate_shard_size(per_node, world, per_node)
     validate_shard_size(world, world, per_node)
+
+
+def test_each_family_owns_a_typed_config_validated_where_it_is_made():
+    from dataclasses import fields
+
+    from hybrid.catalogue import Strategy
+    from hybrid.families.deepspeed import DeepSpeedConfig
+    from hybrid.families.fsdp import FSDPConfig
+    cat = load_catalogue()
+    assert isinstance(cat["zero3-hpz"].config, DeepSpeedConfig) and cat["zero3-hpz"].config.hpz == "node"
+    assert isinstance(cat["hsdp"].config, FSDPConfig) and not hasattr(cat["hsdp"].config, "stage")
+    assert not {"stage", "hpz", "bucket_cap_mb", "reshard_after_forward"} & {f.name for f in fields(Strategy)}
+    with pytest.raises(HybridError, match="offload_params needs stage 3, got stage 2"):
+        DeepSpeedConfig(stage=2, offload_params=True)
+    with pytest.raises(HybridError, match=r"<builtin>: strategy 'x': bucket_cap_mb must be a positive number of MB"):
+        Strategy("x", "ddp", shard="none", config={"bucket_cap_mb": 0})
+    with pytest.raises(HybridError, match="stage is not a fsdp knob; its knobs: offload_optimizer, offload_params, "
+                                          "reshard_after_forward"):
+        Strategy("x", "fsdp", config={"stage": 3})
+    with pytest.raises(HybridError, match="config must be a DDPConfig, got FSDPConfig"):
+        Strategy("x", "ddp", shard="none", config=FSDPConfig())
+    assert Strategy("x", "fsdp").config == FSDPConfig()            # the family's defaults

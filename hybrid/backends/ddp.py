@@ -87,8 +87,8 @@ def wrap(strategy, module, layout, mesh, spec, runtime, options=None, staged: bo
         return module
     unpack = carry_plain_outputs(module)
     ddp = DDP(module, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
-              process_group=replica_group(mesh), bucket_cap_mb=strategy.bucket_cap_mb,
-              gradient_as_bucket_view=strategy.gradient_as_bucket_view, static_graph=strategy.static_graph,
+              process_group=replica_group(mesh), bucket_cap_mb=strategy.config.bucket_cap_mb,
+              gradient_as_bucket_view=strategy.config.gradient_as_bucket_view, static_graph=strategy.config.static_graph,
               find_unused_parameters=options.find_unused_parameters)
     ddp.register_forward_hook(unpack)
     return ddp
@@ -111,9 +111,9 @@ class _EmulatedDDP(torch.nn.Module):
 
     def __init__(self, module, strategy):
         super().__init__()
-        self.module, self.view = module, strategy.gradient_as_bucket_view
+        self.module, self.view = module, strategy.config.gradient_as_bucket_view
         params = [p for p in module.parameters() if p.requires_grad]
-        cap = int(strategy.bucket_cap_mb * 1e6)
+        cap = int(strategy.config.bucket_cap_mb * 1e6)
         self.buckets, self.slots, bucket, size = [], [], [], 0
         for p in reversed(params):              # DDP fills buckets in reverse parameter order
             bucket.append(p)

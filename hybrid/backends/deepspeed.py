@@ -338,6 +338,7 @@ def traced_apply(strategy, model, optimizer_factory, mesh, spec, runtime, option
     from dataclasses import replace
 
     from . import fsdp
-    proxy = replace(strategy, name=f"{strategy.name}-as-fsdp", family="fsdp", stage=0, hpz=None,
-                    reshard_after_forward=strategy.stage == 3, offload_params=False, offload_optimizer=False)
+    from ..families.fsdp import FSDPConfig
+    proxy = replace(strategy, name=f"{strategy.name}-as-fsdp", family="fsdp",
+                    config=FSDPConfig(reshard_after_forward=strategy.config.stage == 3))
     return fsdp.apply(proxy, model, optimizer_factory, mesh, spec, runtime)

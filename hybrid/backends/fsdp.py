@@ -60,9 +60,9 @@ def fsdp_kwargs(strategy, mesh, spec, runtime) -> dict:
     mp = (MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low is not None
           else MixedPrecisionPolicy())
     # a traced (fake) run simulates the GPU job on the CPU: offload is accounted afterwards
-    offload = (CPUOffloadPolicy(pin_memory=True) if strategy.offload_params and runtime.backend != "fake"
+    offload = (CPUOffloadPolicy(pin_memory=True) if strategy.config.offload_params and runtime.backend != "fake"
                else OffloadPolicy())
-    return dict(mesh=fsdp_mesh, reshard_after_forward=strategy.reshard_after_forward, mp_policy=mp,
+    return dict(mesh=fsdp_mesh, reshard_after_forward=strategy.config.reshard_after_forward, mp_policy=mp,
                 offload_policy=offload, shard_placement_fn=functools.partial(shard_placement, n=fsdp_mesh.size(-1)))
 
 
@@ -105,7 +105,7 @@ def wrap(strategy, module, layout, mesh, spec, runtime, options=None, staged: bo
     fully_shard(module, **kwargs)
     if unpack is not None:
         module.register_forward_hook(unpack)            # after FSDP's hook
-    materialize(module, "cpu" if strategy.offload_params else runtime.device)   # meta-built: shards only
+    materialize(module, "cpu" if strategy.config.offload_params else runtime.device)   # meta-built: shards only
     return module
 
 

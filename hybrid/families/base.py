@@ -31,12 +31,29 @@ class Comm:
     """... only at the window's end."""
 
 
+@dataclass(frozen=True)
+class FamilyConfig:
+    """A family's own knobs, typed; each family subclasses it with its fields (their defaults the
+    library's) and validates them in __post_init__ (HybridError naming the knob and the rule)."""
+
+    @property
+    def offload(self) -> bool:
+        """Anything (optimizer state, parameters) kept in host memory."""
+        return False
+
+    @property
+    def optimizer_on_host(self) -> bool:
+        """The optimizer step runs on the host (its states, the fp32 master and the step there)."""
+        return False
+
+
 class Family:
     """One backend family. Subclasses set the class attributes and override what differs."""
 
     name: str = ""
-    knobs: frozenset = frozenset()
-    """The catalogue keys this family accepts (besides name, family, description, shard, complexity)."""
+    config: type = FamilyConfig
+    """The family's typed knobs (a FamilyConfig dataclass): the catalogue keys it accepts besides
+    name, family, description, shard and complexity."""
     runtime_module: str = ""
     """The module with apply() and traced_apply() (imports torch and the library)."""
     emits: str | None = None
@@ -44,9 +61,15 @@ class Family:
     keeps_master_copy: bool = False
     """The optimizer step also writes a low-precision copy of the fp32 master (DeepSpeed)."""
 
+    @property
+    def knobs(self) -> frozenset:
+        from dataclasses import fields
+        return frozenset(f.name for f in fields(self.config))
+
     # --- catalogue ------------------------------------------------------------------------------
     def validate(self, s, where: str) -> None:
-        """Family rules on a preset's knobs; HybridError naming the file and the fix."""
+        """Family rules on a preset's shard rule (its knobs validate themselves); HybridError
+        naming the file and the fix."""
 
     def default_complexity(self, s) -> int:
         """Tie-break rank, lower is simpler (replication < partial sharding < full sharding <

@@ -3,14 +3,33 @@ from __future__ import annotations
 
 import math
 
+from dataclasses import dataclass
+
 from ..errors import HybridError
 from ..memory.placement import Placement, optimizer_elements, scratch_elements
-from .base import Comm, Family, user_checkpointing
+from .base import Comm, Family, FamilyConfig, user_checkpointing
+
+
+@dataclass(frozen=True)
+class DDPConfig(FamilyConfig):
+    """DistributedDataParallel's knobs."""
+
+    bucket_cap_mb: float = 25.0
+    """All-reduce bucket size in MB (torch default 25)."""
+    gradient_as_bucket_view: bool = True
+    """Gradients are views into the buckets (one gradient copy instead of two)."""
+    static_graph: bool = False
+    """DDP static_graph (same used parameters every step)."""
+
+    def __post_init__(self):
+        v = self.bucket_cap_mb
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1e6:
+            raise HybridError(f"bucket_cap_mb must be a positive number of MB, got {v!r}")
 
 
 class DDPFamily(Family):
     name = "ddp"
-    knobs = frozenset({"bucket_cap_mb", "gradient_as_bucket_view", "static_graph"})
+    config = DDPConfig
     runtime_module = "hybrid.backends.ddp"
 
     def validate(self, s, where):
@@ -35,7 +54,7 @@ class DDPFamily(Family):
         lay = Placement(params=p.params * b.param, optimizer=optimizer_elements(p, spec) * b.state,
                      scratch=scratch_elements(p, spec) * b.state,
                      autocast=spec.precision in ("bf16-mixed", "fp16-mixed"), grads_end=grads)
-        if s.gradient_as_bucket_view:
+        if s.config.gradient_as_bucket_view:
             lay.grads_start = grads          # grads are views into buckets allocated at DDP init
         else:
             if spec.gradient_accumulation > 1:
@@ -49,9 +68,9 @@ class DDPFamily(Family):
     def comm(self, s, p, spec, cl, n, links):
         # all-reduce of the gradients over the world, bucketed, in the window's last backward
         grad_bytes = p.trainable_params * spec.bytes.grad
-        buckets = max(1, math.ceil(grad_bytes / (s.bucket_cap_mb * 1e6)))
+        buckets = max(1, math.ceil(grad_bytes / (s.config.bucket_cap_mb * 1e6)))
         sync = links.collective("all_reduce", grad_bytes, cl.world_size, buckets)
-        copied = 0.0 if s.gradient_as_bucket_view or cl.world_size == 1 else 2 * grad_bytes
+        copied = 0.0 if s.config.gradient_as_bucket_view or cl.world_size == 1 else 2 * grad_bytes
         return Comm(sync_bwd=sync, sync_tail=sync / buckets, copied_sync=copied)
 
     def accelerate(self, c, layer_class):

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from ..errors import HybridError
 from ..links import HOST_STEP_RATE, PCIE_BW
+from ..parallel import validate_shard_size
 from ..memory.placement import FP32, Placement, NotApplicable, optimizer_elements, scratch_elements
-from .base import Comm, Family, provenance, user_checkpointing
+from .base import Comm, Family, FamilyConfig, provenance, user_checkpointing
 
 SUB_GROUP_SIZE = 1_000_000_000
 """DeepSpeed ZeRO-3 `sub_group_size` default: elements stepped (and fp32 grads made) at a time."""
@@ -17,9 +19,9 @@ def bucket_sizes(s, hidden: int | None) -> tuple[int, int, int]:
     HF Trainer's "auto" rules (hidden^2, 0.9 hidden^2, 10 hidden), or DeepSpeed's own defaults
     (5e8, 5e7, 1e5) when the hidden size is unknown. The one source for the config and the memory."""
     h = hidden
-    reduce = s.reduce_bucket_size or (h * h if h else 500_000_000)
-    prefetch = s.prefetch_bucket_size or (int(0.9 * h * h) if h else 50_000_000)
-    persist = s.param_persistence_threshold if s.param_persistence_threshold is not None else (10 * h if h else 100_000)
+    reduce = s.config.reduce_bucket_size or (h * h if h else 500_000_000)
+    prefetch = s.config.prefetch_bucket_size or (int(0.9 * h * h) if h else 50_000_000)
+    persist = s.config.param_persistence_threshold if s.config.param_persistence_threshold is not None else (10 * h if h else 100_000)
     return reduce, prefetch, persist
 
 
@@ -43,22 +45,22 @@ def ds_config(strategy, spec, hidden: int | None, world_size: int, gpus_per_node
         raise HybridError(f"{strategy.name}: DeepSpeed ZeRO keeps an fp32 master copy; use --precision "
                           "bf16-mixed or fp32")
     reduce_bucket, prefetch, persist = bucket_sizes(strategy, hidden)
-    zero = {"stage": strategy.stage, "contiguous_gradients": True, "overlap_comm": cuda,
+    zero = {"stage": strategy.config.stage, "contiguous_gradients": True, "overlap_comm": cuda,
             "reduce_bucket_size": reduce_bucket}
-    if strategy.stage < 3:
-        zero["allgather_bucket_size"] = strategy.allgather_bucket_size
+    if strategy.config.stage < 3:
+        zero["allgather_bucket_size"] = strategy.config.allgather_bucket_size
     else:
         zero["stage3_prefetch_bucket_size"] = prefetch
         zero["stage3_param_persistence_threshold"] = persist
-        zero["stage3_max_live_parameters"] = strategy.max_live_parameters
-        zero["stage3_max_reuse_distance"] = strategy.max_reuse_distance
+        zero["stage3_max_live_parameters"] = strategy.config.max_live_parameters
+        zero["stage3_max_reuse_distance"] = strategy.config.max_reuse_distance
         zero["stage3_gather_16bit_weights_on_model_save"] = False
-    if strategy.offload_optimizer:
+    if strategy.config.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
-    if strategy.offload_params:
+    if strategy.config.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": cuda}
-    if strategy.hpz:
-        zero["zero_hpz_partition_size"] = gpus_per_node if strategy.hpz == "node" else int(strategy.hpz)
+    if strategy.config.hpz:
+        zero["zero_hpz_partition_size"] = gpus_per_node if strategy.config.hpz == "node" else int(strategy.config.hpz)
     out = {
         "train_micro_batch_size_per_gpu": spec.micro_batch,
         "gradient_accumulation_steps": gradient_accumulation,
@@ -80,11 +82,67 @@ def ds_config(strategy, spec, hidden: int | None, world_size: int, gpus_per_node
     return out
 
 
+@dataclass(frozen=True)
+class DeepSpeedConfig(FamilyConfig):
+    """DeepSpeed ZeRO's knobs (the names of its zero_optimization config)."""
+
+    offload_optimizer: bool = False
+    """Optimizer state, fp32 master and the step on the host (stage 2 or 3)."""
+    offload_params: bool = False
+    """Parameter partitions on the host, copied in per use (stage 3)."""
+    stage: int = 0
+    """ZeRO stage 1, 2 or 3."""
+    hpz: str | None = None
+    """ZeRO++ hpZ secondary partition size rule ('node' or a number); None = off (stage 3)."""
+    reduce_bucket_size: int | None = None
+    """Elements per gradient reduce bucket; None = hidden^2 (HF 'auto'), 5e8 if unknown."""
+    allgather_bucket_size: int = 500_000_000
+    """ZeRO-1/2 elements per parameter all-gather bucket (DeepSpeed default 5e8)."""
+    prefetch_bucket_size: int | None = None
+    """ZeRO-3 elements prefetched ahead; None = 0.9 hidden^2 (HF 'auto'), 5e7 if unknown."""
+    max_live_parameters: int = 1_000_000_000
+    """ZeRO-3 cap on gathered elements alive at once (DeepSpeed default 1e9)."""
+    max_reuse_distance: int = 1_000_000_000
+    """ZeRO-3 keeps a gathered parameter if it is used again within this many parameter fetches
+    (DeepSpeed default 1e9): the last blocks of forward stay gathered into backward."""
+    param_persistence_threshold: int | None = None
+    """ZeRO-3: params smaller than this stay whole on every rank; None = 10 hidden (HF 'auto')."""
+
+    def __post_init__(self):
+        if self.stage not in (1, 2, 3):
+            raise HybridError(f"stage must be 1, 2 or 3, got {self.stage!r}")
+        if self.offload_params and self.stage != 3:
+            raise HybridError(f"offload_params needs stage 3, got stage {self.stage}")
+        if self.offload_optimizer and self.stage == 1:
+            raise HybridError("DeepSpeed offloads the optimizer only with stage 2 or 3")
+        if self.hpz is not None:
+            h = str(self.hpz).lower()
+            if h != "node" and not (h.isdigit() and int(h) >= 1):
+                raise HybridError(f"hpz {self.hpz!r} must be node or a positive integer")
+            if self.stage != 3:
+                raise HybridError(f"hpz needs stage 3, got stage {self.stage}")
+            object.__setattr__(self, "hpz", h)
+
+    @property
+    def offload(self) -> bool:
+        return self.offload_optimizer or self.offload_params
+
+    @property
+    def optimizer_on_host(self) -> bool:
+        return self.offload_optimizer
+
+    def hpz_size(self, cluster) -> int | None:
+        """Ranks of the hpZ secondary partition on this cluster; None without hpZ."""
+        if self.hpz is None:
+            return None
+        n = cluster.gpus_per_node if self.hpz == "node" else int(self.hpz)
+        validate_shard_size(n, cluster.world_size, cluster.gpus_per_node)
+        return n
+
+
 class DeepSpeedFamily(Family):
     name = "deepspeed"
-    knobs = frozenset({"stage", "offload_optimizer", "offload_params", "hpz", "reduce_bucket_size",
-                       "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters",
-                       "max_reuse_distance", "param_persistence_threshold"})
+    config = DeepSpeedConfig
     runtime_module = "hybrid.backends.deepspeed"
     emits = "deepspeed"
     keeps_master_copy = True
@@ -110,21 +168,13 @@ class DeepSpeedFamily(Family):
         return out
 
     def validate(self, s, where):
-        if s.stage not in (1, 2, 3):
-            raise HybridError(f"{where}: stage must be 1, 2 or 3, got {s.stage!r}")
         if s.shard != "world":
             raise HybridError(f"{where}: DeepSpeed ZeRO partitions over the whole world (shard: world); "
                               "for node-local sharding use hpz: node with stage 3, or the fsdp family")
-        if s.offload_params and s.stage != 3:
-            raise HybridError(f"{where}: offload_params needs stage 3, got stage {s.stage}")
-        if s.offload_optimizer and s.stage == 1:
-            raise HybridError(f"{where}: DeepSpeed offloads the optimizer only with stage 2 or 3")
-        if s.hpz is not None and s.stage != 3:
-            raise HybridError(f"{where}: hpz needs stage 3, got stage {s.stage}")
 
     def default_complexity(self, s):
-        base = {1: 1, 2: 2, 3: 6}[s.stage] + (1 if s.hpz else 0)
-        return base + 10 * s.offload_optimizer + 2 * s.offload_params
+        base = {1: 1, 2: 2, 3: 6}[s.config.stage] + (1 if s.config.hpz else 0)
+        return base + 10 * s.config.offload_optimizer + 2 * s.config.offload_params
 
     def check_device(self, s, spec, cuda):
         super().check_device(s, spec, cuda)
@@ -147,14 +197,14 @@ class DeepSpeedFamily(Family):
         fp32_grad = P * FP32 / n                # single_partition_of_fp32_groups[i].grad at the step
         scratch = scratch_elements(p, spec) * FP32 / n
         lay = Placement()
-        if s.stage in (1, 2):
+        if s.config.stage in (1, 2):
             lay.params = p.params * c           # the module's bf16 params, whole on every rank
             # stage 1 keeps full bf16 grads until the step; stage 2 reduces them into a 1/N partition
-            lay.grads_end = P * c if s.stage == 1 else P * c / n
+            lay.grads_end = P * c if s.config.stage == 1 else P * c / n
             if spec.gradient_accumulation > 1:
                 # stage 1 accumulates whole 16-bit grads over the window; stage 2 accumulates its
                 # fp32 partition (averaged_gradients) between micro-batches
-                lay.grads_start = P * c if s.stage == 1 else P * FP32 / n
+                lay.grads_start = P * c if s.config.stage == 1 else P * FP32 / n
             # the IPG reduce bucket; updated partitions are all-gathered in place into the flat params
             lay.buffers_start = lay.buffers_mid = lay.buffers_end = c * reduce_bucket
         else:
@@ -170,17 +220,17 @@ class DeepSpeedFamily(Family):
             # Gathered params stay gathered while they are reused within max_reuse_distance fetches:
             # at the forward/backward turn the last blocks (fetched again after 2 x the params in
             # between) and the head are kept; everything is capped by max_live_parameters.
-            kept = min(p.params, s.max_live_parameters, largest + s.max_reuse_distance / 2 + prefetch)
+            kept = min(p.params, s.config.max_live_parameters, largest + s.config.max_reuse_distance / 2 + prefetch)
             lay.buffers_start = c * (kept + reduce_bucket)
-            lay.buffers_mid = c * (min(s.max_live_parameters, kept + unit) + reduce_bucket)
-            lay.buffers_end = c * (min(p.params, s.max_live_parameters, largest + prefetch) + reduce_bucket)
-            hpz = s.hpz_size(cl)
+            lay.buffers_mid = c * (min(s.config.max_live_parameters, kept + unit) + reduce_bucket)
+            lay.buffers_end = c * (min(p.params, s.config.max_live_parameters, largest + prefetch) + reduce_bucket)
+            hpz = s.config.hpz_size(cl)
             if hpz:
                 lay.params += c * p.params / hpz   # ZeRO++ hpZ secondary partition (bf16, node-local)
                 lay.notes.append(f"hpZ keeps a secondary bf16 partition over {hpz} ranks")
-        if s.offload_optimizer:
+        if s.config.offload_optimizer:
             lay.cpu += opt + fp32_grad + scratch
-            if s.stage == 3:
+            if s.config.stage == 3:
                 # stage3.py: self.device is the CPU under offload_optimizer (l.333), so the
                 # gradient partitions (grad_partitions_flat_buffer, l.791-795) are pinned host memory
                 lay.cpu += lay.grads_end
@@ -202,7 +252,7 @@ class DeepSpeedFamily(Family):
             lay.notes.append("optimizer states, fp32 master and the gradient partitions in host memory")
         else:
             lay.optimizer, lay.grads_step, lay.scratch = opt, fp32_grad, scratch
-        if s.offload_params:
+        if s.config.offload_params:
             lay.cpu += lay.params
             lay.params = 0
         return lay
@@ -214,23 +264,23 @@ class DeepSpeedFamily(Family):
         units = max(p.num_blocks, 1) + 1
         unit_bytes = c * (p.block_params or p.params)
         offload = 0.0
-        if s.offload_optimizer:
+        if s.config.offload_optimizer:
             # fp32 grads to the host, updated 16-bit params back, and the step on the host
             offload = (4 * P / n + c * P / n) / PCIE_BW + (P / n) / HOST_STEP_RATE
-        if s.offload_params:
+        if s.config.offload_params:
             offload += 2 * (c * P / n) / PCIE_BW
-        if s.stage == 1:
+        if s.config.stage == 1:
             # gradients reduced at the window's end; updated partitions all-gathered after the step
             return Comm(sync_bwd=links.collective("reduce_scatter", c * P, W, units),
                         after_step=links.collective("all_gather", c * P, W, 1), offload=offload,
                         copied_sync=2 * c * P)
-        if s.stage == 2:
+        if s.config.stage == 2:
             # partitioned gradients: reduce-scattered in every micro-batch's backward
             return Comm(bwd=links.collective("reduce_scatter", c * P, W, units),
                         after_step=links.collective("all_gather", c * P, W, 1), offload=offload,
                         copied_micro=2 * c * P)
         ag = links.collective("all_gather", c * P, W, units)
-        hpz = s.hpz_size(cl)
+        hpz = s.config.hpz_size(cl)
         bwd = (links.collective("all_gather", c * P, hpz, units) if hpz else ag)
         bwd += links.collective("reduce_scatter", c * P, W, units)
         tail = links.collective("all_gather", unit_bytes, W) + links.collective("reduce_scatter", unit_bytes, W)
@@ -257,7 +307,7 @@ class DeepSpeedFamily(Family):
                 cfg[key] = "auto"
             cfg["bf16"] = {"enabled": "auto"}
             cfg["fp16"] = {**cfg.get("fp16", {}), "enabled": "auto"}
-            if c.strategy.stage == 3:
+            if c.strategy.config.stage == 3:
                 cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
         elif c.spec.activation_checkpointing != "none":
             cfg["activation_checkpointing"] = {"partition_activations": False,
@@ -267,15 +317,15 @@ class DeepSpeedFamily(Family):
 
     def accelerate(self, c, layer_class):
         s = c.strategy
-        if s.hpz:
+        if s.config.hpz:
             raise HybridError(f"{s.name}: Accelerate's DeepSpeed plugin fields cannot set hpZ; write the JSON with "
                               f"`--emit deepspeed --for trainer -o ds.json` and point Accelerate's "
                               f"deepspeed_config_file at it")
         keys = {"distributed_type": "DEEPSPEED",
-                "deepspeed_config": {"zero_stage": s.stage, "gradient_accumulation_steps": c.spec.gradient_accumulation,
-                                     "offload_optimizer_device": "cpu" if s.offload_optimizer else "none",
-                                     "offload_param_device": "cpu" if s.offload_params else "none",
-                                     "zero3_init_flag": s.stage == 3, "zero3_save_16bit_model": s.stage == 3}}
+                "deepspeed_config": {"zero_stage": s.config.stage, "gradient_accumulation_steps": c.spec.gradient_accumulation,
+                                     "offload_optimizer_device": "cpu" if s.config.offload_optimizer else "none",
+                                     "offload_param_device": "cpu" if s.config.offload_params else "none",
+                                     "zero3_init_flag": s.config.stage == 3, "zero3_save_16bit_model": s.config.stage == 3}}
         return keys, user_checkpointing(c)
 
 

@@ -1,29 +1,51 @@
 """FSDP2 (`fully_shard`): per-block units plus the root, on a 1D or 2D (HSDP) mesh."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import yaml
 
 from ..errors import HybridError
 from ..links import HOST_STEP_RATE, PCIE_BW
 from ..memory.placement import Placement, optimizer_elements, reduce_bytes, scratch_elements
 from ..profile import transformers_layer_class
-from .base import Comm, Family, provenance
+from .base import Comm, Family, FamilyConfig, provenance
+
+
+@dataclass(frozen=True)
+class FSDPConfig(FamilyConfig):
+    """FSDP2 (fully_shard)'s knobs."""
+
+    reshard_after_forward: bool = True
+    """Free gathered params after each block's forward (re-gather in backward)."""
+    offload_optimizer: bool = False
+    """CPUOffloadPolicy: parameter shards, gradients and the optimizer step on the host."""
+    offload_params: bool = False
+    """The same policy (FSDP2 moves all three together): must equal offload_optimizer."""
+
+    def __post_init__(self):
+        if self.offload_params != self.offload_optimizer:
+            raise HybridError("FSDP2's CPUOffloadPolicy moves params, grads and optimizer together; set "
+                              "offload_params and offload_optimizer both true or both false")
+
+    @property
+    def offload(self) -> bool:
+        return self.offload_optimizer or self.offload_params
+
+    @property
+    def optimizer_on_host(self) -> bool:
+        return self.offload_optimizer
 
 
 class FSDPFamily(Family):
     name = "fsdp"
-    knobs = frozenset({"reshard_after_forward", "offload_params", "offload_optimizer"})
+    config = FSDPConfig
     runtime_module = "hybrid.backends.fsdp"
     emits = "fsdp"
 
-    def validate(self, s, where):
-        if s.offload_params != s.offload_optimizer:
-            raise HybridError(f"{where}: FSDP2's CPUOffloadPolicy moves params, grads and optimizer "
-                              "together; set offload_params and offload_optimizer both true or both false")
-
     def default_complexity(self, s):
-        base = 3 if not s.reshard_after_forward else (5 if s.shard == "world" else 4)
-        return base + 10 * s.offload_optimizer + 2 * s.offload_params
+        base = 3 if not s.config.reshard_after_forward else (5 if s.shard == "world" else 4)
+        return base + 10 * s.config.offload_optimizer + 2 * s.config.offload_params
 
     def shard_is_free(self, s):
         return s.shard == "node"
@@ -48,7 +70,7 @@ class FSDPFamily(Family):
         head = min(p.decoder.vocab * p.decoder.hidden, root) if p.decoder else root
         sharded = dict(params=p.params * b.param / n, optimizer=optimizer_elements(p, spec) * b.state / n,
                        grads=P * b.grad / n, scratch=scratch_elements(p, spec) * b.state / n)
-        if s.offload_params:
+        if s.config.offload_params:
             lay.cpu = sharded["params"] + sharded["optimizer"] + sharded["grads"] + sharded["scratch"]
             lay.notes.append("CPUOffloadPolicy: sharded params, grads and the optimizer step live in host memory")
         else:
@@ -56,12 +78,12 @@ class FSDPFamily(Family):
             lay.grads_end, lay.scratch = sharded["grads"], sharded["scratch"]
         # The root (embeddings, final norm, head) is not resharded after forward (FSDP2 keeps the root
         # gathered for backward); blocks are gathered one at a time plus one prefetched.
-        gathered_blocks = 2 * unit if s.reshard_after_forward else every_block + unit
-        lay.buffers_start = c * (root + (unit if s.reshard_after_forward else every_block))
+        gathered_blocks = 2 * unit if s.config.reshard_after_forward else every_block + unit
+        lay.buffers_start = c * (root + (unit if s.config.reshard_after_forward else every_block))
         # resharded after forward (reshard_after_forward=True is passed explicitly, so FSDP2 reshards
         # the root too), the root and the last block are gathered again by the root's pre-backward
         # hook on its outputs: after the loss backward when the loss is computed outside (traced)
-        lay.regathered = lay.buffers_start if s.reshard_after_forward else 0
+        lay.regathered = lay.buffers_start if s.config.reshard_after_forward else 0
         # in a block's backward: root params + the head's unsharded grad, two blocks gathered (the
         # block and the prefetched one, whose all-gather output and copy-out overlap it), and the
         # block's reduce-scatter input in the reduce dtype (its grads themselves: unit_grads)
@@ -105,11 +127,11 @@ class FSDPFamily(Family):
         sync = links.collective("reduce_scatter", rb * P, n, units)
         sync += links.across_replicas("all_reduce", rb * P / n, cl.world_size // n, units)
         tail = links.collective("all_gather", unit_bytes, n) + links.collective("reduce_scatter", unit_bytes, n)
-        gathers = 2 if s.reshard_after_forward else 1
+        gathers = 2 if s.config.reshard_after_forward else 1
         offload = 0.0
-        if s.offload_params:
+        if s.config.offload_params:
             offload = 2 * (spec.bytes.param * P / n) / PCIE_BW + (P / n) / HOST_STEP_RATE
-        return Comm(fwd=ag, bwd=ag if s.reshard_after_forward else 0.0, sync_bwd=sync, tail=tail, offload=offload,
+        return Comm(fwd=ag, bwd=ag if s.config.reshard_after_forward else 0.0, sync_bwd=sync, tail=tail, offload=offload,
                     copied_micro=gathers * 2 * c * P,   # copy-out of each gather
                     copied_sync=2 * rb * P)             # chunk_cat per reduce-scatter
 
@@ -126,10 +148,10 @@ class FSDPFamily(Family):
                      "hybrid_sharding": dims.dp_replicate > 1, "parallel": dims.to_dict()},
             "fully_shard": {
                 "units": [layer, "root"] if layer else ["root"],
-                "reshard_after_forward": s.reshard_after_forward,
+                "reshard_after_forward": s.config.reshard_after_forward,
                 "mp_policy": ({"param_dtype": {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}[c.spec.precision],
                                "reduce_dtype": "float32"} if c.spec.mixed else {"param_dtype": None, "reduce_dtype": None}),
-                "offload_policy": "CPUOffloadPolicy(pin_memory=True)" if s.offload_params else None,
+                "offload_policy": "CPUOffloadPolicy(pin_memory=True)" if s.config.offload_params else None,
             },
             "activation_checkpointing": c.spec.activation_checkpointing,
             "train": c.spec.to_dict(),
@@ -142,8 +164,8 @@ class FSDPFamily(Family):
         wrap = ({"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_transformer_layer_cls_to_wrap": layer_class}
                 if layer_class else {"fsdp_auto_wrap_policy": "NO_WRAP"})
         keys = {"distributed_type": "FSDP",
-                "fsdp_config": {"fsdp_version": 2, **wrap, "fsdp_reshard_after_forward": bool(s.reshard_after_forward),
-                                "fsdp_offload_params": bool(s.offload_params),
+                "fsdp_config": {"fsdp_version": 2, **wrap, "fsdp_reshard_after_forward": bool(s.config.reshard_after_forward),
+                                "fsdp_offload_params": bool(s.config.offload_params),
                                 "fsdp_state_dict_type": "SHARDED_STATE_DICT",
                                 "fsdp_cpu_ram_efficient_loading": True, "fsdp_sync_module_states": True,
                                 "fsdp_activation_checkpointing": ac != "none"},
