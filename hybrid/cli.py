@@ -427,7 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="every candidate ranked by predicted speed, and the choice")
     _common(p, search=True)
     p.add_argument("--strategy", help="only this catalogue strategy (its shard sizes and checkpointing)")
-    p.add_argument("--emit", choices=("deepspeed", "fsdp", "torchtitan", "accelerate"),
+    from .families import FAMILIES
+    kinds = sorted(f.emits for f in FAMILIES.values() if f.emits)        # the families' own configs
+    p.add_argument("--emit", choices=(*kinds, "torchtitan", "accelerate"),
                    help="write the chosen (or --strategy) DeepSpeed JSON config / FSDP2 YAML settings / "
                         "torchtitan 0.3 torchrun command line / Accelerate config YAML")
     p.add_argument("--for", dest="emit_for", choices=("engine", "trainer"), default="engine",

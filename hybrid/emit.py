@@ -116,13 +116,11 @@ def _torchtitan_groups(c: Candidate, p: Plan) -> list[list[str]]:
             ["--config", config or "${TT_CONFIG:?your config_registry function}"],
             ["--parallelism.data_parallel_replicate_degree", str(d.dp_replicate)],
             ["--parallelism.data_parallel_shard_degree", str(d.dp_shard)],
-            ["--parallelism.fsdp_reshard_after_forward", "default" if s.config.reshard_after_forward else "never"],
+            ["--parallelism.fsdp_reshard_after_forward", s.family_obj.torchtitan_reshard(s)],
             ["--parallelism.tensor_parallel_degree", str(d.tp)],
             ["--parallelism.pipeline_parallel_degree", str(d.pp)]]
     if d.cp > 1:
-        if s.family_obj.name != "fsdp":
-            raise HybridError(f"{c.label}: torchtitan's context parallelism shards parameters with FSDP2 over "
-                              "dp_shard x cp (its dp_shard_cp mesh); emit an fsdp or hsdp layout with cp")
+        s.family_obj.torchtitan_cp(c)
         # torchtitan's all-gather of K/V shards per layer: the method hybrid runs and estimates
         args += [["--parallelism.context_parallel_degree", str(d.cp)],
                  ["--parallelism.context_parallel_rotate_method", "allgather"]]
@@ -139,7 +137,7 @@ def _torchtitan_groups(c: Candidate, p: Plan) -> list[list[str]]:
         args += [["--training.dtype", "float32"],
                  ["--training.mixed_precision_param", "bfloat16" if spec.precision == "bf16-mixed" else "float32"],
                  ["--training.mixed_precision_reduce", "float32"]]
-    if s.config.offload_params:
+    if s.family_obj.torchtitan_offload(s):
         args += [["--training.enable_cpu_offload"]]           # tyro bool flags take no value
     # compiled as the plan estimates it (each block and the loss, as hybrid compiles), or eager; no
     # CUDA-graph capture (whose private memory pool the plan does not model; torchtitan also refuses

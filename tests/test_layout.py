@@ -109,3 +109,16 @@ def test_a_family_checks_a_layout_and_names_the_dimension_it_cannot_run():
     assert all(c.tp == 1 and c.pp == 1 for c in free.candidates)
     pinned = plan(prof, spec, NODES, strategies=["zero3"], tp=2)
     assert pinned.chosen is None and all("not applicable with tp > 1" in c.reason for c in pinned.candidates)
+
+
+@pytest.mark.unit
+def test_torchtitan_emission_asks_the_family_for_its_knobs():
+    """A DDP preset has no FSDP knobs (its typed config): the torchtitan command line asks its family."""
+    from hybrid.emit import emit
+    prof = resolve_model("llama3-8b").profile
+    p = plan(prof, TrainSpec(1, 2048), Cluster.build(1, 8, "h100-80gb"), strategies=["ddp", "fsdp-offload"],
+             search_shards=False)
+    ddp, _ = emit("torchtitan", p, prof, "ddp")
+    assert "--parallelism.fsdp_reshard_after_forward default" in ddp and "enable_cpu_offload" not in ddp
+    off, _ = emit("torchtitan", p, prof, "fsdp-offload")
+    assert "--training.enable_cpu_offload" in off

@@ -110,6 +110,19 @@ class Family:
     torchtitan: bool = True
     """Whether torchtitan runs this family (--emit torchtitan)."""
 
+    def torchtitan_reshard(self, s) -> str:
+        """torchtitan's --parallelism.fsdp_reshard_after_forward for this preset."""
+        return "default"
+
+    def torchtitan_offload(self, s) -> bool:
+        """Whether torchtitan's --training.enable_cpu_offload is on for this preset."""
+        return False
+
+    def torchtitan_cp(self, c) -> None:
+        """HybridError when torchtitan cannot run this family with context parallelism."""
+        raise HybridError(f"{c.label}: torchtitan's context parallelism shards parameters with FSDP2 over "
+                          "dp_shard x cp (its dp_shard_cp mesh); emit an fsdp or hsdp layout with cp")
+
     def sharded_optimizer(self, s) -> bool:
         """Whether the optimizer step runs on 1/N of the parameters."""
         return True

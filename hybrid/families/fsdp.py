@@ -159,6 +159,15 @@ class FSDPFamily(Family):
         }
         return yaml.safe_dump(settings, sort_keys=False)
 
+    def torchtitan_reshard(self, s):
+        return "default" if s.config.reshard_after_forward else "never"
+
+    def torchtitan_offload(self, s):
+        return s.config.offload_params
+
+    def torchtitan_cp(self, c):
+        return None
+
     def accelerate(self, c, layer_class):
         s, d, ac = c.strategy, c.parallel, c.spec.activation_checkpointing
         wrap = ({"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_transformer_layer_cls_to_wrap": layer_class}
