@@ -55,7 +55,7 @@ class Family:
     """The family's typed knobs (a FamilyConfig dataclass): the catalogue keys it accepts besides
     name, family, description, shard and complexity."""
     runtime_module: str = ""
-    """The module with apply() and traced_apply() (imports torch and the library)."""
+    """The module with check, place, wrap, engine and traced_apply (imports torch and the library)."""
     emits: str | None = None
     """The `--emit` kind this family writes, if any."""
     keeps_master_copy: bool = False
