@@ -192,7 +192,8 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     from .calibration import resolve
     cal = resolve(calibration)
     if tune is not False and strategy != "auto":
-        raise HybridError(f"tune= measures the planner's candidates; strategy={strategy!r} forces one: drop one of them")
+        raise HybridError(f"tune= measures the planner's candidates; strategy={strategy!r} forces one: "
+                          "drop one of them")
     if strategy == "auto":
         the_plan = make_plan(profile, spec, cluster, catalogue, shard_size, search_checkpointing=search, tp=tp,
                              pp=pp, schedule=schedule, calibration=cal, cp=cp, micro_batch=pin)

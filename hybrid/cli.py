@@ -40,7 +40,8 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
     t.add_argument("--precision", default=None, help="fp32 | bf16-mixed | fp16-mixed | bf16 (default bf16-mixed; "
                    "fp16-mixed on GPUs without bf16, e.g. v100, t4)")
     t.add_argument("--gradient-accumulation", type=int, default=None,
-                   help="micro-batches per optimizer step (default 1); global batch = micro-batch x this x data-parallel ranks")
+                   help="micro-batches per optimizer step (default 1); "
+                        "global batch = micro-batch x this x data-parallel ranks")
     t.add_argument("--optimizer", default="adamw", help="adamw | sgd | adafactor (default adamw)")
     t.add_argument("--activation-checkpointing", default=None,
                    help="none | selective | op | full | layer:N (default: " +
@@ -92,8 +93,8 @@ def _job(args):
         # measured on CPU ranks (or --gpu cpu): this machine's CPU, 2 ranks unless told, no CUDA context
         from .cluster import cpu_spec
         per_node = args.gpus_per_node or 2
-        cluster = Cluster.build(args.nodes, per_node, cpu_spec(args.nodes * per_node), args.gpu_memory, args.host_memory,
-                                args.headroom, on_off(args.expandable_segments))
+        cluster = Cluster.build(args.nodes, per_node, cpu_spec(args.nodes * per_node), args.gpu_memory,
+                                args.host_memory, args.headroom, on_off(args.expandable_segments))
     else:
         cluster = Cluster.build(args.nodes, args.gpus_per_node or 8, args.gpu or "h100-80gb", args.gpu_memory,
                                 args.host_memory, args.headroom, on_off(args.expandable_segments))

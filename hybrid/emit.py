@@ -210,13 +210,15 @@ def accelerate_yaml(c: Candidate, p: Plan, profile: ModelProfile) -> str:
         notes.append("the plan compiles each block: call block.compile() on every decoder layer before "
                      "accelerator.prepare (Accelerate's dynamo_config compiles the whole model instead)")
     head = [f"# hybrid plan: {p.model.name} on {p.cluster.describe()}: {c.label} ({d.describe()})",
-            f"# predicted {c.memory.total / 2**30:.1f} GiB per GPU, {c.cost.tokens_per_s_per_gpu:,.0f} tokens/s per GPU; "
+            f"# predicted {c.memory.total / 2**30:.1f} GiB per GPU, "
+            f"{c.cost.tokens_per_s_per_gpu:,.0f} tokens/s per GPU; "
             f"per-device batch {spec.micro_batch}, seq {spec.seq_len}"]
     if p.cluster.nodes > 1:
         # every machine must reach the first one's rendezvous (Accelerate's launch flags override
         # these keys); a placeholder address fails to resolve instead of waiting for peers
         cfg.update(machine_rank=0, main_process_ip=ACCELERATE_IP_PLACEHOLDER, main_process_port=29500)
-        head += [f"# {p.cluster.nodes} machines: run on each, with its rank (0 on the first) and the first one's address:",
+        head += [f"# {p.cluster.nodes} machines: run on each, with its rank (0 on the first) "
+                 "and the first one's address:",
                  "#   accelerate launch --config_file THIS.yaml --machine_rank $NODE_RANK "
                  "--main_process_ip $FIRST_NODE_IP --main_process_port 29500 train.py",
                  f"# (or edit machine_rank and main_process_ip below per machine: {ACCELERATE_IP_PLACEHOLDER} is a "

@@ -135,7 +135,8 @@ def _layer_compiled(d: DecoderConfig, spec: TrainSpec, c: int, mode: str) -> flo
     tests/test_compile.py holds the two equal). The norms' normalised outputs and the pointwise
     ops between matmuls are recomputed inside the fused backward, not kept.
     none   llama: block input, both norm outputs, q and k after rotary, v, the attention output
-           (its reshape is a view: flash kernels lay it out as b, s, heads, d), the o projection output (the residual sum is rebuilt from
+           (its reshape is a view: flash kernels lay it out as b, s, heads, d), the o projection output
+           (the residual sum is rebuilt from
            it), gate, up and their product, rsqrt per norm, logsumexp per head; gpt2: the same
            with the post-attention residual sum, LayerNorm mean and rstd, and gelu_new's tanh
     selective  the block input and the matmul outputs backward needs (not the down/second MLP

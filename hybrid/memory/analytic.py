@@ -83,7 +83,8 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
             # whole: in every stored block, or only in the recomputed one under full checkpointing
             gathered = 2 * spec.bytes.compute * whole.decoder.hidden * spec.tokens * (1 - 1 / tp)
             stored, redone = (0, gathered) if spec.activation_checkpointing == "full" else (gathered, 0)
-            act = ActivationTerms(per_layer=int(act.per_layer / tp + stored), recompute=int(act.recompute / tp + redone),
+            act = ActivationTerms(per_layer=int(act.per_layer / tp + stored),
+                                  recompute=int(act.recompute / tp + redone),
                                   head_forward=int(act.head_forward / tp), head_backward=int(act.head_backward / tp),
                                   autocast_cache=int(act.autocast_cache / tp), layers=act.layers)
             notes.append(f"tensor parallel {tp}: matrices, embedding and head split {tp} ways; sequence-parallel "
