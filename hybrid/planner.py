@@ -395,7 +395,7 @@ def ep_degrees(profile: ModelProfile, strategy: Strategy, n: int, cp: int, tp: i
         return [1]
     if ep is not None:
         return [ep] if (n * cp) % ep == 0 else []
-    if strategy.family != "fsdp" or pp > 1:
+    if not strategy.family_obj.supports_ep or pp > 1:
         return [1]
     per = cluster.gpus_per_node // tp
     return [e for e in divisors(d.experts)

@@ -124,7 +124,7 @@ def expert_parallel(strategy, profile: ModelProfile, spec: TrainSpec, cluster, n
     if ep == 1:
         return None
     check_ep(profile, ep)
-    if strategy.family != "fsdp":
+    if not strategy.family_obj.supports_ep:
         raise NotApplicable(f"expert parallelism is applied with fsdp strategies here (torchtitan's layout: experts "
                             f"split over ep, each FSDP-sharded over the rest); {strategy.family} runs ep 1")
     if profile.stage is not None:
