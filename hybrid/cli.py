@@ -334,6 +334,9 @@ def cmd_tune(args) -> int:
             raise HybridError(f"{flag} must be between {low} and 10000, got {v}")
     if args.pp not in (None, 1):
         raise HybridError(f"tune runs pp 1 layouts for now, got --pp {args.pp}; plan pipelines with `hybrid plan`")
+    if args.ep not in (None, 1):
+        raise HybridError(f"tune runs ep 1 layouts for now, got --ep {args.ep}; plan expert parallelism with "
+                          "`hybrid plan`")
     _writable_file(args.save_calibration, "--save-calibration")
     resolve(args.calibration)                           # a bad file fails here, before any rank starts
     cuda = _cuda()

@@ -69,6 +69,10 @@ class StepCost:
     """Model FLOPs utilisation: model FLOPs per step / (step time x peak)."""
     bubble_s: float = 0.0
     """Pipeline idle time of the step (pp > 1)."""
+    all_to_all_s: float = 0.0
+    """Expert parallelism (ep > 1): the step's all-to-alls, none hidden (in exposed_comm_s)."""
+    straggler_s: float = 0.0
+    """Expert parallelism: the busiest rank's extra expert compute of the step (in compute_s)."""
 
     @property
     def time_per_token(self) -> float:
@@ -80,7 +84,8 @@ class StepCost:
         return {"step_time_s": self.seconds, "compute_s": self.compute_s, "comm_s": self.comm_s,
                 "exposed_comm_s": self.exposed_comm_s, "offload_s": self.offload_s,
                 "optimizer_s": self.optimizer_s, "bubble_s": self.bubble_s,
-                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu}
+                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
+                **({"all_to_all_s": self.all_to_all_s, "straggler_s": self.straggler_s} if self.all_to_all_s else {})}
 
 
 def model_flops_per_token(profile: ModelProfile, seq_len: int, recompute: bool = False) -> float:
@@ -237,7 +242,7 @@ def step_cost(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluste
     if recompute:
         fwd_c, bwd_c = compute / 4, 3 * compute / 4
     comm = strategy.family_obj.comm(strategy, profile, spec, cluster, N, Links(cluster))
-    moe_s = 0.0
+    moe_s = straggler = 0.0
     if ep > 1:
         comm, straggler, moe_s = expert_parallel_terms(strategy, profile, spec, cluster, N, ep, peak * efficiency,
                                                         cp)
@@ -269,7 +274,7 @@ def step_cost(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluste
     return StepCost(seconds=seconds, compute_s=ga * compute, bubble_s=bubble_s,
                     comm_s=ga * comm.fwd + (ga * comm.bwd + comm.sync_bwd) + comm.after_step + ga * (tp_time + moe_s) + p2p,
                     exposed_comm_s=exposed_s, offload_s=comm.offload, optimizer_s=optimizer,
-                    tokens_per_s_per_gpu=tokens / seconds,
+                    tokens_per_s_per_gpu=tokens / seconds, all_to_all_s=ga * moe_s, straggler_s=ga * straggler,
                     mfu=model_flops_per_token(whole, spec.seq_len) * tokens / (seconds * g.bf16_flops))
 
 

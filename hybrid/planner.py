@@ -483,7 +483,7 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
     fixes = ()
     if chosen is None and suggest_fixes and estimator is None:
         fixes = tuple(suggest(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp, pp,
-                              micro_batch, cp))
+                              micro_batch, cp, ep))
     return Plan(profile, cluster, spec, tuple(order), chosen, method, fixes, tie, calibration)
 
 
@@ -503,12 +503,13 @@ def judge_all(todo: list[tuple], profile: ModelProfile, cluster: Cluster, estima
 
 
 def _fits_with(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp=None,
-               pp=None, cp=1, micro_batch=None) -> Candidate | None:
+               pp=None, cp=1, micro_batch=None, ep=1) -> Candidate | None:
     try:
         check_job(profile, spec)
     except HybridError:
         return None
-    todo = enumerate_candidates(cat, profile, spec, cluster, names, None, search_checkpointing, tp=tp, pp=pp, cp=cp)
+    todo = enumerate_candidates(cat, profile, spec, cluster, names, None, search_checkpointing, tp=tp, pp=pp, cp=cp,
+                                ep=ep)
     return choose(judge_all([(cp, item) for item in todo], profile, cluster, None, efficiency, micro_batch))
 
 
@@ -539,10 +540,18 @@ def _size(c: Candidate) -> str:
 def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[str, Strategy],
             names: list[str], search_checkpointing: bool, efficiency: float | None = None,
             tp: int | None = None, pp: int | None = None, micro_batch: int | None = None,
-            cp: int | None = None) -> list[str]:
-    """The smallest change along each axis that makes some candidate fit (at a pinned cp)."""
+            cp: int | None = None, ep: int | None = 1) -> list[str]:
+    """The smallest change along each axis that makes some candidate fit (at a pinned cp, and the
+    plan's ep: a pinned one, or every ep_degrees choice)."""
     pinned_cp = cp or 1
     out = []
+    d = profile.decoder
+    if ep is not None and d is not None and d.moe:      # ep was pinned: would a larger one fit?
+        for e in [x for x in divisors(d.experts) if x > ep]:
+            c = _fits_with(profile, spec, cluster, cat, names, True, efficiency, tp, pp, pinned_cp, micro_batch, e)
+            if c:
+                out.append(f"--ep {e} ({c.label}: {_size(c)})")
+                break
     if pp is not None:      # pp was pinned: would another degree fit?
         for p in pp_degrees(cluster):
             c = p > pp and p <= profile.num_blocks and _fits_with(profile, spec, cluster, cat, names, True,
@@ -558,7 +567,6 @@ def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[
                 out.append(f"--tp {t} ({c.label}: {_size(c)})")
                 break
     if pp in (None, 1) and profile.decoder is not None:   # would splitting the sequence fit?
-        from .parallel import divisors
         for k in [d for d in divisors(cluster.world_size) if d > pinned_cp][:MAX_CP_TRIES - 1]:
             c = spec.seq_len % (2 * k) == 0 and _fits_with(profile, spec, cluster, cat, names, True, efficiency,
                                                            tp, 1, k, micro_batch=micro_batch)
@@ -566,7 +574,7 @@ def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[
                 out.append(f"--cp {k} ({c.label}: {_size(c)})")
                 break
     args = (cat, names, True, efficiency)
-    at = {"micro_batch": micro_batch, "cp": pinned_cp}
+    at = {"micro_batch": micro_batch, "cp": pinned_cp, "ep": ep}
     if not search_checkpointing and spec.activation_checkpointing != "full":
         for ac in ("selective", "full"):
             c = _fits_with(profile, replace(spec, activation_checkpointing=ac), cluster, *args, **at)

@@ -207,11 +207,15 @@ def _why_ep(p: Plan) -> list[str]:
         return [f"why ep {c.ep}: no layout {what} fits (the best, {least.label}, {least.reason})"]
     best = min(fitting, key=lambda x: x.cost.time_per_token)
     gain = best.cost.time_per_token / c.cost.time_per_token - 1
+    ep = c if c.ep > 1 else best
+    cause = (f"; at ep {ep.ep} the all-to-alls take {ep.cost.all_to_all_s:.3f} s and the busiest rank's extra expert "
+             f"compute {ep.cost.straggler_s:.3f} s of its {ep.cost.seconds:.3f} s step")
     if gain >= 0:
         return [f"why ep {c.ep}: the best layout {what}, {best.label}, runs {best.cost.tokens_per_s_per_gpu:,.0f} "
-                f"tokens/s per GPU ({gain:.1%} slower)"]
+                f"tokens/s per GPU ({gain:.1%} slower){cause}"]
     return [f"why ep {c.ep}: the best layout {what}, {best.label}, runs {best.cost.tokens_per_s_per_gpu:,.0f} "
-            f"tokens/s per GPU ({-gain:.1%} faster, within the model's error): the tie goes to the simpler layout"]
+            f"tokens/s per GPU ({-gain:.1%} faster, within the model's error): the tie goes to the simpler layout"
+            f"{cause}"]
 
 
 def format_estimate(p: Plan) -> str:

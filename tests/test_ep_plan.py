@@ -175,3 +175,31 @@ def test_torchtitan_reads_the_ep_degree(capsys):
     argv = torchtitan_argv(capsys.readouterr().out)
     argv[argv.index("--module") + 1], argv[argv.index("--config") + 1] = "llama3", "llama3_debugmodel"
     assert torchtitan_config(argv).parallelism.expert_parallel_degree == 8
+
+
+@pytest.mark.unit
+def test_a_pinned_ep_that_does_not_fit_suggests_a_larger_one():
+    """Gradient accumulation keeps every unsharded fp32 gradient a rank owns (FSDP2's no-sync): at
+    ep 1 all of Qwen3-30B-A3B's (122 GB), with ep only the rank's experts."""
+    two = Cluster.build(2, 8, "h100-80gb")
+    spec = TrainSpec(1, 4096, gradient_accumulation=2, activation_checkpointing="full")
+    p = plan(_profile("qwen3-30b-a3b"), spec, two, strategies=["fsdp"], ep=1)
+    assert p.chosen is None or p.chosen.pp > 1
+    tried = [x for x in p.candidates if x.pp == 1]
+    assert tried and not any(x.fits for x in tried)
+    fix = [s for s in p.suggestions if s.startswith("--ep ")]
+    assert fix and int(fix[0].split()[1]) > 1
+
+
+@pytest.mark.unit
+def test_the_plan_names_what_ep_costs():
+    """The why-ep line gives the all-to-all and straggler seconds of the ep layout, as the cost
+    model's StepCost records them (and the JSON carries them for ep > 1 only)."""
+    from hybrid.report import format_plan
+    p = plan(_profile(), SPEC, H100, strategies=["hsdp"], search_checkpointing=True, ep=None)
+    c = p.chosen
+    assert c.ep > 1 and c.cost.all_to_all_s > 0 and c.cost.straggler_s > 0
+    assert (f"the all-to-alls take {c.cost.all_to_all_s:.3f} s and the busiest rank's extra expert compute "
+            f"{c.cost.straggler_s:.3f} s") in format_plan(p)
+    assert "all_to_all_s" in c.cost.to_dict()
+    assert "all_to_all_s" not in next(x for x in p.candidates if x.ep == 1 and x.cost).cost.to_dict()
