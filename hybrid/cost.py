@@ -272,7 +272,8 @@ def step_cost(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluste
     seconds = ga * compute + bubble_s + exposed_s + comm.offload + optimizer
     tokens = ga * T / tp / pp / cp             # tp, cp groups and a pipeline share their micro-batches
     return StepCost(seconds=seconds, compute_s=ga * compute, bubble_s=bubble_s,
-                    comm_s=ga * comm.fwd + (ga * comm.bwd + comm.sync_bwd) + comm.after_step + ga * (tp_time + moe_s) + p2p,
+                    comm_s=(ga * comm.fwd + (ga * comm.bwd + comm.sync_bwd) + comm.after_step + ga * (tp_time + moe_s)
+                            + p2p),
                     exposed_comm_s=exposed_s, offload_s=comm.offload, optimizer_s=optimizer,
                     tokens_per_s_per_gpu=tokens / seconds, all_to_all_s=ga * moe_s, straggler_s=ga * straggler,
                     mfu=model_flops_per_token(whole, spec.seq_len) * tokens / (seconds * g.bf16_flops))

@@ -537,6 +537,18 @@ def _size(c: Candidate) -> str:
     return f"{fmt_bytes(c.memory.needed)}, tight" if c.tight else fmt_bytes(c.memory.total)
 
 
+def _larger_ep(profile, spec, cluster, cat, names, efficiency, tp, pp, cp, micro_batch, ep) -> list[str]:
+    """An MoE plan at a pinned ep: the smallest larger ep that makes some candidate fit."""
+    d = profile.decoder
+    if ep is None or d is None or not d.moe:
+        return []
+    for e in [x for x in divisors(d.experts) if x > ep]:
+        c = _fits_with(profile, spec, cluster, cat, names, True, efficiency, tp, pp, cp, micro_batch, e)
+        if c:
+            return [f"--ep {e} ({c.label}: {_size(c)})"]
+    return []
+
+
 def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[str, Strategy],
             names: list[str], search_checkpointing: bool, efficiency: float | None = None,
             tp: int | None = None, pp: int | None = None, micro_batch: int | None = None,
@@ -544,14 +556,7 @@ def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[
     """The smallest change along each axis that makes some candidate fit (at a pinned cp, and the
     plan's ep: a pinned one, or every ep_degrees choice)."""
     pinned_cp = cp or 1
-    out = []
-    d = profile.decoder
-    if ep is not None and d is not None and d.moe:      # ep was pinned: would a larger one fit?
-        for e in [x for x in divisors(d.experts) if x > ep]:
-            c = _fits_with(profile, spec, cluster, cat, names, True, efficiency, tp, pp, pinned_cp, micro_batch, e)
-            if c:
-                out.append(f"--ep {e} ({c.label}: {_size(c)})")
-                break
+    out = _larger_ep(profile, spec, cluster, cat, names, efficiency, tp, pp, pinned_cp, micro_batch, ep)
     if pp is not None:      # pp was pinned: would another degree fit?
         for p in pp_degrees(cluster):
             c = p > pp and p <= profile.num_blocks and _fits_with(profile, spec, cluster, cat, names, True,

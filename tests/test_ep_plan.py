@@ -171,7 +171,8 @@ def test_torchtitan_reads_the_ep_degree(capsys):
     installed, as tests/test_handoff.py does), its model module and config function filled in."""
     from hybrid.cli import main
     from tests.test_handoff import torchtitan_argv, torchtitan_config
-    assert main(["plan", "mixtral-8x7b", "--nodes", "8", "--ep", "8", "--strategy", "fsdp", "--emit", "torchtitan"]) == 0
+    argv = ["plan", "mixtral-8x7b", "--nodes", "8", "--ep", "8", "--strategy", "fsdp", "--emit", "torchtitan"]
+    assert main(argv) == 0
     argv = torchtitan_argv(capsys.readouterr().out)
     argv[argv.index("--module") + 1], argv[argv.index("--config") + 1] = "llama3", "llama3_debugmodel"
     assert torchtitan_config(argv).parallelism.expert_parallel_degree == 8
