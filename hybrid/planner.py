@@ -472,6 +472,10 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
                                              pp=pp if pp is not None or estimator is None else 1, schedule=schedule,
                                              cp=c, cp_pinned=cp is not None,
                                              ep=ep if ep is not None or estimator is None else 1)]
+    if (ep or 1) > 1 and not todo:
+        raise HybridError(f"--ep {ep}: no layout on {cluster.describe()} has dp_shard x cp divisible by {ep} (expert-"
+                          f"parallel ranks are taken from them): use an --ep that divides {cluster.world_size}, or "
+                          "leave --ep out")
     if estimator is not None and (pp or 1) > 1:         # a traced pipeline: its families and schedules
         todo = [(c, t) for c, t in todo if t[0].family_obj.supports_pp and (schedule or t[5]) != "interleaved"]
     if hasattr(estimator, "expect"):                    # how many candidates it will see (progress)
@@ -574,7 +578,7 @@ def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[
     if pp in (None, 1) and profile.decoder is not None:   # would splitting the sequence fit?
         for k in [d for d in divisors(cluster.world_size) if d > pinned_cp][:MAX_CP_TRIES - 1]:
             c = spec.seq_len % (2 * k) == 0 and _fits_with(profile, spec, cluster, cat, names, True, efficiency,
-                                                           tp, 1, k, micro_batch=micro_batch)
+                                                           tp, 1, k, micro_batch=micro_batch, ep=ep)
             if c:
                 out.append(f"--cp {k} ({c.label}: {_size(c)})")
                 break

@@ -204,3 +204,9 @@ def test_the_plan_names_what_ep_costs():
             f"{c.cost.straggler_s:.3f} s") in format_plan(p)
     assert "all_to_all_s" in c.cost.to_dict()
     assert "all_to_all_s" not in next(x for x in p.candidates if x.ep == 1 and x.cost).cost.to_dict()
+
+
+@pytest.mark.unit
+def test_an_ep_no_layout_can_take_is_one_line():
+    with pytest.raises(HybridError, match=r"--ep 8: no layout on .* has dp_shard x cp divisible by 8.*divides 4"):
+        plan(_profile(), SPEC, Cluster.build(1, 4, "h100-80gb"), ep=8)

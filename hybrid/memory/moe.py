@@ -143,9 +143,10 @@ def expert_parallel(strategy, profile: ModelProfile, spec: TrainSpec, cluster, n
     imb = min(spec.moe_imbalance, ep)          # every pair on one rank at most
     c = spec.bytes.compute
     pairs = spec.tokens * d.top_k               # the mean a rank receives: ep ranks x tokens x top_k / ep
-    lay.notes.append(f"expert parallel {ep}: {d.experts // ep} of {d.experts} experts per rank, FSDP-sharded over "
-                     f"{n * cp // ep} ranks; the busiest rank receives {imb:g}x the mean routed tokens "
-                     "(--moe-imbalance)")
+    shard = n * cp // ep
+    where = f"FSDP-sharded over {shard} ranks" if shard > 1 else "whole on each rank (expert_shard 1)"
+    lay.notes.append(f"expert parallel {ep}: {d.experts // ep} of {d.experts} experts per rank, {where}; the busiest "
+                     f"rank receives {imb:g}x the mean routed tokens (--moe-imbalance)")
     return ExpertParallel(
         ep=ep, imbalance=imb, layout=lay, unit=dense.block_params + experts.block_params,
         routed_extra=int((imb - 1) * pairs * moe_pair(d, c)),
