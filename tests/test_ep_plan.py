@@ -210,3 +210,21 @@ def test_the_plan_names_what_ep_costs():
 def test_an_ep_no_layout_can_take_is_one_line():
     with pytest.raises(HybridError, match=r"--ep 8: no layout on .* has dp_shard x cp divisible by 8.*divides 4"):
         plan(_profile(), SPEC, Cluster.build(1, 4, "h100-80gb"), ep=8)
+
+
+@pytest.mark.unit
+def test_job_file_and_auto_wrap_carry_moe_imbalance_and_ep(tmp_path, capsys):
+    """`moe_imbalance` and `ep` as job keys reach the plan (`hybrid plan --config`), and are
+    auto_wrap arguments checked as the job keys are."""
+    import json
+
+    from hybrid.cli import main
+    from hybrid.jobfile import check_arguments, wrap_options
+    job = tmp_path / "job.yaml"
+    job.write_text("model: mixtral-8x7b\nnodes: 8\nseq_len: 4096\nep: 8\nmoe_imbalance: 1.5\n")
+    assert main(["plan", "--config", str(job), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["spec"]["moe_imbalance"] == 1.5 and out["chosen_candidate"]["parallel"]["ep"] == 8
+    assert wrap_options(str(job))[0]["moe_imbalance"] == 1.5
+    with pytest.raises(HybridError, match="auto_wrap: moe_imbalance must be at least 1"):
+        check_arguments({"moe_imbalance": 0.5}, "auto_wrap")
