@@ -97,7 +97,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
               config: str | None = None, pp: int | None = None, schedule: str | None = None,
               tune: bool | int = False, calibration: str | None = None, cp: int | None = None,
               global_batch: int | None = None, global_batch_tokens: int | None = None,
-              compile: bool = False, float8: bool = False) -> Wrapped:
+              compile: bool = False, float8: bool = False, moe_imbalance: float | None = None) -> Wrapped:
     """Wrap `model` for data-parallel training on the current process group (started here from
     torchrun's variables if needed, nccl+cuda or gloo+cpu).
 
@@ -132,6 +132,8 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
                 the measured fastest (hybrid/tune.py)
     calibration a calibration file (`hybrid tune --save-calibration`; default $HYBRID_CALIBRATION):
                 the cluster's measured speed figures replace the catalogue's in the plan
+    moe_imbalance  MoE models with expert parallelism: the busiest rank's routed tokens over the mean
+                (default spec.MOE_IMBALANCE, 1.25; raise it for a cold start)
     cp          context-parallel degree: each sequence split over cp ranks (default: the planner
                 chooses with strategy "auto" when seq_len >= 16384, else 1); the cp ranks of a
                 group read the same whole sequences (shard data with w.dp_size / w.dp_rank) and
@@ -153,7 +155,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
                      "gpu_memory": gpu_memory, "strategies_dir": list(strategies_dir) or None, "cp": cp,
                      "gradient_accumulation": gradient_accumulation, "calibration": calibration,
                      "global_batch": global_batch, "global_batch_tokens": global_batch_tokens, "compile": compile,
-                     "float8": float8}, "auto_wrap")
+                     "float8": float8, "moe_imbalance": moe_imbalance}, "auto_wrap")
     if (global_batch is not None or global_batch_tokens is not None) and gradient_accumulation is not None:
         from .batch import global_batch_of        # the conflict is known before any process group starts
         global_batch_of(global_batch, global_batch_tokens, seq_len or 1, gradient_accumulation, cli=False)
@@ -184,7 +186,8 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
                      precision=precision or default_precision(runtime), optimizer=optimizer_kind(optimizer),
                      activation_checkpointing=activation_checkpointing or "none", attention=attention,
                      gradient_accumulation=1 if gradient_accumulation is None else gradient_accumulation,
-                     global_batch=gb, compile=compile, float8=float8)
+                     global_batch=gb, compile=compile, float8=float8,
+                     **({"moe_imbalance": moe_imbalance} if moe_imbalance is not None else {}))
     from .float8 import check_float8
     check_float8(spec, cluster)
     catalogue = load_catalogue(strategies_dir)

@@ -62,8 +62,13 @@ def _moe_mlp(d: DecoderConfig, c: int) -> float:
     token the fp32 router softmax over all experts, and where the top-k weights are renormalised
     (Mixtral, Qwen3-MoE) their fp32 copy and sum. Measured in tests/test_moe.py."""
     renorm = d.hf_model_type != "olmoe"
-    pair = c * (2 * d.hidden + 4 * d.moe_ffn) + F32 + 4 * 8
-    return d.top_k * pair + F32 * d.experts + (F32 * (d.top_k + 1) if renorm else 0)
+    return d.top_k * moe_pair(d, c) + F32 * d.experts + (F32 * (d.top_k + 1) if renorm else 0)
+
+
+def moe_pair(d: DecoderConfig, c: int) -> float:
+    """Bytes one routed (token, expert) pair keeps (see _moe_mlp): what expert parallelism moves
+    to the rank that holds the expert, and what routing imbalance multiplies (memory/moe.py)."""
+    return c * (2 * d.hidden + 4 * d.moe_ffn) + F32 + 4 * 8
 
 
 def _layer_full(d: DecoderConfig, spec: TrainSpec, c: int, autocast: bool) -> float:
