@@ -97,7 +97,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
               config: str | None = None, pp: int | None = None, schedule: str | None = None,
               tune: bool | int = False, calibration: str | None = None, cp: int | None = None,
               global_batch: int | None = None, global_batch_tokens: int | None = None,
-              compile: bool = False, float8: bool = False) -> Wrapped:
+              compile: bool = False, float8: bool = False, ep: int | None = None) -> Wrapped:
     """Wrap `model` for data-parallel training on the current process group (started here from
     torchrun's variables if needed, nccl+cuda or gloo+cpu).
 
@@ -138,6 +138,9 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
                 each runs its 2 of 2cp chunks (hybrid/backends/cp.py)
     compile     torch.compile every block (and our decoders' loss) as torchtitan does, after
                 checkpointing and before the data-parallel wrap (fsdp and ddp strategies)
+    ep          expert-parallel degree for mixture-of-experts models (fsdp and hsdp strategies): each
+                MoE layer's experts split over ep ranks taken from the dp_shard x cp ranks, tokens
+                sent to them by all-to-all (hybrid/backends/ep.py); default 1
     float8      torchao float8 training of the block linears (tensorwise; float8 all-gather under
                 FSDP2), behind compile=True, on H100/H200-class GPUs
     config      a job file (`hybrid plan --save-config`): its values fill every argument left at
@@ -153,7 +156,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
                      "gpu_memory": gpu_memory, "strategies_dir": list(strategies_dir) or None, "cp": cp,
                      "gradient_accumulation": gradient_accumulation, "calibration": calibration,
                      "global_batch": global_batch, "global_batch_tokens": global_batch_tokens, "compile": compile,
-                     "float8": float8}, "auto_wrap")
+                     "float8": float8, "ep": ep}, "auto_wrap")
     if (global_batch is not None or global_batch_tokens is not None) and gradient_accumulation is not None:
         from .batch import global_batch_of        # the conflict is known before any process group starts
         global_batch_of(global_batch, global_batch_tokens, seq_len or 1, gradient_accumulation, cli=False)
@@ -217,6 +220,9 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
             if runtime.rank == 0:
                 log.warning("hybrid: warning: %s is forced but %s", strategy, chosen.reason)
     chosen = _agree(the_plan.chosen, runtime, strategy, cluster)
+    if ep is not None and ep > 1:        # the chosen layout with its ep ranks, checked before any mesh is built
+        from .backends.ep import with_expert_parallel
+        chosen = with_expert_parallel(chosen, ep, model)
     if chosen.tight and runtime.rank == 0:
         log.warning("hybrid: %s %s", chosen.label, chosen.reason)
     mesh = build_mesh(chosen.parallel, runtime, cluster.gpus_per_node)
