@@ -115,6 +115,8 @@ def shard_experts(model: nn.Module, mesh, fsdp_kwargs: dict) -> None:
     for m in experts:
         fully_shard(m, **kwargs)
         m.set_gradient_divide_factor(float(dense.size()))
+        if dist.get_backend(edp.get_group(edp.ndim - 1)) != "nccl":
+            m.set_force_sum_reduction_for_comms(True)    # the factor is a PREMUL_SUM, which only NCCL has
 
 
 def _expert_placement(param, n: int):
