@@ -115,8 +115,12 @@ def shard_experts(model: nn.Module, mesh, fsdp_kwargs: dict) -> None:
     for m in experts:
         fully_shard(m, **kwargs)
         m.set_gradient_divide_factor(float(dense.size()))
-        if dist.get_backend(edp.get_group(edp.ndim - 1)) != "nccl":
-            m.set_force_sum_reduction_for_comms(True)    # the factor is a PREMUL_SUM, which only NCCL has
+        # The factor is a PREMUL_SUM in the reduce-scatter, which only NCCL has: elsewhere FSDP2
+        # sums and divides after. Not for a group of one, where FSDP2 (torch 2.13 _fsdp_collectives
+        # foreach_reduce) skips the reduce-scatter, divides the copy, and would divide again.
+        shard = edp.get_group(edp.ndim - 1)
+        if dist.get_backend(shard) != "nccl" and shard.size() > 1:
+            m.set_force_sum_reduction_for_comms(True)
 
 
 def _expert_placement(param, n: int):
