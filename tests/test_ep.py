@@ -50,20 +50,23 @@ def test_ep_is_a_checked_job_option():
 def test_what_cannot_honour_ep_says_what_can():
     from hybrid.backends.ep import check_expert_parallel
     from hybrid.models import build_decoder
+    from hybrid.catalogue import load_catalogue
+    cat = load_catalogue()
     model = tiny_moe_decoder()
-    assert len(check_expert_parallel(model, 2, "fsdp", False, 1)) == 2
-    with pytest.raises(HybridError, match="not the ddp family; use strategy fsdp or hsdp with ep"):
-        check_expert_parallel(model, 2, "ddp", False, 1)
-    with pytest.raises(HybridError, match="not the deepspeed family; use strategy fsdp or hsdp"):
-        check_expert_parallel(model, 2, "deepspeed", False, 1)
-    with pytest.raises(HybridError, match="not a pipeline; use strategy fsdp or hsdp with ep \\(and pp 1\\)"):
-        check_expert_parallel(model, 2, "fsdp", True, 1)
+    assert len(check_expert_parallel(model, 2, cat["fsdp"], False, 1)) == 2
+    assert len(check_expert_parallel(model, 2, cat["hsdp"], False, 1)) == 2
+    with pytest.raises(HybridError, match=r"not ddp \(the ddp family\); use strategy fsdp or hsdp with ep"):
+        check_expert_parallel(model, 2, cat["ddp"], False, 1)
+    with pytest.raises(HybridError, match=r"not zero3 \(the deepspeed family\); use strategy fsdp or hsdp"):
+        check_expert_parallel(model, 2, cat["zero3"], False, 1)
+    with pytest.raises(HybridError, match=r"not a pipeline; use strategy fsdp or hsdp with ep \(and pp 1\)"):
+        check_expert_parallel(model, 2, cat["fsdp"], True, 1)
     with pytest.raises(HybridError, match="ep 2 with tp 2.*use tp 1 with ep"):
-        check_expert_parallel(model, 2, "fsdp", False, 2)
+        check_expert_parallel(model, 2, cat["fsdp"], False, 2)
     with pytest.raises(HybridError, match="ep 8 does not divide the 4 experts.*use an ep that divides 4"):
-        check_expert_parallel(model, 8, "fsdp", False, 1)
+        check_expert_parallel(model, 8, cat["fsdp"], False, 1)
     with pytest.raises(HybridError, match="no stacked experts.*use ep 1 for a dense model"):
-        check_expert_parallel(build_decoder("tiny-llama"), 2, "fsdp", False, 1)
+        check_expert_parallel(build_decoder("tiny-llama"), 2, cat["fsdp"], False, 1)
 
 
 @pytest.mark.fakepg          # CPU modules, no process group

@@ -32,10 +32,10 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
     return out
 
 
-def check_expert_parallel(model: nn.Module, ep: int, family: str, pipeline: bool, tp: int) -> list[nn.Module]:
+def check_expert_parallel(model: nn.Module, ep: int, strategy, pipeline: bool, tp: int) -> list[nn.Module]:
     """The experts modules ep can split, or a one-line HybridError naming what to change."""
-    if family != "fsdp" or pipeline:
-        what = "a pipeline" if pipeline else f"the {family} family"
+    if not strategy.family_obj.supports_ep or pipeline:
+        what = "a pipeline" if pipeline else f"{strategy.name} (the {strategy.family} family)"
         raise HybridError(f"ep {ep}: expert parallelism runs under FSDP2 only, not {what}; use strategy fsdp or hsdp "
                           "with ep (and pp 1), or ep 1")
     if tp > 1:
@@ -63,7 +63,7 @@ def with_expert_parallel(chosen, ep: int, model: nn.Module):
     """The planned candidate with its layout's ep set (checked: the family, the pipeline, tp, ep
     dividing dp_shard x cp and every experts module's count)."""
     import dataclasses
-    check_expert_parallel(model, ep, chosen.strategy.family, chosen.pipeline is not None, chosen.parallel.tp)
+    check_expert_parallel(model, ep, chosen.strategy, chosen.pipeline is not None, chosen.parallel.tp)
     dims = chosen.parallel
     if (dims.dp_shard * dims.cp) % ep:
         raise HybridError(f"ep {ep} must divide the {dims.dp_shard * dims.cp} ranks the {chosen.name} layout shards "

@@ -84,6 +84,10 @@ class Family:
             raise NotApplicable(f"{s.name}: not applicable with tp > 1 (use an fsdp or ddp strategy over the "
                                 "tensor-parallel groups)")
 
+    supports_ep: bool = False
+    """Whether expert parallelism (ep > 1) is modelled over the family: its experts FSDP-sharded
+    over expert_shard ranks as a unit of their own (memory/moe.py; torchtitan's layout)."""
+
     supports_cp: bool = True
     """Whether the family runs over context-parallel groups (cp > 1): its gradient reduction
     spans dp x cp (FSDP shards over dp_shard x cp; DDP all-reduces over dp_replicate x cp)."""

@@ -15,6 +15,7 @@ class FSDPFamily(Family):
     knobs = frozenset({"reshard_after_forward", "offload_params", "offload_optimizer"})
     runtime_module = "hybrid.backends.fsdp"
     emits = "fsdp"
+    supports_ep = True
 
     def validate(self, s, where):
         if s.offload_params != s.offload_optimizer:
