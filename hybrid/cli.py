@@ -144,12 +144,14 @@ def _estimator(args, src, cluster):
     verb = "tracing" if args.method == "traced" else "measuring"
     progress = Progress(verb)
 
-    def estimator(strategy, spec, n, cp=1):
+    def estimator(strategy, spec, n, cp=1, ep=1):
         if args.method == "measured":
+            if ep > 1:
+                raise HybridError(f"--method measured runs ep 1 only; use --method traced or analytic for --ep {ep}")
             check_host_memory(src, strategy, spec, cluster, n if strategy.shard_is_free else None)
         progress.begin(f"{strategy.name} (shard {n}{f', cp {cp}' if cp > 1 else ''})")
         result = run(src, strategy, spec, cluster, n if strategy.shard_is_free else None, prefer_hf=prefer_hf,
-                     **({"cp": cp} if cp > 1 else {}))
+                     **({"cp": cp} if cp > 1 else {}), **({"ep": ep} if ep > 1 else {}))
         progress.end(f"{result.seconds:.1f}s ({result.implementation})")
         impl = {"transformers": "the transformers model", "hybrid": "hybrid's own implementation",
                 "factory": "the factory's model"}[result.implementation]

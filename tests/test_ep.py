@@ -213,3 +213,24 @@ def test_ep2_by_dp2_on_four_ranks_trains_like_one_process_and_loads_under_ep1(tm
     from hybrid.launch import run_ranks
     jobs = [("fsdp", "mixtral"), ("fsdp", "ours"), ("hsdp", "mixtral")]
     _check(run_ranks(4, ep_ranks, jobs, str(tmp_path / "ep2dp2"), local_world=2), 4, jobs)
+
+
+@pytest.mark.fakepg
+def test_traced_estimate_runs_the_expert_parallel_code_on_fake_ranks():
+    """Mixtral-8x7B, fsdp on 8 x 8 H100, traced with ep 1 and ep 8 (one expert per rank): each
+    rank keeps the same share of the states (ep 8 x expert_shard 8 = the 64 ranks ep 1 shards
+    over), while the expert unit FSDP gathers for a layer shrinks from 8 experts to 1: the peak
+    drops by at least one layer's bf16 expert stack (7 x 3 x 14336 x 4096 x 2 bytes)."""
+    from hybrid.catalogue import load_catalogue
+    from hybrid.cluster import Cluster
+    from hybrid.memory.traced import traced_estimate
+    from hybrid.profile import resolve_model
+    from hybrid.spec import TrainSpec
+    src, cl, spec = resolve_model("mixtral-8x7b"), Cluster.build(8, 8, "h100-80gb"), TrainSpec(1, 4096)
+    fsdp = load_catalogue()["fsdp"]
+    one, eight = (traced_estimate(src, fsdp, spec, cl, ep=ep).memory for ep in (1, 8))
+    assert eight.params == pytest.approx(one.params, rel=1e-3)
+    assert eight.optimizer == pytest.approx(one.optimizer, rel=1e-3)
+    assert one.allocated - eight.allocated > 7 * 3 * 14336 * 4096 * 2
+    with pytest.raises(HybridError, match="ep 8: expert parallelism runs under FSDP2 only, not ddp"):
+        traced_estimate(src, load_catalogue()["ddp"], spec, cl, ep=8)

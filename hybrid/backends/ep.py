@@ -94,7 +94,7 @@ def apply_expert_parallel(model: nn.Module, mesh, spec=None) -> int:
             dt = DTensor.from_local(local, group_mesh, [Shard(0)], run_check=False)
             m._parameters[name] = nn.Parameter(dt, requires_grad=p.requires_grad)
         m._hybrid_ep = (group_mesh.get_group(), ep)
-        m.forward = _ExpertParallelForward(m)
+        m.forward = _ExpertParallelForward(m, getattr(spec, "moe_imbalance", 1.0))
     return len(experts)
 
 
@@ -166,8 +166,11 @@ class _ExpertParallelForward:
        each token's row in ascending expert order, the order of the one-process loop.
     """
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, imbalance: float = 1.0):
         self.module = module
+        self.imbalance = imbalance
+        """Traced estimates only (a fake process group carries no counts): the rows this rank
+        receives over the mean, spread evenly over its experts."""
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
         m = self.module
@@ -177,23 +180,35 @@ class _ExpertParallelForward:
         chosen = top_k_index.reshape(-1)
         order = torch.argsort(chosen, stable=True)         # rows grouped by expert, tokens in order
         token = order // k
-        counts = torch.bincount(chosen, minlength=m.num_experts)
-        got = torch.empty_like(counts)
-        dist.all_to_all_single(got, counts, group=group)   # [source rank, my local expert]
-        got = got.view(ep, n)
-        send = counts.view(ep, n).sum(1).tolist()
-        recv = got.sum(1).tolist()
+        if dist.get_backend(group) == "fake":
+            send, recv, sizes = self._planned(chosen.numel(), ep, n)
+            perm = torch.arange(sum(recv), device=hidden_states.device)
+        else:
+            counts = torch.bincount(chosen, minlength=m.num_experts)
+            got = torch.empty_like(counts)
+            dist.all_to_all_single(got, counts, group=group)   # [source rank, my local expert]
+            got = got.view(ep, n)
+            send, recv, sizes = counts.view(ep, n).sum(1).tolist(), got.sum(1).tolist(), got.sum(0).tolist()
+            # regroup the received rows (by source rank, then local expert) by local expert
+            local = torch.repeat_interleave(torch.arange(n, device=got.device).repeat(ep), got.reshape(-1))
+            perm = torch.argsort(local, stable=True)
         rows = _AllToAll.apply(hidden_states[token], recv, send, group)
-        # regroup the received rows (by source rank, then local expert) by local expert
-        local = torch.repeat_interleave(torch.arange(n, device=got.device).repeat(ep), got.reshape(-1))
-        perm = torch.argsort(local, stable=True)
-        out = self._run(rows[perm], got.sum(0).tolist())
+        out = self._run(rows[perm], sizes)
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(perm.numel(), device=perm.device)
         back = _AllToAll.apply(out[inverse], send, recv, group)
         back = back * top_k_weights.reshape(-1)[order, None]
         final = torch.zeros_like(hidden_states)
         return final.index_add_(0, token, back.to(final.dtype))
+
+    def _planned(self, rows: int, ep: int, n: int):
+        """(send, recv, rows per local expert) of a traced step: this rank's rows spread evenly
+        over the ep ranks, and imbalance x as many received, spread evenly over its experts."""
+        def even(total, parts):
+            return [total // parts + (i < total % parts) for i in range(parts)]
+        recv = even(round(rows * self.imbalance), ep)
+        sizes = [sum(c) for c in zip(*(even(r, n) for r in recv))]
+        return even(rows, ep), recv, sizes
 
     def _run(self, x, sizes):
         m = self.module
