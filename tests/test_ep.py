@@ -179,6 +179,21 @@ def ep_ranks(jobs, path):
     return out
 
 
+def load_alone(name, path, world):
+    """One process: the checkpoint loaded under fsdp (no ep, world of one), then the step the
+    `world` ranks took next, each micro-batch the rows of all of theirs."""
+    from tests.test_loop import GA, MB, global_batches
+    w = _wrap(MODELS[name](seed=5), "fsdp", None)
+    w.load(path)
+    ids = global_batches(world, 1, seed=11)[0]
+    for k in range(GA):
+        local = ids[k * world * MB:(k + 1) * world * MB]
+        w.backward(w(local, labels=local).loss)
+        w.step()
+        w.zero_grad()
+    return w.state_dict()
+
+
 def _check(results, world, jobs):
     from tests.test_loop import CLIP, reference
     refs = {name: reference(world, model_fn=MODELS[name])[:2] for name in {job[1] for job in jobs}}
@@ -205,14 +220,17 @@ def _check(results, world, jobs):
 
 
 @pytest.mark.gloo
-def test_ep2_on_two_ranks_trains_like_one_process_and_loads_under_ep1(tmp_path):
+def test_ep2_on_two_ranks_trains_like_one_process_and_loads_under_ep1_and_alone(tmp_path):
     """ep 2 = dp_shard 2 on 2 ranks (each rank its 2 of 4 experts), 3 steps with accumulation,
     clipping (expert and dense gradients on different meshes) and a scheduler: the transformers
     Mixtral, our MoE decoder and transformers' Qwen3-MoE (with full activation checkpointing: the
     all-to-alls run again in backward) within 1e-5 of one process on the same global batch."""
     from hybrid.launch import run_ranks
     jobs = [("fsdp", "mixtral", None), ("fsdp", "ours", None), ("fsdp", "qwen3", "full")]
-    print("max abs diff vs one process:", _check(run_ranks(2, ep_ranks, jobs, str(tmp_path / "ep2")), 2, jobs))
+    results = run_ranks(2, ep_ranks, jobs, str(tmp_path / "ep2"))
+    print("max abs diff vs one process:", _check(results, 2, jobs))
+    alone = run_ranks(1, load_alone, "mixtral", str(tmp_path / "ep2"), 2)[0]      # the same step in one process
+    assert max((alone[k] - results[0]["after"][k]).abs().max().item() for k in alone) < 1e-5
 
 
 @pytest.mark.gloo
