@@ -263,3 +263,33 @@ def test_traced_estimate_runs_the_expert_parallel_code_on_fake_ranks():
     assert one.allocated - eight.allocated > 7 * 3 * 14336 * 4096 * 2
     with pytest.raises(HybridError, match="ep 8: expert parallelism runs under FSDP2 only, not ddp"):
         traced_estimate(src, load_catalogue()["ddp"], spec, cl, ep=8)
+
+
+@pytest.mark.fakepg
+def test_the_expert_parallel_block_keeps_no_more_for_backward_than_one_process():
+    """What a Mixtral MoE block keeps alive after forward (MemoryTracker, real CPU tensors): under
+    ep 2 on a fake process group (even routing, the rows of all experts on this rank, as one
+    process has them) no more than transformers' own experts in one process."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hybrid.backends.ep import apply_expert_parallel
+    from hybrid.memory.tracker import MemoryTracker
+    from hybrid.parallel import ParallelDims
+    model = tiny_mixtral()
+    block = model.model.layers[0].mlp
+    x = torch.randn(1, 256, 32, requires_grad=True)
+
+    def kept():
+        tracker = MemoryTracker()
+        with tracker:
+            y = block(x)
+        return tracker.current - y.untyped_storage().nbytes()
+    one = kept()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        apply_expert_parallel(model, ParallelDims(dp_shard=2, ep=2).build_mesh("cpu"))
+        ep = kept()
+    finally:
+        dist.destroy_process_group()
+    assert 0 < ep <= one, (ep, one)

@@ -162,8 +162,8 @@ class _ExpertParallelForward:
        gets per expert (an all-to-all of counts);
     2. send the rows to their experts' ranks (all-to-all), regroup them by local expert, run each
        expert (gate/up, activation x up, down) as the model's experts do;
-    3. send the outputs back (all-to-all), weight them by the router's scores and add them into
-       each token's row in ascending expert order, the order of the one-process loop.
+    3. send the outputs back (all-to-all), put each token's k rows side by side, weight them by
+       the router's scores and sum them.
     """
 
     def __init__(self, module: nn.Module, imbalance: float = 1.0):
@@ -196,10 +196,13 @@ class _ExpertParallelForward:
         out = self._run(rows[perm], sizes)
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(perm.numel(), device=perm.device)
-        back = _AllToAll.apply(out[inverse], send, recv, group)
-        back = back * top_k_weights.reshape(-1)[order, None]
-        final = torch.zeros_like(hidden_states)
-        return final.index_add_(0, token, back.to(final.dtype))
+        back = _AllToAll.apply(out[inverse], send, recv, group)        # this rank's rows, by expert
+        # each token's k rows side by side, weighted and summed: a gather, not index_add_, which
+        # would keep its whole source for backward (one more tokens x k x hidden per layer)
+        where = torch.empty_like(order)
+        where[order] = torch.arange(order.numel(), device=order.device)
+        per_token = back[where].view(-1, k, back.shape[-1])
+        return (per_token * top_k_weights[..., None]).to(hidden_states.dtype).sum(dim=1)
 
     def _planned(self, rows: int, ep: int, n: int):
         """(send, recv, rows per local expert) of a traced step: this rank's rows spread evenly
