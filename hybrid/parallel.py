@@ -7,8 +7,9 @@ ranks node by node, so the innermost dimensions are consecutive ranks. tp groups
 stay inside a node (NVLink); a cp x tp block (a K/V all-gather per layer) and a dp_shard x cp x tp
 block (FSDP shards parameters over dp_shard x cp, as torchtitan does) are inside a node or span
 whole nodes; replicas and pipeline stages (the least traffic) cross nodes. cp ranks read the same
-sequences (each holds two of its 2cp chunks), so the data ranks are dp_replicate x dp_shard. Every rule is checked once, here, and every error
-prints the equation and the valid choices. Nothing outside this value computes rank groups.
+sequences (each holds two of its 2cp chunks), so the data ranks are dp_replicate x dp_shard.
+Every rule is checked once, here, and every error prints the equation and the valid choices.
+Nothing outside this value computes rank groups.
 """
 from __future__ import annotations
 

@@ -19,11 +19,12 @@ from .calibration import MODEL_ERROR
 from . import batch as batch_search
 from .batch import BatchChoice
 from .catalogue import Strategy, load_catalogue
-from .parallel import ParallelDims, valid_shard_sizes
+from .parallel import ParallelDims, divisors, valid_shard_sizes
 from .cluster import GPUS, Cluster
 from .cost import StepCost, step_cost
 from .errors import HybridError
 from .memory.analytic import NotApplicable, check_job, estimate
+from .memory.moe import check_ep
 from .memory.breakdown import MemoryBreakdown, fragmentation_floor, overhead_bytes
 from .pipeline import VIRTUAL, PipelineLayout, balanced_split, even_split, pp_degrees, schedules_for, stage_cluster
 from .profile import ModelProfile, stage_share, tp_degrees
@@ -105,19 +106,25 @@ class Candidate:
         return self.parallel.cp
 
     @property
+    def ep(self) -> int:
+        return self.parallel.ep
+
+    @property
     def label(self) -> str:
         ckpt = self.spec.activation_checkpointing
         pipe = "" if self.pipeline is None else f"+pp{self.pp}" + (
             "" if self.pipeline.schedule == "1f1b" else f":{self.pipeline.schedule}")
-        return (self.name + ("" if self.cp == 1 else f"+cp{self.cp}") + ("" if self.tp == 1 else f"+tp{self.tp}")
+        return (self.name + ("" if self.cp == 1 else f"+cp{self.cp}") + ("" if self.ep == 1 else f"+ep{self.ep}")
+                + ("" if self.tp == 1 else f"+tp{self.tp}")
                 + pipe + ("" if ckpt == "none" else f"+ac:{ckpt}"))
 
     def simplicity(self) -> tuple:
         """No host offload first, then fewer model-parallel dimensions (pipeline, tensor parallel,
         then context parallel: tp splits every matrix and adds four activation collectives per block,
-        cp leaves the matrices whole and exchanges K/V once per layer), then the simpler
+        cp leaves the matrices whole and exchanges K/V once per layer; then expert parallel: four
+        all-to-alls per MoE layer and a rank's load set by the routing), then the simpler
         data-parallel strategy, less recomputation, the wider shard group."""
-        return (self.strategy.offload, self.pp, self.tp, self.cp, self.strategy.rank(),
+        return (self.strategy.offload, self.pp, self.tp, self.cp, self.ep, self.strategy.rank(),
                 ckpt_rank(self.spec.activation_checkpointing), -self.shard_size)
 
     def to_dict(self) -> dict:
@@ -208,7 +215,7 @@ class Plan:
 
 def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
           shard_size: int | None = None, estimator=None, efficiency: float | None = None, tp: int = 1,
-          pp: int = 1, schedule: str | None = None, cp: int = 1) -> Candidate:
+          pp: int = 1, schedule: str | None = None, cp: int = 1, ep: int = 1) -> Candidate:
     """Estimate one candidate and say whether and why it fits. `estimator(strategy, spec, n)`
     replaces the analytic memory model (traced, measured) for tp 1; the analytic one still rules
     out strategies that cannot run the job at all, before anything expensive runs. With pp > 1
@@ -216,7 +223,8 @@ def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: C
     the stage's share of the cluster; the largest is the candidate's memory."""
     stage_cl = stage_cluster(cluster, pp)
     n = strategy.shard_size(stage_cl, shard_size, tp, cp)
-    dims = ParallelDims(dp_replicate=stage_cl.world_size // tp // cp // n, dp_shard=n, cp=cp, tp=tp, pp=pp).validate(
+    dims = ParallelDims(dp_replicate=stage_cl.world_size // tp // cp // n, dp_shard=n, cp=cp, tp=tp, pp=pp,
+                        ep=ep).validate(
         cluster.world_size, cluster.gpus_per_node)
     layout, stages = None, ()
     try:
@@ -226,10 +234,10 @@ def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: C
                            for r in range(pp))
             m = max(stages, key=lambda b: b.total)
         else:
-            m = estimate(strategy, profile, spec, cluster, n, tp, cp)
+            m = estimate(strategy, profile, spec, cluster, n, tp, cp, ep)
         floor = m.floor            # the model's shape and the allocator's, whatever the estimator
         if estimator is not None and tp == 1 and pp == 1:
-            m = estimator(strategy, spec, n) if cp == 1 else estimator(strategy, spec, n, cp=cp)
+            m = estimator(strategy, spec, n, **{k: v for k, v in (("cp", cp), ("ep", ep)) if v > 1})
         elif estimator is not None and pp > 1 and hasattr(estimator, "stage"):
             busiest = max(range(pp), key=lambda r: stages[r].total)
             m = estimator.stage(strategy, spec, n, tp, layout, busiest)
@@ -237,7 +245,7 @@ def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: C
             m = replace(m, floor=floor, overhead=max(m.overhead, m.context + floor))
     except NotApplicable as e:
         return Candidate(strategy, dims, spec, None, False, f"not applicable: {e}")
-    cost = step_cost(strategy, profile, spec, cluster, n, efficiency, tp, layout, cp)
+    cost = step_cost(strategy, profile, spec, cluster, n, efficiency, tp, layout, cp, ep)
     cap, host = cluster.capacity_bytes, cluster.host_bytes_per_rank
     tight = m.total > cap and m.needed <= cap and m.cpu <= host
     fits = m.needed <= cap and m.cpu <= host
@@ -316,14 +324,15 @@ def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, 
                          cluster: Cluster, names: list[str], shard_size: int | None,
                          search_checkpointing: bool, search_shards: bool = True,
                          tp: int | None = 1, pp: int | None = 1, schedule: str | None = None,
-                         cp: int = 1, cp_pinned: bool = False) -> list[tuple]:
+                         cp: int = 1, cp_pinned: bool = False, ep: int | None = 1) -> list[tuple]:
     """Every preset x tensor-parallel degree (tp None: every valid one for families that run
     over tp groups; an int pins it) x pipeline degree and schedule (pp None: 1, and for
     families that run stages every pp the cluster allows, pipeline.pp_degrees; an int pins it)
     x its shard sizes (a free-shard preset: every valid size, or with pp > 1 its default one;
     --shard-size pins it) x checkpointing {none, selective, full} when it can apply, at one
-    context-parallel degree `cp` (families without cp are left out unless it is pinned). Items:
-    (strategy, shard size, spec, tp, pp, schedule)."""
+    context-parallel degree `cp` (families without cp are left out unless it is pinned) x its
+    expert-parallel degrees (ep_degrees; ep None tries them, an int pins it). Items:
+    (strategy, shard size, spec, tp, pp, schedule, ep)."""
     can_ckpt = profile.num_blocks > 0 and (profile.decoder is not None or profile.activation_bytes_per_sample)
     ckpts = list(CKPT_ORDER) if search_checkpointing and can_ckpt else [spec.activation_checkpointing]
     if pp is None:
@@ -367,12 +376,30 @@ def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, 
                                                if 1 < n < groups)})
                 else:
                     sizes = [s.shard_size(cl, shard_size, t, cp)]
-                for n in sizes:
+                for n, e in ((n, e) for n in sizes for e in ep_degrees(profile, s, n, cp, t, p, cl, ep)):
                     for ac in ckpts:
                         for sched in scheds:
                             out.append((s, n, replace(spec, activation_checkpointing=ac), t, p,
-                                        sched if p > 1 else None))
+                                        sched if p > 1 else None, e))
     return out
+
+
+def ep_degrees(profile: ModelProfile, strategy: Strategy, n: int, cp: int, tp: int, pp: int, cluster: Cluster,
+               ep: int | None) -> list[int]:
+    """Expert-parallel degrees of one layout: 1 for a dense model; a pinned ep where it divides
+    dp_shard x cp (ParallelDims' rule); else, for an MoE model under an fsdp strategy at pp 1
+    (memory/moe.py models those), 1 and every divisor of the experts that divides dp_shard x cp
+    and lies inside a node or on whole nodes (consecutive ranks, as shard groups do)."""
+    d = profile.decoder
+    if d is None or not d.moe:
+        return [1]
+    if ep is not None:
+        return [ep] if (n * cp) % ep == 0 else []
+    if not strategy.family_obj.supports_ep or pp > 1:
+        return [1]
+    per = cluster.gpus_per_node // tp
+    return [e for e in divisors(d.experts)
+            if e == 1 or ((n * cp) % e == 0 and (per % e == 0 or (e % per == 0 and cluster.nodes % (e // per) == 0)))]
 
 
 def choose(cands, tie: float = TIE) -> Candidate | None:
@@ -393,7 +420,7 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
          search_checkpointing: bool = False, efficiency: float | None = None,
          suggest_fixes: bool = True, search_shards: bool = True, tp: int | None = None,
          pp: int | None = None, schedule: str | None = None, calibration=None,
-         cp: int | None = None, micro_batch: int | None = None) -> Plan:
+         cp: int | None = None, micro_batch: int | None = None, ep: int | None = 1) -> Plan:
     """Judge every candidate and choose. A calibration (calibration.Calibration) replaces the
     GPU's speed figures with the fitted ones and its error becomes the tie band (Calibration.tie).
     With search_checkpointing the planner also tries each activation-checkpointing setting (the
@@ -402,7 +429,8 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
     micro-batch count), an int pins it, as `schedule` pins the schedule. cp None tries every
     context-parallel degree (cp_degrees) when the sequence is long (memory/cp.LONG_SEQ), an int
     pins it. With spec.global_batch each layout's micro-batch and accumulation are searched
-    (hybrid/batch.py) unless `micro_batch` pins the micro-batch."""
+    (hybrid/batch.py) unless `micro_batch` pins the micro-batch. ep None tries every expert-parallel
+    degree of an MoE model (ep_degrees), an int pins it (1: none)."""
     check_job(profile, spec)
     tie = TIE
     if calibration is not None:
@@ -431,6 +459,8 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
                               f"{profile.num_blocks} blocks); valid: {', '.join(map(str, valid))}")
     if schedule is not None:
         PipelineLayout(2, schedule, 1, (1, 1))             # the name check, one line
+    if ep is not None:
+        check_ep(profile, ep)
     if (cp or 1) > 1 and (pp or 1) > 1:
         raise HybridError(f"--cp {cp} with --pp {pp}: pipeline stages do not carry the sequence positions context "
                           "parallelism needs; use --pp 1 with --cp, or --cp 1 with --pp")
@@ -440,7 +470,12 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
                                              search_shards=search_shards and estimator is None,
                                              tp=tp if tp is not None or estimator is None else 1,
                                              pp=pp if pp is not None or estimator is None else 1, schedule=schedule,
-                                             cp=c, cp_pinned=cp is not None)]
+                                             cp=c, cp_pinned=cp is not None,
+                                             ep=ep if ep is not None or estimator is None else 1)]
+    if (ep or 1) > 1 and not todo:
+        raise HybridError(f"--ep {ep}: no layout on {cluster.describe()} has dp_shard x cp divisible by {ep} (expert-"
+                          f"parallel ranks are taken from them): use an --ep that divides {cluster.world_size}, or "
+                          "leave --ep out")
     if estimator is not None and (pp or 1) > 1:         # a traced pipeline: its families and schedules
         todo = [(c, t) for c, t in todo if t[0].family_obj.supports_pp and (schedule or t[5]) != "interleaved"]
     if hasattr(estimator, "expect"):                    # how many candidates it will see (progress)
@@ -452,7 +487,7 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
     fixes = ()
     if chosen is None and suggest_fixes and estimator is None:
         fixes = tuple(suggest(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp, pp,
-                              micro_batch, cp))
+                              micro_batch, cp, ep))
     return Plan(profile, cluster, spec, tuple(order), chosen, method, fixes, tie, calibration)
 
 
@@ -461,23 +496,24 @@ def judge_all(todo: list[tuple], profile: ModelProfile, cluster: Cluster, estima
               pinned_schedule: bool = False) -> list[Candidate]:
     """Judge enumerated (cp, item) pairs; at a global batch each item's batch shape is searched first."""
     if not todo or todo[0][1][2].global_batch is None:
-        return [judge(s, profile, sp, cluster, n, estimator, efficiency, t, p, sc, c)
-                for c, (s, n, sp, t, p, sc) in todo]
+        return [judge(s, profile, sp, cluster, n, estimator, efficiency, t, p, sc, c, e)
+                for c, (s, n, sp, t, p, sc, e) in todo]
     out = []
-    for c, (s, n, sp, t, p, sc) in todo:
-        def one(s, sp, n, t, p, sc, est, c=c):
-            return judge(s, profile, sp, cluster, n, est, efficiency, t, p, sc, c)
+    for c, (s, n, sp, t, p, sc, e) in todo:
+        def one(s, sp, n, t, p, sc, est, c=c, e=e):
+            return judge(s, profile, sp, cluster, n, est, efficiency, t, p, sc, c, e)
         out.append(batch_search.search(one, s, sp, cluster, n, t, p, sc, estimator, micro_batch, pinned_schedule, c))
     return out
 
 
 def _fits_with(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp=None,
-               pp=None, cp=1, micro_batch=None) -> Candidate | None:
+               pp=None, cp=1, micro_batch=None, ep=1) -> Candidate | None:
     try:
         check_job(profile, spec)
     except HybridError:
         return None
-    todo = enumerate_candidates(cat, profile, spec, cluster, names, None, search_checkpointing, tp=tp, pp=pp, cp=cp)
+    todo = enumerate_candidates(cat, profile, spec, cluster, names, None, search_checkpointing, tp=tp, pp=pp, cp=cp,
+                                ep=ep)
     return choose(judge_all([(cp, item) for item in todo], profile, cluster, None, efficiency, micro_batch))
 
 
@@ -505,13 +541,26 @@ def _size(c: Candidate) -> str:
     return f"{fmt_bytes(c.memory.needed)}, tight" if c.tight else fmt_bytes(c.memory.total)
 
 
+def _larger_ep(profile, spec, cluster, cat, names, efficiency, tp, pp, cp, micro_batch, ep) -> list[str]:
+    """An MoE plan at a pinned ep: the smallest larger ep that makes some candidate fit."""
+    d = profile.decoder
+    if ep is None or d is None or not d.moe:
+        return []
+    for e in [x for x in divisors(d.experts) if x > ep]:
+        c = _fits_with(profile, spec, cluster, cat, names, True, efficiency, tp, pp, cp, micro_batch, e)
+        if c:
+            return [f"--ep {e} ({c.label}: {_size(c)})"]
+    return []
+
+
 def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[str, Strategy],
             names: list[str], search_checkpointing: bool, efficiency: float | None = None,
             tp: int | None = None, pp: int | None = None, micro_batch: int | None = None,
-            cp: int | None = None) -> list[str]:
-    """The smallest change along each axis that makes some candidate fit (at a pinned cp)."""
+            cp: int | None = None, ep: int | None = 1) -> list[str]:
+    """The smallest change along each axis that makes some candidate fit (at a pinned cp, and the
+    plan's ep: a pinned one, or every ep_degrees choice)."""
     pinned_cp = cp or 1
-    out = []
+    out = _larger_ep(profile, spec, cluster, cat, names, efficiency, tp, pp, pinned_cp, micro_batch, ep)
     if pp is not None:      # pp was pinned: would another degree fit?
         for p in pp_degrees(cluster):
             c = p > pp and p <= profile.num_blocks and _fits_with(profile, spec, cluster, cat, names, True,
@@ -527,15 +576,14 @@ def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[
                 out.append(f"--tp {t} ({c.label}: {_size(c)})")
                 break
     if pp in (None, 1) and profile.decoder is not None:   # would splitting the sequence fit?
-        from .parallel import divisors
         for k in [d for d in divisors(cluster.world_size) if d > pinned_cp][:MAX_CP_TRIES - 1]:
             c = spec.seq_len % (2 * k) == 0 and _fits_with(profile, spec, cluster, cat, names, True, efficiency,
-                                                           tp, 1, k, micro_batch=micro_batch)
+                                                           tp, 1, k, micro_batch=micro_batch, ep=ep)
             if c:
                 out.append(f"--cp {k} ({c.label}: {_size(c)})")
                 break
     args = (cat, names, True, efficiency)
-    at = {"micro_batch": micro_batch, "cp": pinned_cp}
+    at = {"micro_batch": micro_batch, "cp": pinned_cp, "ep": ep}
     if not search_checkpointing and spec.activation_checkpointing != "full":
         for ac in ("selective", "full"):
             c = _fits_with(profile, replace(spec, activation_checkpointing=ac), cluster, *args, **at)

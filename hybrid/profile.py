@@ -113,7 +113,8 @@ def stage_share(profile: ModelProfile, layout, rank: int) -> ModelProfile:
         profile, name=f"{profile.name} [pp rank {rank}]", params=params,
         trainable_params=round(profile.trainable_params * frac), param_bytes=round(profile.param_bytes * frac),
         dtype_bytes=tuple((k, round(v * frac)) for k, v in profile.dtype_bytes), num_blocks=blocks,
-        root_params=root, factored_state=None if profile.factored_state is None else round(profile.factored_state * frac),
+        root_params=root,
+        factored_state=None if profile.factored_state is None else round(profile.factored_state * frac),
         tied_groups=(), decoder=dataclasses.replace(d, layers=blocks),
         stage=StageShare(rank, layout.pp, blocks, first, last, layout.in_flight_layers(rank),
                          layout.in_flight(rank), d.hidden))
@@ -171,7 +172,8 @@ def tp_share(profile: ModelProfile, tp: int) -> ModelProfile:
         dtype_bytes=tuple((k, round(v * frac)) for k, v in profile.dtype_bytes),
         block_params=profile.block_params - matrices + matrices // tp,
         root_params=profile.root_params - head + head // tp,
-        largest_layer_params=max(1, profile.largest_layer_params // tp), largest_param=max(1, profile.largest_param // tp),
+        largest_layer_params=max(1, profile.largest_layer_params // tp),
+        largest_param=max(1, profile.largest_param // tp),
         factored_state=None if profile.factored_state is None else profile.factored_state // tp)
 
 
@@ -408,7 +410,8 @@ def _from_config_json(path: str) -> ModelSource:
         raise
     except Exception as e:  # noqa: BLE001 - transformers rejects the config: say so in one line
         raise HybridError(f"cannot build a causal language model from {path!r} (model_type "
-                          f"{cfg.get('model_type')!r}): {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}. "
+                          f"{cfg.get('model_type')!r}): {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200] if str(e) else ''}. "
                           "config.json must describe a transformers causal LM; for other models give "
                           "package.module:factory") from None
     return ModelSource(profile_module(model, name), build, path)

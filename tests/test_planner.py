@@ -56,7 +56,8 @@ def test_nothing_fits_says_the_smallest_change():
 def test_cost_model_orders_what_it_should():
     prof = resolve_model("llama2-7b").profile
     spec = TrainSpec(1, 4096)
-    t = {n: step_cost(CAT[n], prof, spec, H100_64, CAT[n].shard_size(H100_64)) for n in ("ddp", "hsdp", "fsdp", "zero3", "zero3-hpz")}
+    t = {n: step_cost(CAT[n], prof, spec, H100_64, CAT[n].shard_size(H100_64))
+         for n in ("ddp", "hsdp", "fsdp", "zero3", "zero3-hpz")}
     assert t["zero3-hpz"].comm_s < t["zero3"].comm_s      # hpZ's backward gather stays in the node
     full_spec = TrainSpec(1, 4096, activation_checkpointing="full")
     full = step_cost(CAT["fsdp"], prof, full_spec, H100_64, 64)
@@ -65,7 +66,8 @@ def test_cost_model_orders_what_it_should():
     ew, ew_full = (elementwise_seconds(prof, s, H100_64.gpu) for s in (spec, full_spec))
     assert full.compute_s - ew_full == pytest.approx((t["fsdp"].compute_s - ew) * 8 / 6)
     assert ew_full > ew > 0
-    assert 0 < t["hsdp"].mfu <= H100_64.gpu.efficiency + 1e-9 and t["hsdp"].tokens_per_s_per_gpu == pytest.approx(4096 / t["hsdp"].seconds)
+    assert 0 < t["hsdp"].mfu <= H100_64.gpu.efficiency + 1e-9
+    assert t["hsdp"].tokens_per_s_per_gpu == pytest.approx(4096 / t["hsdp"].seconds)
 
 
 @pytest.mark.unit
@@ -85,7 +87,8 @@ def _emit(capsys, *argv):
 @pytest.mark.unit
 def test_emit_fsdp_yaml(capsys):
     doc = yaml.safe_load(_emit(capsys, "llama2-7b", "--nodes", "8", "--seq-len", "4096", "--emit", "fsdp"))
-    assert doc["mesh"]["dim_names"] == ["dp_replicate", "dp_shard"] and doc["mesh"]["shape"][0] * doc["mesh"]["shape"][1] == 64
+    assert doc["mesh"]["dim_names"] == ["dp_replicate", "dp_shard"]
+    assert doc["mesh"]["shape"][0] * doc["mesh"]["shape"][1] == 64
     # the transformers class users train (a preset is estimated from our own Block)
     assert doc["fully_shard"]["units"] == ["LlamaDecoderLayer", "root"]
     assert doc["fully_shard"]["mp_policy"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}

@@ -59,19 +59,6 @@ def check_expert_parallel(model: nn.Module, ep: int, strategy, pipeline: bool, t
     return experts
 
 
-def with_expert_parallel(chosen, ep: int, model: nn.Module):
-    """The planned candidate with its layout's ep set (checked: the family, the pipeline, tp, ep
-    dividing dp_shard x cp and every experts module's count)."""
-    import dataclasses
-    check_expert_parallel(model, ep, chosen.strategy, chosen.pipeline is not None, chosen.parallel.tp)
-    dims = chosen.parallel
-    if (dims.dp_shard * dims.cp) % ep:
-        raise HybridError(f"ep {ep} must divide the {dims.dp_shard * dims.cp} ranks the {chosen.name} layout shards "
-                          f"over (dp_shard {dims.dp_shard} x cp {dims.cp}); pass shard_size= a multiple of {ep}, or a "
-                          "smaller ep")
-    return dataclasses.replace(chosen, parallel=dataclasses.replace(dims, ep=ep))
-
-
 def apply_expert_parallel(model: nn.Module, mesh, spec=None) -> int:
     """Split every experts module over mesh's "ep" dimension (no-op at ep 1): each rank keeps its
     experts / ep consecutive experts (a DTensor Shard(0) cut from the full stack every rank

@@ -130,7 +130,8 @@ class FSDPFamily(Family):
                 "units": [layer, "root"] if layer else ["root"],
                 "reshard_after_forward": s.reshard_after_forward,
                 "mp_policy": ({"param_dtype": {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}[c.spec.precision],
-                               "reduce_dtype": "float32"} if c.spec.mixed else {"param_dtype": None, "reduce_dtype": None}),
+                               "reduce_dtype": "float32"} if c.spec.mixed
+                              else {"param_dtype": None, "reduce_dtype": None}),
                 "offload_policy": "CPUOffloadPolicy(pin_memory=True)" if s.offload_params else None,
             },
             "activation_checkpointing": c.spec.activation_checkpointing,

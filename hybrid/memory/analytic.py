@@ -22,6 +22,7 @@ from .activations import ActivationTerms, activation_terms, largest_transient
 from .breakdown import MemoryBreakdown, fragmentation_floor, overhead_bytes
 from .cp import local_spec, with_gathered_kv
 from .layout import FP32, NotApplicable, reduce_bytes
+from .moe import expert_parallel
 
 __all__ = ["NotApplicable", "check_job", "estimate", "layout_of"]
 
@@ -46,7 +47,7 @@ def layout_of(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluste
 
 
 def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
-             shard_size: int | None = None, tp: int = 1, cp: int = 1) -> MemoryBreakdown:
+             shard_size: int | None = None, tp: int = 1, cp: int = 1, ep: int = 1) -> MemoryBreakdown:
     """Per-GPU memory of one rank. With tp > 1 the rank holds its tensor-parallel share of the
     model (profile.tp_share) and every per-layer and head activation term is split tp ways
     (sequence parallelism and vocab-parallel logits, Korthikanti et al. arXiv 2205.05198), except
@@ -55,7 +56,9 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
     stage_share) keeps its in-flight micro-batches' activations, the logits only on the last
     stage, the receive buffers, and the moment its backward ends with the other micro-batches
     still in flight. With cp > 1 (memory/cp.py) FSDP shards over dp_shard x cp, every
-    per-token term is a sequence S / cp long, and each layer keeps the gathered K and V."""
+    per-token term is a sequence S / cp long, and each layer keeps the gathered K and V. With
+    ep > 1 (memory/moe.py) the experts are split over ep ranks: their gathered unit, routed
+    activations and all-to-all buffers are the busiest rank's."""
     check_job(profile, spec)
     n = strategy.shard_size(cluster, shard_size, tp, cp)
     if tp > 1:
@@ -74,7 +77,8 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
     whole, whole_spec = profile, spec
     spec = local_spec(spec, cp)
     profile = tp_share(profile, tp)
-    lay = layout_of(strategy, profile, spec, cluster, n * cp)
+    moe = expert_parallel(strategy, profile, spec, cluster, n, cp, ep, layout_of)
+    lay = moe.layout if moe else layout_of(strategy, profile, spec, cluster, n * cp)
     notes = list(lay.notes)
     if profile.decoder:
         act = activation_terms(profile.decoder, spec, lay.autocast)
@@ -83,7 +87,8 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
             # whole: in every stored block, or only in the recomputed one under full checkpointing
             gathered = 2 * spec.bytes.compute * whole.decoder.hidden * spec.tokens * (1 - 1 / tp)
             stored, redone = (0, gathered) if spec.activation_checkpointing == "full" else (gathered, 0)
-            act = ActivationTerms(per_layer=int(act.per_layer / tp + stored), recompute=int(act.recompute / tp + redone),
+            act = ActivationTerms(per_layer=int(act.per_layer / tp + stored),
+                                  recompute=int(act.recompute / tp + redone),
                                   head_forward=int(act.head_forward / tp), head_backward=int(act.head_backward / tp),
                                   autocast_cache=int(act.autocast_cache / tp), layers=act.layers)
             notes.append(f"tensor parallel {tp}: matrices, embedding and head split {tp} ways; sequence-parallel "
@@ -94,6 +99,8 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
                          "sequence and keeps every layer's gathered K/V (or recomputes them with checkpointing)")
         if profile.stage is not None:
             act = _stage_activations(act, profile.stage)
+        if moe:
+            act = moe.activations(act, spec, profile.decoder.layers)
     elif getattr(spec, "compile", False):
         raise NotApplicable("compile's memory is modelled for decoder blocks (a preset or a decoder config.json); "
                             "this model has no known decoder shape")
@@ -111,7 +118,7 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
         act = ActivationTerms(0, 0, 0, 0, 0, 0)
     acts = act.layers * act.per_layer
     recv = _receive_buffers(profile, spec, tp)
-    unit = profile.block_params if profile.num_blocks else profile.largest_layer_params
+    unit = moe.unit if moe else (profile.block_params if profile.num_blocks else profile.largest_layer_params)
     unit_grads = (2 if lay.autocast else spec.bytes.compute) * unit
     moments = {
         "loss": dict(grads=lay.grads_start, activations=acts,
@@ -119,7 +126,8 @@ def estimate(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster
         # the block being differentiated: recomputed activations and its weight gradients as
         # autograd makes them (compute dtype), before they are reduced or accumulated
         "blocks": dict(grads=lay.grads_start, activations=acts,
-                       temporaries=act.recompute + act.autocast_cache + unit_grads, buffers=lay.buffers_mid),
+                       temporaries=act.recompute + act.autocast_cache + unit_grads + (moe.a2a_buffers if moe else 0),
+                       buffers=lay.buffers_mid),
         "grads": dict(grads=lay.grads_end, activations=0, temporaries=0, buffers=lay.buffers_end),
         "step": dict(grads=lay.grads_end + lay.grads_step, activations=0, temporaries=lay.scratch,
                      buffers=lay.buffers_step),
