@@ -472,6 +472,10 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
                                              pp=pp if pp is not None or estimator is None else 1, schedule=schedule,
                                              cp=c, cp_pinned=cp is not None,
                                              ep=ep if ep is not None or estimator is None else 1)]
+    if (ep or 1) > 1 and not any(cat[n].family_obj.supports_ep for n in names):
+        raise HybridError(f"--ep {ep}: {', '.join(names)} cannot split experts; expert parallelism runs on "
+                          f"{', '.join(n for n in cat if cat[n].family_obj.supports_ep)}: use one of them with "
+                          "--ep, or leave --ep out")
     if (ep or 1) > 1 and not todo:
         raise HybridError(f"--ep {ep}: no layout on {cluster.describe()} has dp_shard x cp divisible by {ep} (expert-"
                           f"parallel ranks are taken from them): use an --ep that divides {cluster.world_size}, or "

@@ -54,6 +54,20 @@ def test_ep_is_a_checked_job_option():
         check_arguments({"ep": 0}, "auto_wrap")
 
 
+@pytest.mark.unit
+def test_a_forced_strategy_without_ep_says_which_have_it():
+    """auto_wrap(strategy="ddp", ep=2) and `hybrid plan --strategy ddp --ep 2` plan through here."""
+    from hybrid.catalogue import load_catalogue
+    from hybrid.cluster import Cluster
+    from hybrid.planner import plan
+    from hybrid.profile import resolve_model
+    from hybrid.spec import TrainSpec
+    prof, cl = resolve_model("mixtral-8x7b").profile, Cluster.build(8, 8, "h100-80gb")
+    for name in ("ddp", "zero3"):
+        with pytest.raises(HybridError, match=f"--ep 8: {name} cannot split experts; expert parallelism runs on"):
+            plan(prof, TrainSpec(1, 4096), cl, load_catalogue(), strategies=[name], ep=8)
+
+
 @pytest.mark.fakepg          # CPU modules, no process group
 def test_what_cannot_honour_ep_says_what_can():
     from hybrid.backends.ep import check_expert_parallel
