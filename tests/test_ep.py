@@ -136,12 +136,12 @@ def test_build_mesh_gives_the_ep_and_expert_data_parallel_ranks():
 
 
 # --- gloo: training equal to one process, checkpoints across ep -------------------------------
-def _wrap(model, strategy, ep, checkpointing=None):
+def _wrap(model, strategy, ep, checkpointing=None, cp=None):
     from hybrid import auto_wrap
     from tests.test_loop import CLIP, GA, MB, SEQ, adamw, warmup
     return auto_wrap(model, optimizer=adamw, scheduler=warmup, gradient_accumulation=GA, max_grad_norm=CLIP,
                      strategy=strategy, precision="fp32", micro_batch=MB, seq_len=SEQ, verbose=False, ep=ep,
-                     activation_checkpointing=checkpointing)
+                     activation_checkpointing=checkpointing, cp=cp)
 
 
 def _steps(w, batches):
@@ -170,15 +170,16 @@ def _expert_split(w) -> list:
 
 
 def ep_ranks(jobs, path):
-    """On the ranks: each (strategy, model, checkpointing) of `jobs` trained under ep 2 for 3
+    """On the ranks: each (strategy, model, checkpointing, cp) of `jobs` trained under ep 2 for 3
     steps; the first saved at `path`, given one more step, then loaded into a fresh fsdp job
     without ep (other initial weights) that takes the same step."""
     from tests.test_loop import global_batches
     out = {}
-    for i, (strategy, name, checkpointing) in enumerate(jobs):
-        w = _wrap(MODELS[name](), strategy, 2, checkpointing)
+    for i, (strategy, name, checkpointing, cp) in enumerate(jobs):
+        w = _wrap(MODELS[name](), strategy, 2, checkpointing, cp)
         norms = _steps(w, global_batches(w.dp_size))
-        out[strategy, name, checkpointing] = {"norms": norms, "state": w.state_dict(), "split": _expert_split(w)}
+        out[strategy, name, checkpointing, cp] = {"norms": norms, "state": w.state_dict(), "split": _expert_split(w),
+                                                  "dp": w.dp_size}
         if i == 0:
             w.save(path)
             more = global_batches(w.dp_size, 1, seed=11)
@@ -208,12 +209,14 @@ def load_alone(name, path, world):
     return w.state_dict()
 
 
-def _check(results, world, jobs):
+def _check(results, jobs):
     from tests.test_loop import CLIP, reference
-    refs = {name: reference(world, model_fn=MODELS[name])[:2] for name in {job[1] for job in jobs}}
-    worst = {}
+    refs, worst = {}, {}
     for job in jobs:
-        ref, ref_norms = refs[job[1]]
+        dp = results[0][job]["dp"]             # cp ranks read the same sequences: the data world is dp
+        if (job[1], dp) not in refs:
+            refs[job[1], dp] = reference(dp, model_fn=MODELS[job[1]])[:2]
+        ref, ref_norms = refs[job[1], dp]
         assert ref_norms[0] > CLIP                      # clipping acts
         for rank, res in enumerate(results):
             r = res[job]
@@ -240,9 +243,9 @@ def test_ep2_on_two_ranks_trains_like_one_process_and_loads_under_ep1_and_alone(
     Mixtral, our MoE decoder and transformers' Qwen3-MoE (with full activation checkpointing: the
     all-to-alls run again in backward) within 1e-5 of one process on the same global batch."""
     from hybrid.launch import run_ranks
-    jobs = [("fsdp", "mixtral", None), ("fsdp", "ours", None), ("fsdp", "qwen3", "full")]
+    jobs = [("fsdp", "mixtral", None, None), ("fsdp", "ours", None, None), ("fsdp", "qwen3", "full", None)]
     results = run_ranks(2, ep_ranks, jobs, str(tmp_path / "ep2"))
-    print("max abs diff vs one process:", _check(results, 2, jobs))
+    print("max abs diff vs one process:", _check(results, jobs))
     alone = run_ranks(1, load_alone, "mixtral", str(tmp_path / "ep2"), 2)[0]      # the same step in one process
     assert max((alone[k] - results[0]["after"][k]).abs().max().item() for k in alone) < 1e-5
 
@@ -251,10 +254,13 @@ def test_ep2_on_two_ranks_trains_like_one_process_and_loads_under_ep1_and_alone(
 def test_ep2_by_dp2_on_four_ranks_trains_like_one_process_and_loads_under_ep1(tmp_path):
     """4 ranks, 2 per node: fsdp (dp_shard 4 = expert_shard 2 x ep 2: experts FSDP-sharded over
     the 2 ranks holding the same ones) for both models, hsdp (dp_replicate 2 x dp_shard 2 = ep 2)
-    for Mixtral; the fsdp job's checkpoint loads under fsdp without ep."""
+    for Mixtral, and our decoder under cp 2 (dp_shard 2 x cp 2 = expert_shard 2 x ep 2: each rank
+    routes the tokens of its sequence chunks); the fsdp job's checkpoint loads under fsdp without
+    ep."""
     from hybrid.launch import run_ranks
-    jobs = [("fsdp", "mixtral", None), ("fsdp", "ours", None), ("hsdp", "mixtral", None)]
-    worst = _check(run_ranks(4, ep_ranks, jobs, str(tmp_path / "ep2dp2"), local_world=2), 4, jobs)
+    jobs = [("fsdp", "mixtral", None, None), ("fsdp", "ours", None, None), ("hsdp", "mixtral", None, None),
+            ("fsdp", "ours", None, 2)]
+    worst = _check(run_ranks(4, ep_ranks, jobs, str(tmp_path / "ep2dp2"), local_world=2), jobs)
     print("max abs diff vs one process:", worst)
 
 
