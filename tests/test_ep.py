@@ -239,15 +239,29 @@ def _check(results, jobs):
 @pytest.mark.gloo
 def test_ep2_on_two_ranks_trains_like_one_process_and_loads_under_ep1_and_alone(tmp_path):
     """ep 2 = dp_shard 2 on 2 ranks (each rank its 2 of 4 experts), 3 steps with accumulation,
-    clipping (expert and dense gradients on different meshes) and a scheduler: the transformers
-    Mixtral, our MoE decoder and transformers' Qwen3-MoE (with full activation checkpointing: the
-    all-to-alls run again in backward) within 1e-5 of one process on the same global batch."""
+    clipping (expert and dense gradients on different meshes) and a scheduler: our MoE decoder,
+    the transformers Mixtral and transformers' Qwen3-MoE (with full activation checkpointing: the
+    all-to-alls run again in backward) within 1e-5 of one process on the same global batch. The
+    first one's checkpoint loads without ep on 2 ranks and in one process, and exports as a
+    transformers Mixtral."""
     from hybrid.launch import run_ranks
-    jobs = [("fsdp", "mixtral", None, None), ("fsdp", "ours", None, None), ("fsdp", "qwen3", "full", None)]
-    results = run_ranks(2, ep_ranks, jobs, str(tmp_path / "ep2"))
+    from transformers import AutoModelForCausalLM
+
+    from hybrid.cli import main
+    jobs = [("fsdp", "ours", None, None), ("fsdp", "mixtral", None, None), ("fsdp", "qwen3", "full", None)]
+    ckpt, out = str(tmp_path / "ep2"), str(tmp_path / "hf")
+    results = run_ranks(2, ep_ranks, jobs, ckpt)
     print("max abs diff vs one process:", _check(results, jobs))
-    alone = run_ranks(1, load_alone, "mixtral", str(tmp_path / "ep2"), 2)[0]      # the same step in one process
+    alone = run_ranks(1, load_alone, "ours", ckpt, 2)[0]      # the same step in one process
     assert max((alone[k] - results[0]["after"][k]).abs().max().item() for k in alone) < 1e-5
+    # exported, our MoE decoder's checkpoint is a transformers Mixtral with the same outputs
+    assert main(["export", ckpt, out]) == 0
+    ours = tiny_moe_decoder()
+    ours.load_state_dict(results[0][jobs[0]]["state"])
+    hf = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.randint(0, 512, (2, 16))
+    with torch.no_grad():
+        assert (ours(ids).logits - hf(ids).logits).abs().max() < 1e-5
 
 
 @pytest.mark.gloo
