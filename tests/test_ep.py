@@ -241,10 +241,9 @@ def test_ep2_on_two_ranks_trains_like_one_process_and_loads_under_ep1_and_alone(
     """ep 2 = dp_shard 2 on 2 ranks (each rank its 2 of 4 experts), 3 steps with accumulation,
     clipping (expert and dense gradients on different meshes) and a scheduler: our MoE decoder,
     the transformers Mixtral (strategy auto: the planner's layout at ep 2) and transformers'
-    Qwen3-MoE (with full activation checkpointing: the
-    all-to-alls run again in backward) within 1e-5 of one process on the same global batch. The
-    first one's checkpoint loads without ep on 2 ranks and in one process, and exports as a
-    transformers Mixtral."""
+    Qwen3-MoE (with full activation checkpointing: the all-to-alls run again in backward) within
+    1e-5 of one process on the same global batch. The first one's checkpoint loads without ep on
+    2 ranks and in one process, and exports as a transformers Mixtral."""
     from hybrid.launch import run_ranks
     from transformers import AutoModelForCausalLM
 
