@@ -48,7 +48,8 @@ def main():
         t = traced_estimate(src, cat["fsdp"], spec, cl, ep=ep)
         secs = time.perf_counter() - start
         line = (f"| {model} | {d.params / 1e9:.1f}B / {d.active_params / 1e9:.1f}B | {ckpt} | {ep} | "
-                f"{a.tensors / GiB:.2f} | {t.memory.tensors / GiB:.2f} | {a.tensors / t.memory.tensors - 1:+.1%} | {secs:.0f} |")
+                f"{a.tensors / GiB:.2f} | {t.memory.tensors / GiB:.2f} | {a.tensors / t.memory.tensors - 1:+.1%} | "
+                f"{secs:.0f} |")
         print(line, flush=True)
         rows.append(line)
     OUT.write_text("\n".join(rows) + "\n")
