@@ -152,12 +152,12 @@ def _estimator(args, src, cluster):
     verb = "tracing" if args.method == "traced" else "measuring"
     progress = Progress(verb)
 
-    def estimator(strategy, spec, n, cp=1):
+    def estimator(strategy, spec, n, cp=1, ep=1):
         if args.method == "measured":
             check_host_memory(src, strategy, spec, cluster, n if strategy.shard_is_free else None)
         progress.begin(f"{strategy.name} (shard {n}{f', cp {cp}' if cp > 1 else ''})")
         result = run(src, strategy, spec, cluster, n if strategy.shard_is_free else None, prefer_hf=prefer_hf,
-                     **({"cp": cp} if cp > 1 else {}))
+                     **({"cp": cp} if cp > 1 else {}), **({"ep": ep} if ep > 1 else {}))
         progress.end(f"{result.seconds:.1f}s ({result.implementation})")
         impl = {"transformers": "the transformers model", "hybrid": "hybrid's own implementation",
                 "factory": "the factory's model"}[result.implementation]
@@ -243,8 +243,8 @@ def _plan(args, strategies=None, search=False):
     if cp != 1 and args.method == "measured":
         raise HybridError(f"--method measured runs cp 1 only; use --method traced or analytic for --cp {args.cp}")
     ep = args.ep if args.ep is not None else (None if search and args.method == "analytic" else 1)
-    if ep != 1 and args.method != "analytic":
-        raise HybridError(f"--method {args.method} runs ep 1 only; use --method analytic for --ep {args.ep}")
+    if ep != 1 and args.method == "measured":
+        raise HybridError(f"--method measured runs ep 1 only; use --method traced or analytic for --ep {args.ep}")
     return plan(src.profile, spec, cluster, cat, args.shard_size, strategies=strategies, tp=tp, pp=pp, ep=ep,
                 schedule=args.schedule, calibration=resolve(args.calibration), cp=cp,
                 micro_batch=args.micro_batch if spec.global_batch is not None else None,

@@ -38,7 +38,8 @@ _GPT2 = [(r"^embed\.", "transformer.wte."), (r"^pos_embed\.", "transformer.wpe."
          (r"^blocks\.(\d+)\.mlp\.fc\.", r"transformer.h.\1.mlp.c_fc."),
          (r"^blocks\.(\d+)\.mlp\.proj\.", r"transformer.h.\1.mlp.c_proj."), (r"^norm\.", "transformer.ln_f."),
          (r"^lm_head\.", "lm_head.")]
-_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "gpt2": "GPT2LMHeadModel"}
+_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "gpt2": "GPT2LMHeadModel",
+         "mixtral": "MixtralForCausalLM"}     # our MoE blocks keep Mixtral's names (mlp.gate, mlp.experts.*)
 _EXPORTED = re.compile(r"model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|config\.json")
 """The files an export writes: what --overwrite may replace."""
 

@@ -230,7 +230,7 @@ def save_job(path: str, args) -> None:
 
 _WRAP_KEYS = ("micro_batch", "global_batch", "global_batch_tokens", "seq_len", "gradient_accumulation", "precision",
               "activation_checkpointing", "attention", "compile", "float8", "moe_imbalance", "shard_size", "tp", "pp",
-              "cp", "schedule",
+              "cp", "ep", "schedule",
               "strategy", "gpu_memory", "calibration")
 """Job keys that are auto_wrap arguments of the same name."""
 _PLAN_ONLY = ("model", "params", "method", "implementation", "efficiency", "optimizer")

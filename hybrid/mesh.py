@@ -191,6 +191,25 @@ def replica_group(mesh: DeviceMesh):
     return _flat(mesh, ("dp_replicate", "dp_shard", "cp")).get_group()
 
 
+def ep_size(mesh) -> int:
+    """The expert-parallel degree of a mesh built by build_mesh (1: every rank holds every expert)."""
+    experts = getattr(mesh, "experts", None)
+    return experts["ep"].size() if experts is not None else 1
+
+
+def ep_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks one MoE layer's experts are split over, and its tokens exchanged between (ep > 1)."""
+    return mesh.experts["ep"]
+
+
+def expert_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """What FSDP2 shards the experts over (ep > 1): the expert_shard = dp_shard x cp / ep ranks that
+    hold the same experts, with dp_replicate in front when replicated (HSDP, 2D)."""
+    if mesh["dp_replicate"].size() == 1:
+        return mesh.experts["expert_shard"]
+    return mesh.experts["dp_replicate", "expert_shard"]
+
+
 def shard_group_ranks(mesh: DeviceMesh) -> list[int]:
     """Global ranks in this rank's shard group (for checks and printing)."""
     return dist.get_process_group_ranks(mesh["dp_shard"].get_group())

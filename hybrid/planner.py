@@ -236,8 +236,8 @@ def judge(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: C
         else:
             m = estimate(strategy, profile, spec, cluster, n, tp, cp, ep)
         floor = m.floor            # the model's shape and the allocator's, whatever the estimator
-        if estimator is not None and tp == 1 and pp == 1 and ep == 1:
-            m = estimator(strategy, spec, n) if cp == 1 else estimator(strategy, spec, n, cp=cp)
+        if estimator is not None and tp == 1 and pp == 1:
+            m = estimator(strategy, spec, n, **{k: v for k, v in (("cp", cp), ("ep", ep)) if v > 1})
         elif estimator is not None and pp > 1 and hasattr(estimator, "stage"):
             busiest = max(range(pp), key=lambda r: stages[r].total)
             m = estimator.stage(strategy, spec, n, tp, layout, busiest)
@@ -472,6 +472,10 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
                                              pp=pp if pp is not None or estimator is None else 1, schedule=schedule,
                                              cp=c, cp_pinned=cp is not None,
                                              ep=ep if ep is not None or estimator is None else 1)]
+    if (ep or 1) > 1 and not any(cat[n].family_obj.supports_ep for n in names):
+        raise HybridError(f"--ep {ep}: {', '.join(names)} cannot split experts; expert parallelism runs on "
+                          f"{', '.join(n for n in cat if cat[n].family_obj.supports_ep)}: use one of them with "
+                          "--ep, or leave --ep out")
     if (ep or 1) > 1 and not todo:
         raise HybridError(f"--ep {ep}: no layout on {cluster.describe()} has dp_shard x cp divisible by {ep} (expert-"
                           f"parallel ranks are taken from them): use an --ep that divides {cluster.world_size}, or "

@@ -343,7 +343,8 @@ def _selective_policy():
 
 def prepare(model: nn.Module, mesh, spec):
     """What every backend applies before its data parallelism, in torchtitan's order: tensor
-    parallelism over the mesh's tp dimension (when > 1), then activation checkpointing. Returns the
+    parallelism over the mesh's tp dimension (when > 1), expert parallelism (ep > 1), then
+    activation checkpointing. Returns the
     TensorParallel record (or None)."""
     from ..float8 import apply_float8
     # torchtitan converts at model build, before parallelising; float8 all-gather under FSDP2
@@ -352,6 +353,8 @@ def prepare(model: nn.Module, mesh, spec):
     if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() > 1:
         from .tp import apply_tensor_parallel
         tp = apply_tensor_parallel(model, mesh["tp"])
+    from .ep import apply_expert_parallel
+    apply_expert_parallel(model, mesh, spec)        # ep > 1: experts split over mesh.experts["ep"]
     apply_activation_checkpointing(model, spec.activation_checkpointing)
     from ..compile import apply_compile
     apply_compile(model, spec)                  # after checkpointing, before data parallelism (torchtitan)

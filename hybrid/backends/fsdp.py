@@ -89,6 +89,8 @@ def _shard(strategy, module, mesh, spec, runtime, outputs: bool = False):
     if spec.precision == "bf16" and any(p.dtype != torch.bfloat16 for p in module.parameters()):
         module.to(torch.bfloat16)
     tp = prepare(module, mesh, spec)
+    from .ep import shard_experts
+    shard_experts(module, mesh, kwargs)             # ep > 1: the experts over their own ranks first
     for block in shardable_blocks(module):
         fully_shard(block, **kwargs)
     unpack = carry_plain_outputs(module) if outputs else None
