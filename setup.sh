@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up of ./.venv: torch (kept if already importable, else torch==2.13.0, the CPU
-# build on machines without a GPU), deepspeed, transformers, pytest, and this package (editable).
+# build on machines without a GPU), deepspeed, transformers, pytest, ruff, and this package (editable).
 # Re-running is cheap: the pip step is skipped while pyproject.toml is unchanged, the DeepSpeed
 # op build while its library is in .venv/torch_extensions.
 set -euo pipefail
@@ -37,7 +37,7 @@ PYCHECK
 stamp=.venv/.hybrid-setup
 want="$(sha256sum pyproject.toml | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  say "installing hybrid (editable) with deepspeed, transformers, accelerate, matplotlib and pytest (a few minutes on a fresh machine)"
+  say "installing hybrid (editable) with deepspeed, transformers, accelerate, matplotlib, pytest and ruff (a few minutes on a fresh machine)"
   "$VPY" -m pip install -q -e ".[dev,hf,plot]" 2>&1 | grep -v "^WARNING: Location" || true
   "$VPY" -c "import hybrid, deepspeed, yaml, pytest" >/dev/null 2>&1 || { echo "setup: install failed"; exit 1; }
   echo "$want" > "$stamp"

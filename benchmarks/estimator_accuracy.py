@@ -49,9 +49,11 @@ def full_scale(models, strategies, ckpts, worlds):
                     a = estimate(cat[name], src.profile, spec, cl)
                     t = traced_estimate(src, cat[name], spec, cl)
                     err = a.tensors / t.memory.tensors - 1
-                    rows.append((model, name, ckpt, world, a.tensors, t.memory.tensors, err, t.implementation, t.seconds))
+                    rows.append((model, name, ckpt, world, a.tensors, t.memory.tensors, err, t.implementation,
+                                 t.seconds))
                     print(f"{model:22} {name:6} ac={ckpt:4} world={world:3}  analytic {a.tensors / GiB:7.2f} GiB  "
-                          f"traced {t.memory.tensors / GiB:7.2f} GiB  {err:+6.1%}  ({t.implementation}, {t.seconds:.1f}s)",
+                          f"traced {t.memory.tensors / GiB:7.2f} GiB  {err:+6.1%}  "
+                          f"({t.implementation}, {t.seconds:.1f}s)",
                           flush=True)
     return rows
 
@@ -76,7 +78,8 @@ def small_scale(models, strategies, ckpts):
 
 
 def write(large, small, seconds):
-    lines = ["# Estimator accuracy", "", f"`.venv/bin/python benchmarks/estimator_accuracy.py` ({seconds / 60:.1f} min).",
+    lines = ["# Estimator accuracy", "",
+             f"`.venv/bin/python benchmarks/estimator_accuracy.py` ({seconds / 60:.1f} min).",
              "Per-GPU peak of live tensors (overhead excluded), bf16-mixed (small ConvNet: fp32), AdamW.", "",
              "## Analytic vs traced at full scale (8 x h100-80gb per node)", "",
              "| model | strategy | ckpt | world | analytic GiB | traced GiB | error | traced as |",

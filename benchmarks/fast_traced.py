@@ -36,7 +36,8 @@ def main():
     rows = ["# Fast traced estimates vs the full trace and torch's FSDPMemTracker", "",
             "`.venv/bin/python benchmarks/fast_traced.py`: transformers models on fake tensors and a fake process "
             f"group of 64 ranks (8 x 8 h100-80gb), bf16-mixed, AdamW, micro-batch 1 x seq 4096; fast = traced with "
-            f"{FAST_BLOCKS[0]} and {FAST_BLOCKS[1]} blocks and extrapolated (what `--method traced` runs). Peak of live "
+            f"{FAST_BLOCKS[0]} and {FAST_BLOCKS[1]} blocks and extrapolated (what `--method traced` runs). "
+            "Peak of live "
             "tensors in the second of two steps; seconds in one process on this machine's 2 cores.", "",
             "| job | fast traced GiB (s) | full trace GiB (s) | FSDPMemTracker GiB (s) | fast vs full | "
             "FSDPMemTracker time / fast time |", "|---|---|---|---|---|---|"]

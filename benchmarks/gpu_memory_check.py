@@ -77,7 +77,8 @@ def measure(preset, mb, seq, steps, cases=CASES, cluster=None):
         m = run_ranks(1, run_case, preset, strategy, ckpt, mb, seq, steps)[0]
         rows.append((strategy, ckpt, a, t.memory, m))
         print(f"{strategy:5} {ckpt:5} analytic {a.tensors / GiB:6.2f} traced {t.memory.tensors / GiB:6.2f} "
-              f"measured {m['peak'] / GiB:6.2f} reserved {m['reserved'] / GiB:6.2f} GiB  {m['step_s'] * 1e3:.0f} ms/step",
+              f"measured {m['peak'] / GiB:6.2f} reserved {m['reserved'] / GiB:6.2f} GiB  "
+              f"{m['step_s'] * 1e3:.0f} ms/step",
               flush=True)
     return rows
 

@@ -4,8 +4,9 @@ over a fake process group of the real world size), per GPU, live tensors (overhe
     .venv/bin/python benchmarks/moe_accuracy.py          # writes benchmarks/results/moe_accuracy.md
 
 Cells: Mixtral-8x7B, Qwen3-30B-A3B and OLMoE-1B-7B with FSDP over 8 x 8 h100-80gb at seq 4096,
-without and with full checkpointing; bf16-mixed, AdamW, micro-batch 1. Expert parallelism is not
-implemented yet: every cell is ep 1 (the experts sharded by FSDP like the dense parts).
+without and with full checkpointing, at ep 1, 2 and 8; bf16-mixed, AdamW, micro-batch 1. At ep > 1
+the trace runs hybrid/backends/ep.py on fake ranks: tokens spread evenly over the experts, what a
+rank receives scaled by the default --moe-imbalance (a fake process group carries no counts).
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from hybrid.spec import TrainSpec
 from hybrid.units import GiB
 
 OUT = Path(__file__).parent / "results" / "moe_accuracy.md"
-CELLS = [(m, ckpt) for m in ("mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b") for ckpt in ("none", "full")]
+CELLS = [(m, ckpt, ep) for m in ("mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b") for ckpt in ("none", "full")
+         for ep in (1, 2, 8)]
 
 
 def main():
@@ -33,19 +35,21 @@ def main():
     rows = ["# MoE memory: analytic vs traced", "",
             "`.venv/bin/python benchmarks/moe_accuracy.py`: per-GPU peak of live tensors (overhead excluded), "
             "FSDP over 8 x 8 h100-80gb, seq 4096, micro-batch 1, bf16-mixed, AdamW; traced runs the transformers "
-            "model under FakeTensorMode and a fake process group of 64 ranks. ep 1 (no expert parallelism yet).", "",
-            "| model | params (total / active) | checkpointing | analytic GiB | traced GiB | error | trace s |",
-            "|---|---|---|---|---|---|---|"]
-    for model, ckpt in CELLS:
+            "model under FakeTensorMode and a fake process group of 64 ranks; at ep > 1 the expert-parallel code with "
+            "even routing times the default --moe-imbalance.", "",
+            "| model | params (total / active) | checkpointing | ep | analytic GiB | traced GiB | error | trace s |",
+            "|---|---|---|---|---|---|---|---|"]
+    for model, ckpt, ep in CELLS:
         src = resolve_model(model)
         d = src.profile.decoder
         spec = TrainSpec(1, 4096, activation_checkpointing=ckpt)
-        a = estimate(cat["fsdp"], src.profile, spec, cl)
+        a = estimate(cat["fsdp"], src.profile, spec, cl, ep=ep)
         start = time.perf_counter()
-        t = traced_estimate(src, cat["fsdp"], spec, cl)
+        t = traced_estimate(src, cat["fsdp"], spec, cl, ep=ep)
         secs = time.perf_counter() - start
-        line = (f"| {model} | {d.params / 1e9:.1f}B / {d.active_params / 1e9:.1f}B | {ckpt} | {a.tensors / GiB:.2f} | "
-                f"{t.memory.tensors / GiB:.2f} | {a.tensors / t.memory.tensors - 1:+.1%} | {secs:.0f} |")
+        line = (f"| {model} | {d.params / 1e9:.1f}B / {d.active_params / 1e9:.1f}B | {ckpt} | {ep} | "
+                f"{a.tensors / GiB:.2f} | {t.memory.tensors / GiB:.2f} | {a.tensors / t.memory.tensors - 1:+.1%} | "
+                f"{secs:.0f} |")
         print(line, flush=True)
         rows.append(line)
     OUT.write_text("\n".join(rows) + "\n")

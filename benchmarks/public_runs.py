@@ -189,7 +189,8 @@ def main(argv=None) -> int:
         alloc = res = fits = tps = lo = ""
         if "allocated_gib" in meas:
             mem_err.append((m.allocated / GiB - meas["allocated_gib"]) / meas["allocated_gib"])
-            alloc = f"{m.allocated / GiB:.1f} / {meas['allocated_gib']:.1f} ({pct(m.allocated / GiB, meas['allocated_gib'])})"
+            alloc = (f"{m.allocated / GiB:.1f} / {meas['allocated_gib']:.1f} "
+                     f"({pct(m.allocated / GiB, meas['allocated_gib'])})")
         if "reserved_gib" in meas:
             res_err.append((m.reserved / GiB - meas["reserved_gib"]) / meas["reserved_gib"])
             res = f"{m.reserved / GiB:.1f} / {meas['reserved_gib']:.1f} ({pct(m.reserved / GiB, meas['reserved_gib'])})"

@@ -1,7 +1,8 @@
 """Per-GPU memory of every strategy, stacked by category, against the GPU's capacity, with the
 predicted throughput beside it (the plot `hybrid compare --plot` draws).
 
-    .venv/bin/python examples/compare_strategies.py llama2-7b --nodes 8 --gpus-per-node 8 --seq-len 4096 --out memory.png
+    .venv/bin/python examples/compare_strategies.py llama2-7b --nodes 8 --gpus-per-node 8 --seq-len 4096 \
+        --out memory.png
 """
 from __future__ import annotations
 

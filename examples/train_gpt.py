@@ -2,9 +2,11 @@
 the repo root after ./setup.sh (or `source .venv/bin/activate` and drop the `.venv/bin/`):
 
     .venv/bin/torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --strategy auto --steps 40
-    .venv/bin/torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --strategy zero3 --ckpt-dir ckpt --save-every 10
+    .venv/bin/torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --strategy zero3 \
+        --ckpt-dir ckpt --save-every 10
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \
-    .venv/bin/torchrun --standalone --nproc-per-node 2 --max-restarts 1 examples/train_gpt.py --ckpt-dir ckpt --resume ...
+    .venv/bin/torchrun --standalone --nproc-per-node 2 --max-restarts 1 examples/train_gpt.py \
+        --ckpt-dir ckpt --resume ...
 
 (With --max-restarts, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives each restart a fresh rendezvous
 store; the shared one can hand restarted workers their dead peers' addresses, pytorch#135712.)

@@ -97,7 +97,8 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
               config: str | None = None, pp: int | None = None, schedule: str | None = None,
               tune: bool | int = False, calibration: str | None = None, cp: int | None = None,
               global_batch: int | None = None, global_batch_tokens: int | None = None,
-              compile: bool = False, float8: bool = False) -> Wrapped:
+              compile: bool = False, float8: bool = False, ep: int | None = None,
+              moe_imbalance: float | None = None) -> Wrapped:
     """Wrap `model` for data-parallel training on the current process group (started here from
     torchrun's variables if needed, nccl+cuda or gloo+cpu).
 
@@ -132,12 +133,17 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
                 the measured fastest (hybrid/tune.py)
     calibration a calibration file (`hybrid tune --save-calibration`; default $HYBRID_CALIBRATION):
                 the cluster's measured speed figures replace the catalogue's in the plan
+    moe_imbalance  MoE models with expert parallelism: the busiest rank's routed tokens over the mean
+                (default spec.MOE_IMBALANCE, 1.25; raise it for a cold start)
     cp          context-parallel degree: each sequence split over cp ranks (default: the planner
                 chooses with strategy "auto" when seq_len >= 16384, else 1); the cp ranks of a
                 group read the same whole sequences (shard data with w.dp_size / w.dp_rank) and
                 each runs its 2 of 2cp chunks (hybrid/backends/cp.py)
     compile     torch.compile every block (and our decoders' loss) as torchtitan does, after
                 checkpointing and before the data-parallel wrap (fsdp and ddp strategies)
+    ep          expert-parallel degree for mixture-of-experts models (fsdp and hsdp strategies, tp 1):
+                each MoE layer's experts split over ep ranks taken from the dp_shard x cp ranks, tokens
+                sent to them by all-to-all (hybrid/backends/ep.py); default 1
     float8      torchao float8 training of the block linears (tensorwise; float8 all-gather under
                 FSDP2), behind compile=True, on H100/H200-class GPUs
     config      a job file (`hybrid plan --save-config`): its values fill every argument left at
@@ -153,7 +159,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
                      "gpu_memory": gpu_memory, "strategies_dir": list(strategies_dir) or None, "cp": cp,
                      "gradient_accumulation": gradient_accumulation, "calibration": calibration,
                      "global_batch": global_batch, "global_batch_tokens": global_batch_tokens, "compile": compile,
-                     "float8": float8}, "auto_wrap")
+                     "float8": float8, "ep": ep, "moe_imbalance": moe_imbalance}, "auto_wrap")
     if (global_batch is not None or global_batch_tokens is not None) and gradient_accumulation is not None:
         from .batch import global_batch_of        # the conflict is known before any process group starts
         global_batch_of(global_batch, global_batch_tokens, seq_len or 1, gradient_accumulation, cli=False)
@@ -184,7 +190,8 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
                      precision=precision or default_precision(runtime), optimizer=optimizer_kind(optimizer),
                      activation_checkpointing=activation_checkpointing or "none", attention=attention,
                      gradient_accumulation=1 if gradient_accumulation is None else gradient_accumulation,
-                     global_batch=gb, compile=compile, float8=float8)
+                     global_batch=gb, compile=compile, float8=float8,
+                     **({"moe_imbalance": moe_imbalance} if moe_imbalance is not None else {}))
     from .float8 import check_float8
     check_float8(spec, cluster)
     catalogue = load_catalogue(strategies_dir)
@@ -192,10 +199,12 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     from .calibration import resolve
     cal = resolve(calibration)
     if tune is not False and strategy != "auto":
-        raise HybridError(f"tune= measures the planner's candidates; strategy={strategy!r} forces one: drop one of them")
+        raise HybridError(f"tune= measures the planner's candidates; strategy={strategy!r} forces one: "
+                          "drop one of them")
     if strategy == "auto":
-        the_plan = make_plan(profile, spec, cluster, catalogue, shard_size, search_checkpointing=search, tp=tp,
-                             pp=pp, schedule=schedule, calibration=cal, cp=cp, micro_batch=pin)
+        the_plan = make_plan(profile, spec, cluster, catalogue, shard_size, search_checkpointing=search,
+                             tp=1 if (ep or 1) > 1 and tp is None else tp, pp=pp, schedule=schedule,
+                             calibration=cal, cp=cp, micro_batch=pin, ep=ep or 1)
         if the_plan.chosen is None:
             fixes = "; ".join(the_plan.suggestions) or "none found"
             raise HybridError(f"no strategy fits {profile.name} in {cluster.describe()}. Smallest changes that "
@@ -207,7 +216,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
         get_strategy(strategy, catalogue)
         the_plan = make_plan(profile, spec, cluster, catalogue, shard_size, strategies=[strategy],
                              search_checkpointing=search, search_shards=False, tp=tp or 1, pp=pp or 1,
-                             schedule=schedule, calibration=cal, cp=cp or 1, micro_batch=pin)
+                             schedule=schedule, calibration=cal, cp=cp or 1, micro_batch=pin, ep=ep or 1)
         if the_plan.chosen is None:      # forced: run the least memory-hungry variant anyway
             usable = [c for c in the_plan.candidates if c.memory is not None]
             if not usable:
@@ -217,6 +226,10 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
             if runtime.rank == 0:
                 log.warning("hybrid: warning: %s is forced but %s", strategy, chosen.reason)
     chosen = _agree(the_plan.chosen, runtime, strategy, cluster)
+    if chosen.parallel.ep > 1:           # what the runtime runs with ep, checked before any mesh is built
+        from .backends.ep import check_expert_parallel
+        check_expert_parallel(model, chosen.parallel.ep, chosen.strategy, chosen.pipeline is not None,
+                              chosen.parallel.tp)
     if chosen.tight and runtime.rank == 0:
         log.warning("hybrid: %s %s", chosen.label, chosen.reason)
     mesh = build_mesh(chosen.parallel, runtime, cluster.gpus_per_node)

@@ -117,6 +117,10 @@ class Candidate:
         return self.parallel.cp
 
     @property
+    def ep(self) -> int:
+        return self.parallel.ep
+
+    @property
     def label(self) -> str:
         return self.layout.label
 

@@ -190,7 +190,8 @@ def load_file(path: str) -> Strategy:
     lines = key_lines(text)
     family = data.get("family")
     if not isinstance(family, str) or family not in FAMILIES:
-        raise HybridError(f"{path}:{lines.get('family', 1)}: family {short(family)} must be one of {', '.join(FAMILIES)}")
+        raise HybridError(f"{path}:{lines.get('family', 1)}: family {short(family)} "
+                          f"must be one of {', '.join(FAMILIES)}")
     allowed = _COMMON | FAMILIES[family].knobs
     for key in data:
         if key not in allowed:

@@ -40,7 +40,8 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
     t.add_argument("--precision", default=None, help="fp32 | bf16-mixed | fp16-mixed | bf16 (default bf16-mixed; "
                    "fp16-mixed on GPUs without bf16, e.g. v100, t4)")
     t.add_argument("--gradient-accumulation", type=int, default=None,
-                   help="micro-batches per optimizer step (default 1); global batch = micro-batch x this x data-parallel ranks")
+                   help="micro-batches per optimizer step (default 1); "
+                        "global batch = micro-batch x this x data-parallel ranks")
     t.add_argument("--optimizer", default="adamw", help="adamw | sgd | adafactor (default adamw)")
     t.add_argument("--activation-checkpointing", default=None,
                    help="none | selective | op | full | layer:N (default: " +
@@ -59,6 +60,12 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
     t.add_argument("--cp", type=int, help="context-parallel degree: each sequence split over this many ranks in 2cp "
                    "chunks (default: plan tries every divisor of the GPUs that divides the sequence into 2cp chunks "
                    "when --seq-len >= 16384, else 1; estimate/compare use 1)")
+    t.add_argument("--ep", type=int, help="expert-parallel degree of a mixture-of-experts model: each layer's experts "
+                   "split over this many of the dp_shard x cp ranks, tokens sent to them by all-to-all (default: plan "
+                   "tries every divisor of the experts that divides them, fsdp strategies; estimate/compare use 1)")
+    t.add_argument("--moe-imbalance", type=float, default=None,
+                   help="MoE with --ep > 1: tokens the busiest rank's experts receive over the mean (default 1.25, "
+                        "Switch Transformer's training capacity factor; raise it for a cold start)")
     t.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved"),
                    help="pipeline schedule (default: plan tries 1f1b, or gpipe with fewer micro-batches than "
                         "stages, and interleaved)")
@@ -92,8 +99,8 @@ def _job(args):
         # measured on CPU ranks (or --gpu cpu): this machine's CPU, 2 ranks unless told, no CUDA context
         from .cluster import cpu_spec
         per_node = args.gpus_per_node or 2
-        cluster = Cluster.build(args.nodes, per_node, cpu_spec(args.nodes * per_node), args.gpu_memory, args.host_memory,
-                                args.headroom, on_off(args.expandable_segments))
+        cluster = Cluster.build(args.nodes, per_node, cpu_spec(args.nodes * per_node), args.gpu_memory,
+                                args.host_memory, args.headroom, on_off(args.expandable_segments))
     else:
         cluster = Cluster.build(args.nodes, args.gpus_per_node or 8, args.gpu or "h100-80gb", args.gpu_memory,
                                 args.host_memory, args.headroom, on_off(args.expandable_segments))
@@ -106,7 +113,8 @@ def _job(args):
                      gradient_accumulation=1 if args.gradient_accumulation is None else args.gradient_accumulation,
                      global_batch=gb, compile=bool(args.compile), float8=bool(args.float8),
                      optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing or "none",
-                     attention=args.attention)
+                     attention=args.attention,
+                     **({"moe_imbalance": args.moe_imbalance} if args.moe_imbalance is not None else {}))
     from .float8 import check_float8
     check_float8(spec, cluster)
     if args.compile and args.method == "traced":
@@ -144,12 +152,12 @@ def _estimator(args, src, cluster):
     verb = "tracing" if args.method == "traced" else "measuring"
     progress = Progress(verb)
 
-    def estimator(strategy, spec, n, cp=1):
+    def estimator(strategy, spec, n, cp=1, ep=1):
         if args.method == "measured":
             check_host_memory(src, strategy, spec, cluster, n if strategy.shard_is_free else None)
         progress.begin(f"{strategy.name} (shard {n}{f', cp {cp}' if cp > 1 else ''})")
         result = run(src, strategy, spec, cluster, n if strategy.shard_is_free else None, prefer_hf=prefer_hf,
-                     **({"cp": cp} if cp > 1 else {}))
+                     **({"cp": cp} if cp > 1 else {}), **({"ep": ep} if ep > 1 else {}))
         progress.end(f"{result.seconds:.1f}s ({result.implementation})")
         impl = {"transformers": "the transformers model", "hybrid": "hybrid's own implementation",
                 "factory": "the factory's model"}[result.implementation]
@@ -234,7 +242,10 @@ def _plan(args, strategies=None, search=False):
     cp = args.cp if args.cp is not None else (None if search and args.method == "analytic" else 1)
     if cp != 1 and args.method == "measured":
         raise HybridError(f"--method measured runs cp 1 only; use --method traced or analytic for --cp {args.cp}")
-    return plan(src.profile, spec, cluster, cat, args.shard_size, strategies=strategies, tp=tp, pp=pp,
+    ep = args.ep if args.ep is not None else (None if search and args.method == "analytic" else 1)
+    if ep != 1 and args.method == "measured":
+        raise HybridError(f"--method measured runs ep 1 only; use --method traced or analytic for --ep {args.ep}")
+    return plan(src.profile, spec, cluster, cat, args.shard_size, strategies=strategies, tp=tp, pp=pp, ep=ep,
                 schedule=args.schedule, calibration=resolve(args.calibration), cp=cp,
                 micro_batch=args.micro_batch if spec.global_batch is not None else None,
                 estimator=_estimator(args, src, cluster), method=args.method,
@@ -324,6 +335,9 @@ def cmd_tune(args) -> int:
             raise HybridError(f"{flag} must be between {low} and 10000, got {v}")
     if args.pp not in (None, 1):
         raise HybridError(f"tune runs pp 1 layouts for now, got --pp {args.pp}; plan pipelines with `hybrid plan`")
+    if args.ep not in (None, 1):
+        raise HybridError(f"tune runs ep 1 layouts for now, got --ep {args.ep}; plan expert parallelism with "
+                          "`hybrid plan`")
     _writable_file(args.save_calibration, "--save-calibration")
     resolve(args.calibration)                           # a bad file fails here, before any rank starts
     cuda = _cuda()

@@ -31,6 +31,10 @@ pipeline  (pp > 1, hybrid/pipeline.py) the busiest rank's share of the FLOPs per
           the link between stages (the NIC when stages are whole nodes), unhidden while the
           pipeline fills and drains and hidden behind compute in between up to `comm_overlap`;
           the data-parallel terms are the stage's (its parameters, over the stage's ranks).
+moe       (ep > 1, expert_parallel_terms) two all-to-alls per MoE layer in forward (dispatch,
+          combine) and two in backward, on the links they cross, unhidden; the busiest rank's
+          experts compute --moe-imbalance x the mean while the others wait at the combine; the
+          experts' FSDP traffic runs over their expert_shard ranks, the dense parts' over all.
 step      the optimizer step on the GPU is memory-bound: it reads and writes each local parameter,
           its gradient and its states once, at the device memory bandwidth.
 """
@@ -68,6 +72,10 @@ class StepCost:
     """Model FLOPs utilisation: model FLOPs per step / (step time x peak)."""
     bubble_s: float = 0.0
     """Pipeline idle time of the step (pp > 1)."""
+    all_to_all_s: float = 0.0
+    """Expert parallelism (ep > 1): the step's all-to-alls, none hidden (in exposed_comm_s)."""
+    straggler_s: float = 0.0
+    """Expert parallelism: the busiest rank's extra expert compute of the step (in compute_s)."""
 
     @property
     def time_per_token(self) -> float:
@@ -79,7 +87,8 @@ class StepCost:
         return {"step_time_s": self.seconds, "compute_s": self.compute_s, "comm_s": self.comm_s,
                 "exposed_comm_s": self.exposed_comm_s, "offload_s": self.offload_s,
                 "optimizer_s": self.optimizer_s, "bubble_s": self.bubble_s,
-                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu}
+                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
+                **({"all_to_all_s": self.all_to_all_s, "straggler_s": self.straggler_s} if self.all_to_all_s else {})}
 
 
 def model_flops_per_token(profile: ModelProfile, seq_len: int, recompute: bool = False) -> float:
@@ -204,8 +213,8 @@ def step_cost(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec,
     layout on the cluster (Layout.of)."""
     layout = as_layout(layout, cluster, spec)
     spec = layout.train_spec(spec)
-    strategy, shard_size, tp, cp, pp = (layout.dp, layout.dims.dp_shard, layout.dims.tp, layout.dims.cp,
-                                        layout.dims.pp)
+    strategy, shard_size, tp, cp, pp, ep = (layout.dp, layout.dims.dp_shard, layout.dims.tp, layout.dims.cp,
+                                            layout.dims.pp, layout.dims.ep)
     pipe = layout.pipeline
     efficiency = efficiency or cluster.gpu.efficiency
     whole = profile
@@ -235,6 +244,12 @@ def step_cost(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec,
     if recompute:
         fwd_c, bwd_c = compute / 4, 3 * compute / 4
     comm = strategy.family_obj.comm(strategy, profile, spec, cluster, N, Links(cluster))
+    moe_s = straggler = 0.0
+    if ep > 1:
+        comm, straggler, moe_s = expert_parallel_terms(strategy, profile, spec, cluster, N, ep, peak * efficiency,
+                                                        cp)
+        compute += straggler
+        fwd_c, bwd_c = (compute / 4, 3 * compute / 4) if recompute else (compute / 3, 2 * compute / 3)
     fam = strategy.family_obj
     P = profile.trainable_params
     optimizer = 0.0
@@ -254,12 +269,59 @@ def step_cost(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec,
     micro = exposed(comm.fwd, comm.bwd) + comm.tail * hidden
     last = exposed(comm.fwd, comm.bwd + comm.sync_bwd) + (comm.tail + comm.sync_tail) * hidden
     copies = (ga * comm.copied_micro + comm.copied_sync) / g.mem_bw if W > 1 else 0.0
-    exposed_s = max((ga - 1) * micro + last + comm.after_step, 0.0) + copies + ga * tp_time + p2p
+    exposed_s = max((ga - 1) * micro + last + comm.after_step, 0.0) + copies + ga * (tp_time + moe_s) + p2p
     bubble_s = (pp - 1) / pipe.virtual * (compute + tp_time) if pp > 1 else 0.0
     seconds = ga * compute + bubble_s + exposed_s + comm.offload + optimizer
     tokens = ga * T / tp / pp / cp             # tp, cp groups and a pipeline share their micro-batches
     return StepCost(seconds=seconds, compute_s=ga * compute, bubble_s=bubble_s,
-                    comm_s=ga * comm.fwd + (ga * comm.bwd + comm.sync_bwd) + comm.after_step + ga * tp_time + p2p,
+                    comm_s=(ga * comm.fwd + (ga * comm.bwd + comm.sync_bwd) + comm.after_step + ga * (tp_time + moe_s)
+                            + p2p),
                     exposed_comm_s=exposed_s, offload_s=comm.offload, optimizer_s=optimizer,
-                    tokens_per_s_per_gpu=tokens / seconds,
+                    tokens_per_s_per_gpu=tokens / seconds, all_to_all_s=ga * moe_s, straggler_s=ga * straggler,
                     mfu=model_flops_per_token(whole, spec.seq_len) * tokens / (seconds * g.bf16_flops))
+
+
+def expert_parallel_terms(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster, N: int,
+                          ep: int, flops_per_s: float, cp: int = 1):
+    """What ep > 1 changes in one micro-batch: (the family's Comm, the straggler's extra compute
+    seconds, the all-to-all seconds).
+
+    Comm: the dense parts' collectives over the N = dp_shard x cp ranks as before, plus the rank's
+    experts/ep experts' over their N / ep expert_shard ranks, one rank from each ep group
+    (memory/moe.ep_cluster: torchtitan's dp_shard_mod_ep mesh; its traffic crosses the NICs when
+    the ep groups fill nodes). Compute: the busiest rank's experts run imbalance x the mean of
+    6 x layers x top_k x expert params FLOPs per token (8 with full recomputation), and every rank
+    waits for it at the combine. All-to-all: dispatch and combine in forward, their gradients in
+    backward (again forward's two where the block is recomputed: torchtitan's selective policy
+    saves all_to_all_single's output), each moving tokens x top_k x hidden in the compute dtype, a
+    fraction (ep - 1) / ep off the rank; the busiest receiver takes imbalance x that. Inside a node
+    it rides NVLink; an ep group of whole nodes sends (ep - gpus per node) / ep of it through the
+    rank's own NIC while the rest rides NVLink (rail-optimised nodes: one NIC per GPU; DeepEP's
+    README measures its internode normal kernels at 43-58 GB/s per H800 over 50 GB/s CX7 NICs,
+    NIC-bound), whichever is slower. Not hidden: the experts wait for the dispatch and the next
+    block for the combine (no overlap modelled, as torchtitan runs it)."""
+    from dataclasses import fields
+    from .families.base import Comm
+    from .memory.activations import checkpointed_blocks
+    from .memory.moe import ep_cluster, expert_split
+    from .spec import layer_every
+    d = profile.decoder
+    fam = strategy.family_obj
+    dense, experts = expert_split(profile, ep)
+    ecl = ep_cluster(cluster, ep)
+    a = fam.comm(strategy, dense, spec, cluster, N, Links(cluster))
+    b = fam.comm(strategy, experts, spec, ecl, N // ep, Links(ecl))
+    comm = Comm(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(Comm)})
+    imb = min(spec.moe_imbalance, ep)
+    mode = spec.activation_checkpointing
+    every = layer_every(mode)
+    redone = 1.0 if mode == "full" else (checkpointed_blocks(d.layers, every) / d.layers if every else 0.0)
+    cp_tokens = spec.micro_batch * spec.seq_len / cp      # a cp rank routes its S / cp tokens
+    expert_flops = 6 * d.layers * d.top_k * d.expert_params * (1 + redone / 3)
+    straggler = (imb - 1) * expert_flops * cp_tokens / flops_per_s
+    g, per = cluster.gpu, cluster.gpus_per_node
+    nbytes = spec.bytes.compute * cp_tokens * d.top_k * d.hidden
+    inside = min(ep, per)
+    one = imb * nbytes * max((inside - 1) / ep / g.intra_node_bw, (ep - inside) / ep / g.inter_node_bw)
+    one += Links(cluster).latency(ep)
+    return comm, straggler, (4 + 2 * redone) * d.layers * one

@@ -120,7 +120,8 @@ def worker(steps: int, traced: int = 0) -> None:
               f"({(time.perf_counter() - start) / max(len(losses), 1):.2f} s/step on {world} CPU ranks)")
         print(f"\npeak memory per rank, {w.chosen.label} (live tensors, overhead aside): estimated before "
               "training (analytic; traced on fake tensors) vs measured in the first two steps")
-        print(f"  {'rank':>4}  {'analytic':>10}  {'traced':>10}  {'measured':>10}  {'analytic err':>12}  {'traced err':>10}")
+        print(f"  {'rank':>4}  {'analytic':>10}  {'traced':>10}  {'measured':>10}  "
+              f"{'analytic err':>12}  {'traced err':>10}")
         for r, peak in enumerate(peaks):
             tr = f"{fmt_bytes(traced):>10}  " if traced else f"{'-':>10}  "
             terr = f"{traced / peak - 1:>+10.1%}" if traced else f"{'-':>10}"

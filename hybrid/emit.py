@@ -44,12 +44,23 @@ def emit(kind: str, p: Plan, profile: ModelProfile, name: str | None = None,
         c = _named(p, name) or p.chosen
         if c is None:
             raise HybridError("nothing fits this job, so there is no layout to emit; see `hybrid plan` for why")
+        _no_ep(c, kind)
         return accelerate_yaml(c, p, profile), c
     if kind not in KINDS:
         raise HybridError(f"unknown --emit {kind!r}. Available: {', '.join(CHOICES)}")
     family = KINDS[kind]
     c = _pick(p, family, name)
+    _no_ep(c, kind)
     return family.emit(c, p, profile, target), c
+
+
+def _no_ep(c: Candidate, kind: str) -> None:
+    """Expert parallelism is torchtitan's (ParallelismConfig.expert_parallel_degree) among the tools
+    we hand off to: DeepSpeed's JSON, the HF Trainer, Accelerate's FSDP plugin and plain FSDP2
+    settings have no key that splits a transformers MoE block's experts over ranks."""
+    if c.ep > 1:
+        raise HybridError(f"{c.label}: --emit {kind} cannot express expert parallelism (ep {c.ep}); use --emit "
+                          "torchtitan (--parallelism.expert_parallel_degree), or plan with --ep 1")
 
 
 def _named(p: Plan, name: str | None) -> Candidate | None:
@@ -124,6 +135,10 @@ def _torchtitan_groups(c: Candidate, p: Plan) -> list[list[str]]:
         # torchtitan's all-gather of K/V shards per layer: the method hybrid runs and estimates
         args += [["--parallelism.context_parallel_degree", str(d.cp)],
                  ["--parallelism.context_parallel_rotate_method", "allgather"]]
+    if d.ep > 1:
+        # torchtitan's ParallelismConfig.expert_parallel_degree (torchtitan/config/configs.py; v0.2.2's
+        # job_config.py): ep borrows dp_shard x cp ranks, the experts FSDP-sharded over the rest
+        args += [["--parallelism.expert_parallel_degree", str(d.ep)]]
     if c.pipeline is not None:
         args += [["--parallelism.pipeline_parallel_schedule", TORCHTITAN_SCHEDULES[c.pipeline.schedule]],
                  ["--parallelism.pipeline_parallel_microbatch_size", str(spec.micro_batch)]]
@@ -208,13 +223,15 @@ def accelerate_yaml(c: Candidate, p: Plan, profile: ModelProfile) -> str:
         notes.append("the plan compiles each block: call block.compile() on every decoder layer before "
                      "accelerator.prepare (Accelerate's dynamo_config compiles the whole model instead)")
     head = [f"# hybrid plan: {p.model.name} on {p.cluster.describe()}: {c.label} ({d.describe()})",
-            f"# predicted {c.memory.total / 2**30:.1f} GiB per GPU, {c.cost.tokens_per_s_per_gpu:,.0f} tokens/s per GPU; "
+            f"# predicted {c.memory.total / 2**30:.1f} GiB per GPU, "
+            f"{c.cost.tokens_per_s_per_gpu:,.0f} tokens/s per GPU; "
             f"per-device batch {spec.micro_batch}, seq {spec.seq_len}"]
     if p.cluster.nodes > 1:
         # every machine must reach the first one's rendezvous (Accelerate's launch flags override
         # these keys); a placeholder address fails to resolve instead of waiting for peers
         cfg.update(machine_rank=0, main_process_ip=ACCELERATE_IP_PLACEHOLDER, main_process_port=29500)
-        head += [f"# {p.cluster.nodes} machines: run on each, with its rank (0 on the first) and the first one's address:",
+        head += [f"# {p.cluster.nodes} machines: run on each, with its rank (0 on the first) "
+                 "and the first one's address:",
                  "#   accelerate launch --config_file THIS.yaml --machine_rank $NODE_RANK "
                  "--main_process_ip $FIRST_NODE_IP --main_process_port 29500 train.py",
                  f"# (or edit machine_rank and main_process_ip below per machine: {ACCELERATE_IP_PLACEHOLDER} is a "

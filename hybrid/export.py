@@ -27,16 +27,19 @@ from .units import parse_bytes
 
 _LLAMA = [(r"^embed\.", "model.embed_tokens."), (r"^blocks\.(\d+)\.norm1\.", r"model.layers.\1.input_layernorm."),
           (r"^blocks\.(\d+)\.norm2\.", r"model.layers.\1.post_attention_layernorm."),
-          (r"^blocks\.(\d+)\.attn\.", r"model.layers.\1.self_attn."), (r"^blocks\.(\d+)\.mlp\.", r"model.layers.\1.mlp."),
+          (r"^blocks\.(\d+)\.attn\.", r"model.layers.\1.self_attn."),
+          (r"^blocks\.(\d+)\.mlp\.", r"model.layers.\1.mlp."),
           (r"^norm\.", "model.norm."), (r"^lm_head\.", "lm_head.")]
 _GPT2 = [(r"^embed\.", "transformer.wte."), (r"^pos_embed\.", "transformer.wpe."),
-         (r"^blocks\.(\d+)\.norm1\.", r"transformer.h.\1.ln_1."), (r"^blocks\.(\d+)\.norm2\.", r"transformer.h.\1.ln_2."),
+         (r"^blocks\.(\d+)\.norm1\.", r"transformer.h.\1.ln_1."),
+         (r"^blocks\.(\d+)\.norm2\.", r"transformer.h.\1.ln_2."),
          (r"^blocks\.(\d+)\.attn\.qkv_proj\.", r"transformer.h.\1.attn.c_attn."),
          (r"^blocks\.(\d+)\.attn\.o_proj\.", r"transformer.h.\1.attn.c_proj."),
          (r"^blocks\.(\d+)\.mlp\.fc\.", r"transformer.h.\1.mlp.c_fc."),
          (r"^blocks\.(\d+)\.mlp\.proj\.", r"transformer.h.\1.mlp.c_proj."), (r"^norm\.", "transformer.ln_f."),
          (r"^lm_head\.", "lm_head.")]
-_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "gpt2": "GPT2LMHeadModel"}
+_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "gpt2": "GPT2LMHeadModel",
+         "mixtral": "MixtralForCausalLM"}     # our MoE blocks keep Mixtral's names (mlp.gate, mlp.experts.*)
 _EXPORTED = re.compile(r"model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|config\.json")
 """The files an export writes: what --overwrite may replace."""
 
@@ -92,7 +95,9 @@ def _target(out: str, overwrite: bool, ckpt: str) -> str:
     HybridError."""
     out = os.path.abspath(out)
     if _inside(out, ckpt) or _inside(ckpt, out):
-        raise HybridError(f"export target {out!r} {'is' if _inside(out, ckpt) and _inside(ckpt, out) else 'lies inside' if _inside(out, ckpt) else 'contains'} "
+        where = ("is" if _inside(out, ckpt) and _inside(ckpt, out) else "lies inside" if _inside(out, ckpt)
+                 else "contains")
+        raise HybridError(f"export target {out!r} {where} "
                           f"the checkpoint {os.path.abspath(ckpt)!r}; export to a directory outside it")
     if os.path.exists(out) and not os.path.isdir(out):
         raise HybridError(f"export target {out!r} is a file; give a directory")
@@ -231,7 +236,8 @@ def _write(ckpt, r, out, dtype, cast, keys, entries, config, limit) -> list[str]
     shards, current, size = [], [], 0
     for src, dst, transpose in keys:
         entry = entries[src]
-        nbytes = entry.size.numel() * (torch.finfo(cast[dtype]).bits // 8 if cast[dtype] else entry.properties.dtype.itemsize)
+        itemsize = torch.finfo(cast[dtype]).bits // 8 if cast[dtype] else entry.properties.dtype.itemsize
+        nbytes = entry.size.numel() * itemsize
         if current and size + nbytes > limit:
             shards.append(current)
             current, size = [], 0

@@ -132,6 +132,8 @@ OPTIONS = {o.name: o for o in (
     Option("tp", "int", 1, 10**6),
     Option("pp", "int", 1, 10**6),
     Option("cp", "int", 1, 10**6),
+    Option("ep", "int", 1, 10**6),
+    Option("moe_imbalance", "float", 1.0, 10**6),     # busiest ep rank's routed tokens / mean (spec.MOE_IMBALANCE)
     Option("schedule", "str", choices=("1f1b", "gpipe", "interleaved")),
     Option("method", "str", choices=("analytic", "traced", "measured")),
     Option("implementation", "str", choices=("auto", "transformers", "hybrid")),
@@ -227,7 +229,8 @@ def save_job(path: str, args) -> None:
 
 
 _WRAP_KEYS = ("micro_batch", "global_batch", "global_batch_tokens", "seq_len", "gradient_accumulation", "precision",
-              "activation_checkpointing", "attention", "compile", "float8", "shard_size", "tp", "pp", "cp", "schedule",
+              "activation_checkpointing", "attention", "compile", "float8", "moe_imbalance", "shard_size", "tp", "pp",
+              "cp", "ep", "schedule",
               "strategy", "gpu_memory", "calibration")
 """Job keys that are auto_wrap arguments of the same name."""
 _PLAN_ONLY = ("model", "params", "method", "implementation", "efficiency", "optimizer")

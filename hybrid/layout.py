@@ -65,14 +65,14 @@ class Layout:
     @classmethod
     def of(cls, strategy: "Strategy", cluster: "Cluster", spec: TrainSpec | None = None, *,
            shard_size: int | None = None, tp: int = 1, cp: int = 1, pp: int = 1,
-           schedule: str | None = None) -> "Layout":
+           schedule: str | None = None, ep: int = 1) -> "Layout":
         """The layout of `strategy` on `cluster` at these degrees: its shard size (the preset's rule
         on one pipeline stage's ranks, or `shard_size` where the preset leaves it free), the rest of
         the data-parallel ranks replicas; checkpointing, compile and float8 from `spec`."""
         spec = spec or TrainSpec()
         stage = stage_cluster(cluster, pp)
         n = strategy.shard_size(stage, shard_size, tp, cp)
-        dims = ParallelDims(dp_replicate=stage.world_size // tp // cp // n, dp_shard=n, cp=cp, tp=tp, pp=pp)
+        dims = ParallelDims(dp_replicate=stage.world_size // tp // cp // n, dp_shard=n, cp=cp, tp=tp, pp=pp, ep=ep)
         dims.validate(cluster.world_size, cluster.gpus_per_node)
         return cls(dims, strategy, spec.activation_checkpointing, (schedule or "1f1b") if pp > 1 else None,
                    None, spec.compile, spec.float8)
@@ -110,7 +110,8 @@ class Layout:
         d = self.dims
         pipe = "" if self.pipeline is None else f"+pp{d.pp}" + (
             "" if self.schedule == "1f1b" else f":{self.schedule}")
-        return (self.name + ("" if d.cp == 1 else f"+cp{d.cp}") + ("" if d.tp == 1 else f"+tp{d.tp}")
+        return (self.name + ("" if d.cp == 1 else f"+cp{d.cp}") + ("" if d.ep == 1 else f"+ep{d.ep}")
+                + ("" if d.tp == 1 else f"+tp{d.tp}")
                 + pipe + ("" if self.ac == "none" else f"+ac:{self.ac}"))
 
     @property
@@ -118,10 +119,11 @@ class Layout:
         """The tie-break, simplest first: no host offload, then fewer model-parallel dimensions
         (pipeline, tensor parallel, then context parallel: tp splits every matrix and adds four
         activation collectives per block, cp leaves the matrices whole and exchanges K/V once per
-        layer), then the simpler preset (its YAML `complexity`, else its family's rank of its
+        layer; then expert parallel: four all-to-alls per MoE layer and a rank's load set by the
+        routing), then the simpler preset (its YAML `complexity`, else its family's rank of its
         knobs), less recomputation, the wider shard group."""
         d = self.dims
-        return (self.dp.offload, d.pp, d.tp, d.cp, self.dp.complexity, _ac_rank(self.ac), -d.dp_shard)
+        return (self.dp.offload, d.pp, d.tp, d.cp, d.ep, self.dp.complexity, _ac_rank(self.ac), -d.dp_shard)
 
     def to_dict(self) -> dict:
         out = {"name": self.name, "family": self.dp.family, "shard_size": self.dims.dp_shard,

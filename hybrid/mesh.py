@@ -158,13 +158,19 @@ def build_mesh(dims: ParallelDims | int, runtime: Runtime, gpus_per_node: int | 
     return mesh
 
 
+def _kept(mesh: DeviceMesh, name: str, make) -> DeviceMesh:
+    """A mesh derived from `mesh` (flattened dims), made once on every rank alike and kept on it:
+    torch deprecates slicing a flattened dim back out of the root mesh by name."""
+    kept = mesh.__dict__.setdefault("_hybrid_derived", {})
+    if name not in kept:
+        kept[name] = make()
+    return kept[name]
+
+
 def _flat(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
-    """The 1D mesh of `names` flattened (made once per mesh, then found by its name)."""
+    """The 1D mesh of `names` flattened."""
     name = "_".join(names)
-    try:
-        return mesh[name]
-    except (KeyError, RuntimeError, ValueError):
-        return mesh[names]._flatten(name)
+    return _kept(mesh, name, lambda: mesh[names]._flatten(name))
 
 
 def fsdp_shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -180,8 +186,9 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
         return fsdp_shard_mesh(mesh)
     if mesh["cp"].size() == 1:
         return mesh["dp_replicate", "dp_shard"]
-    _flat(mesh, ("dp_shard", "cp"))
-    return mesh["dp_replicate", "dp_shard_cp"]
+    shape = (mesh["dp_replicate"].size(), mesh["dp_shard"].size() * mesh["cp"].size())
+    return _kept(mesh, "dp_replicate,dp_shard_cp", lambda: _flat(mesh, ("dp_replicate", "dp_shard", "cp"))
+                 ._unflatten(0, shape, ("dp_replicate", "dp_shard_cp")))
 
 
 def replica_group(mesh: DeviceMesh):
@@ -189,6 +196,25 @@ def replica_group(mesh: DeviceMesh):
     if mesh["cp"].size() == 1 and mesh["dp_shard"].size() == 1:
         return mesh["dp_replicate"].get_group()
     return _flat(mesh, ("dp_replicate", "dp_shard", "cp")).get_group()
+
+
+def ep_size(mesh) -> int:
+    """The expert-parallel degree of a mesh built by build_mesh (1: every rank holds every expert)."""
+    experts = getattr(mesh, "experts", None)
+    return experts["ep"].size() if experts is not None else 1
+
+
+def ep_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks one MoE layer's experts are split over, and its tokens exchanged between (ep > 1)."""
+    return mesh.experts["ep"]
+
+
+def expert_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """What FSDP2 shards the experts over (ep > 1): the expert_shard = dp_shard x cp / ep ranks that
+    hold the same experts, with dp_replicate in front when replicated (HSDP, 2D)."""
+    if mesh["dp_replicate"].size() == 1:
+        return mesh.experts["expert_shard"]
+    return mesh.experts["dp_replicate", "expert_shard"]
 
 
 def shard_group_ranks(mesh: DeviceMesh) -> list[int]:

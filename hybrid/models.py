@@ -119,6 +119,49 @@ class MLP(nn.Module):
         return self.proj(0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0)))))
 
 
+class Experts(nn.Module):
+    """A mixture-of-experts layer's experts, stacked as transformers 5 stores Mixtral's: gate and up
+    projections concatenated (experts x 2 moe_ffn x hidden), down (experts x hidden x moe_ffn).
+    Called as transformers' experts are, so expert parallelism (backends/ep.py) serves both."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        e, h, f = cfg.experts, cfg.hidden, cfg.moe_ffn
+        self.num_experts = e
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * f, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, f))
+        self.act_fn = F.silu
+
+    def forward(self, x, top_k_index, top_k_weights):
+        """x: (tokens, hidden); each token's top-k experts and their weights: (tokens, k)."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(top_k_index).tolist():     # ascending, as transformers' loop adds them
+            token, slot = torch.where(top_k_index == e)
+            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(self.act_fn(gate) * up, self.down_proj[e]) * top_k_weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    """Mixtral's sparse block: a linear router, softmax in fp32, the top-k experts per token with
+    their probabilities renormalised to sum to one, the experts' outputs summed by them."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.gate = nn.Linear(cfg.hidden, cfg.experts, bias=False)
+        self.experts = Experts(cfg)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        x = x.reshape(-1, h)
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        return self.experts(x, chosen, weights).view(b, s, h)
+
+
 def _norm(cfg: DecoderConfig) -> nn.Module:
     if cfg.style == "llama":
         return RMSNorm(cfg.hidden, cfg.norm_eps)
@@ -131,7 +174,7 @@ class Block(nn.Module):
     def __init__(self, cfg: DecoderConfig, attention: str):
         super().__init__()
         self.norm1, self.attn = _norm(cfg), Attention(cfg, attention)
-        self.norm2, self.mlp = _norm(cfg), MLP(cfg)
+        self.norm2, self.mlp = _norm(cfg), (MoE(cfg) if cfg.moe else MLP(cfg))
 
     def forward(self, x, rope=None, mask=None):
         x = x + self.attn(self.norm1(x), rope, mask)
@@ -312,6 +355,9 @@ def _init_weights(m: nn.Module):
         nn.init.normal_(m.weight, std=0.02)
         if getattr(m, "bias", None) is not None:
             nn.init.zeros_(m.bias)
+    elif isinstance(m, Experts):
+        nn.init.normal_(m.gate_up_proj, std=0.02)
+        nn.init.normal_(m.down_proj, std=0.02)
 
 
 def build_decoder(cfg: DecoderConfig | str, device="cpu", dtype=None, attention: str = "sdpa",
@@ -319,10 +365,9 @@ def build_decoder(cfg: DecoderConfig | str, device="cpu", dtype=None, attention:
     """Our implementation of a preset (by name) or shape; seeded for reproducible weights."""
     if isinstance(cfg, str):
         cfg = get_preset(cfg)
-    if cfg.moe or cfg.qk_norm or cfg.head_size:
-        raise HybridError(f"hybrid's own decoder has no {'MoE blocks' if cfg.moe else 'query/key norms or head size'}"
-                          f" ({cfg.hf_model_type}): use the transformers implementation (--implementation "
-                          "transformers; pip install 'hybrid[hf]')")
+    if cfg.qk_norm or cfg.head_size:      # MoE blocks are Mixtral's (Qwen3-MoE, OLMoE add query/key norms)
+        raise HybridError(f"hybrid's own decoder has no query/key norms or head size ({cfg.hf_model_type}): use the "
+                          "transformers implementation (--implementation transformers; pip install 'hybrid[hf]')")
     if seed is not None and torch.device(device).type != "meta":
         torch.manual_seed(seed)
     with torch.device(device), default_dtype(dtype):

@@ -7,8 +7,9 @@ ranks node by node, so the innermost dimensions are consecutive ranks. tp groups
 stay inside a node (NVLink); a cp x tp block (a K/V all-gather per layer) and a dp_shard x cp x tp
 block (FSDP shards parameters over dp_shard x cp, as torchtitan does) are inside a node or span
 whole nodes; replicas and pipeline stages (the least traffic) cross nodes. cp ranks read the same
-sequences (each holds two of its 2cp chunks), so the data ranks are dp_replicate x dp_shard. Every rule is checked once, here, and every error
-prints the equation and the valid choices. Nothing outside this value computes rank groups.
+sequences (each holds two of its 2cp chunks), so the data ranks are dp_replicate x dp_shard.
+Every rule is checked once, here, and every error prints the equation and the valid choices.
+Nothing outside this value computes rank groups.
 """
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from dataclasses import dataclass
 from .errors import HybridError
 
 DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EXPERT_DIM_NAMES = ("pp", "dp_replicate", "expert_shard", "ep", "tp")
+"""The same ranks seen by the experts (ep > 1): dp_shard x cp split into expert_shard x ep, ep
+innermost (consecutive ranks: the all-to-alls stay inside a node), as torchtitan's sparse mesh."""
 
 
 def divisors(n: int) -> list[int]:
@@ -158,11 +162,23 @@ class ParallelDims:
                               f"GPUs per node, so a shard group would straddle nodes; valid dp_shard sizes: {valid}")
         return self
 
+    @property
+    def expert_shape(self) -> tuple[int, int, int, int, int]:
+        """The shape of the experts' mesh, EXPERT_DIM_NAMES."""
+        return (self.pp, self.dp_replicate, self.expert_shard, self.ep, self.tp)
+
     def build_mesh(self, device_type: str):
         """The named DeviceMesh ("pp", "dp_replicate", "dp_shard", "cp", "tp"); size-1 dims are kept
-        so every sub-mesh can be asked for by name."""
+        so every sub-mesh can be asked for by name. With ep > 1 it also carries, as `.experts`, the
+        mesh EXPERT_DIM_NAMES over the same ranks and root (so FSDP can stack the experts' ep
+        sharding with its own): expert weights live on "ep" and are FSDP-sharded over
+        ("dp_replicate",) "expert_shard" (hybrid.mesh.ep_mesh, expert_dp_mesh)."""
         from torch.distributed.device_mesh import init_device_mesh
-        return init_device_mesh(device_type, self.shape, mesh_dim_names=DIM_NAMES)
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=DIM_NAMES)
+        if self.ep > 1:
+            # torchtitan unflattens its world mesh the same way (parallel_dims.py, sparse mesh)
+            mesh.experts = mesh._flatten("world")._unflatten(0, self.expert_shape, EXPERT_DIM_NAMES)
+        return mesh
 
     def to_dict(self) -> dict:
         out = {name: getattr(self, name) for name in DIM_NAMES[1:] + DIM_NAMES[:1]}

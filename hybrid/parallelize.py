@@ -43,7 +43,8 @@ class Parallelized:
 
 def layout_of_mesh(strategy, mesh, spec) -> Layout:
     """The layout a built mesh stands for (pp 1), at the spec's checkpointing, compile and float8."""
-    dims = ParallelDims(**{n: mesh[n].size() for n in ("dp_replicate", "dp_shard", "cp", "tp")})
+    from .mesh import ep_size
+    dims = ParallelDims(**{n: mesh[n].size() for n in ("dp_replicate", "dp_shard", "cp", "tp")}, ep=ep_size(mesh))
     return Layout(dims, strategy, spec.activation_checkpointing, compile=spec.compile, float8=spec.float8)
 
 
@@ -85,7 +86,9 @@ def parallelize_piece(piece: nn.Module, layout: Layout, mesh, spec, runtime, opt
     if dims.cp > 1:
         from .backends.cp import ContextParallel
         cp = ContextParallel(piece, mesh["cp"])
-    # --- expert parallelism (ep > 1) goes here: after tp and cp, before checkpointing ---
+    if dims.ep > 1:                          # after tp and cp, before checkpointing (torchtitan)
+        from .backends.ep import apply_expert_parallel
+        apply_expert_parallel(piece, mesh, spec)
     apply_activation_checkpointing(piece, layout.ac)
     apply_compile(piece, spec)               # after checkpointing, before data parallelism (torchtitan)
     return backend.wrap(layout.dp, piece, layout, mesh, spec, runtime, options, staged), tp, cp

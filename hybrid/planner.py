@@ -19,11 +19,12 @@ from . import batch as batch_search
 from .candidate import TIE, Candidate, Plan
 from .catalogue import Strategy, load_catalogue
 from .layout import AC_ORDER, Layout, as_layout
-from .parallel import ParallelDims, valid_shard_sizes
+from .parallel import ParallelDims, divisors, valid_shard_sizes
 from .cluster import GPUS, Cluster
 from .cost import step_cost
 from .errors import HybridError
 from .memory.analytic import NotApplicable, check_job, estimate
+from .memory.moe import check_ep
 from .memory.breakdown import MemoryBreakdown, fragmentation_floor, overhead_bytes
 from .pipeline import (VIRTUAL, PipelineLayout, balanced_split, batch_schedules, even_split, pp_degrees, schedules_for,
                        stage_cluster)
@@ -47,7 +48,8 @@ def judge(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec, clu
     stands for its layout on the cluster (Layout.of)."""
     layout = as_layout(layout, cluster, spec)
     spec = layout.train_spec(spec)
-    strategy, n, (tp, pp, cp) = layout.dp, layout.dims.dp_shard, (layout.dims.tp, layout.dims.pp, layout.dims.cp)
+    d = layout.dims
+    strategy, n, (tp, pp, cp, ep) = layout.dp, d.dp_shard, (d.tp, d.pp, d.cp, d.ep)
     stage_cl = stage_cluster(cluster, pp)
     stages = ()
     try:
@@ -60,7 +62,7 @@ def judge(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec, clu
             m = estimate(layout, profile, spec, cluster)
         floor = m.floor            # the model's shape and the allocator's, whatever the estimator
         if estimator is not None and tp == 1 and pp == 1:
-            m = estimator(strategy, spec, n) if cp == 1 else estimator(strategy, spec, n, cp=cp)
+            m = estimator(strategy, spec, n, **{k: v for k, v in (("cp", cp), ("ep", ep)) if v > 1})
         elif estimator is not None and pp > 1 and hasattr(estimator, "stage"):
             busiest = max(range(pp), key=lambda r: stages[r].total)
             m = estimator.stage(strategy, spec, n, tp, layout.pipeline, busiest)
@@ -144,13 +146,14 @@ def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, 
                          cluster: Cluster, names: list[str], shard_size: int | None,
                          search_checkpointing: bool, search_shards: bool = True,
                          tp: int | None = 1, pp: int | None = 1, schedule: str | None = None,
-                         cp: int = 1, cp_pinned: bool = False) -> list[Layout]:
+                         cp: int = 1, cp_pinned: bool = False, ep: int | None = 1) -> list[Layout]:
     """Every preset x tensor-parallel degree (tp None: every valid one for families that run
     over tp groups; an int pins it) x pipeline degree and schedule (pp None: 1, and for
     families that run stages every pp the cluster allows, pipeline.pp_degrees; an int pins it)
     x its shard sizes (a free-shard preset: every valid size, or with pp > 1 its default one;
     --shard-size pins it) x checkpointing {none, selective, full} when it can apply, at one
-    context-parallel degree `cp` (families without cp are left out unless it is pinned)."""
+    context-parallel degree `cp` (families without cp are left out unless it is pinned) x its
+    expert-parallel degrees (ep_degrees; ep None tries them, an int pins it)."""
     can_ckpt = profile.num_blocks > 0 and (profile.decoder is not None or profile.activation_bytes_per_sample)
     ckpts = list(AC_ORDER) if search_checkpointing and can_ckpt else [spec.activation_checkpointing]
     if pp is None:
@@ -188,12 +191,30 @@ def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, 
                                                if 1 < n < groups)})
                 else:
                     sizes = [s.shard_size(cl, shard_size, t, cp)]
-                for n in sizes:
+                for n, e in ((n, e) for n in sizes for e in ep_degrees(profile, s, n, cp, t, p, cl, ep)):
                     for ac in ckpts:
                         for sched in scheds:
                             out.append(Layout.of(s, cluster, replace(spec, activation_checkpointing=ac),
-                                                 shard_size=n, tp=t, cp=cp, pp=p, schedule=sched))
+                                                 shard_size=n, tp=t, cp=cp, pp=p, schedule=sched, ep=e))
     return out
+
+
+def ep_degrees(profile: ModelProfile, strategy: Strategy, n: int, cp: int, tp: int, pp: int, cluster: Cluster,
+               ep: int | None) -> list[int]:
+    """Expert-parallel degrees of one layout: 1 for a dense model; a pinned ep where it divides
+    dp_shard x cp (ParallelDims' rule); else, for an MoE model under an fsdp strategy at pp 1
+    (memory/moe.py models those), 1 and every divisor of the experts that divides dp_shard x cp
+    and lies inside a node or on whole nodes (consecutive ranks, as shard groups do)."""
+    d = profile.decoder
+    if d is None or not d.moe:
+        return [1]
+    if ep is not None:
+        return [ep] if (n * cp) % ep == 0 else []
+    if not strategy.family_obj.supports_ep or pp > 1:
+        return [1]
+    per = cluster.gpus_per_node // tp
+    return [e for e in divisors(d.experts)
+            if e == 1 or ((n * cp) % e == 0 and (per % e == 0 or (e % per == 0 and cluster.nodes % (e // per) == 0)))]
 
 
 def choose(cands, tie: float = TIE) -> Candidate | None:
@@ -214,7 +235,7 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
          search_checkpointing: bool = False, efficiency: float | None = None,
          suggest_fixes: bool = True, search_shards: bool = True, tp: int | None = None,
          pp: int | None = None, schedule: str | None = None, calibration=None,
-         cp: int | None = None, micro_batch: int | None = None) -> Plan:
+         cp: int | None = None, micro_batch: int | None = None, ep: int | None = 1) -> Plan:
     """Judge every candidate and choose. A calibration (calibration.Calibration) replaces the
     GPU's speed figures with the fitted ones and its error becomes the tie band (Calibration.tie).
     With search_checkpointing the planner also tries each activation-checkpointing setting (the
@@ -223,7 +244,8 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
     micro-batch count), an int pins it, as `schedule` pins the schedule. cp None tries every
     context-parallel degree (cp_degrees) when the sequence is long (memory/cp.LONG_SEQ), an int
     pins it. With spec.global_batch each layout's micro-batch and accumulation are searched
-    (hybrid/batch.py) unless `micro_batch` pins the micro-batch."""
+    (hybrid/batch.py) unless `micro_batch` pins the micro-batch. ep None tries every expert-parallel
+    degree of an MoE model (ep_degrees), an int pins it (1: none)."""
     check_job(profile, spec)
     tie = TIE
     if calibration is not None:
@@ -252,6 +274,8 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
                               f"{profile.num_blocks} blocks); valid: {', '.join(map(str, valid))}")
     if schedule is not None:
         PipelineLayout(2, schedule, 1, (1, 1))             # the name check, one line
+    if ep is not None:
+        check_ep(profile, ep)
     if (cp or 1) > 1 and (pp or 1) > 1:
         raise HybridError(f"--cp {cp} with --pp {pp}: pipeline stages do not carry the sequence positions context "
                           "parallelism needs; use --pp 1 with --cp, or --cp 1 with --pp")
@@ -261,7 +285,16 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
                                              search_shards=search_shards and estimator is None,
                                              tp=tp if tp is not None or estimator is None else 1,
                                              pp=pp if pp is not None or estimator is None else 1, schedule=schedule,
-                                             cp=c, cp_pinned=cp is not None)]
+                                             cp=c, cp_pinned=cp is not None,
+                                             ep=ep if ep is not None or estimator is None else 1)]
+    if (ep or 1) > 1 and not any(cat[n].family_obj.supports_ep for n in names):
+        raise HybridError(f"--ep {ep}: {', '.join(names)} cannot split experts; expert parallelism runs on "
+                          f"{', '.join(n for n in cat if cat[n].family_obj.supports_ep)}: use one of them with "
+                          "--ep, or leave --ep out")
+    if (ep or 1) > 1 and not todo:
+        raise HybridError(f"--ep {ep}: no layout on {cluster.describe()} has dp_shard x cp divisible by {ep} (expert-"
+                          f"parallel ranks are taken from them): use an --ep that divides {cluster.world_size}, or "
+                          "leave --ep out")
     if estimator is not None and (pp or 1) > 1:         # a traced pipeline: its families and schedules
         todo = [t for t in todo if t.schedule != "interleaved"
                 and not any(x.dim == "pp" for x in t.dp.family_obj.problems(t))]
@@ -274,7 +307,7 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
     fixes = ()
     if chosen is None and suggest_fixes and estimator is None:
         fixes = tuple(suggest(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp, pp,
-                              micro_batch, cp))
+                              micro_batch, cp, ep))
     return Plan(profile, cluster, spec, tuple(order), chosen, method, fixes, tie, calibration)
 
 
@@ -291,12 +324,13 @@ def judge_all(todo: list[Layout], profile: ModelProfile, spec: TrainSpec, cluste
 
 
 def _fits_with(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp=None,
-               pp=None, cp=1, micro_batch=None) -> Candidate | None:
+               pp=None, cp=1, micro_batch=None, ep=1) -> Candidate | None:
     try:
         check_job(profile, spec)
     except HybridError:
         return None
-    todo = enumerate_candidates(cat, profile, spec, cluster, names, None, search_checkpointing, tp=tp, pp=pp, cp=cp)
+    todo = enumerate_candidates(cat, profile, spec, cluster, names, None, search_checkpointing, tp=tp, pp=pp, cp=cp,
+                                ep=ep)
     return choose(judge_all(todo, profile, spec, cluster, None, efficiency, micro_batch))
 
 
@@ -324,13 +358,26 @@ def _size(c: Candidate) -> str:
     return f"{fmt_bytes(c.memory.needed)}, tight" if c.tight else fmt_bytes(c.memory.total)
 
 
+def _larger_ep(profile, spec, cluster, cat, names, efficiency, tp, pp, cp, micro_batch, ep) -> list[str]:
+    """An MoE plan at a pinned ep: the smallest larger ep that makes some candidate fit."""
+    d = profile.decoder
+    if ep is None or d is None or not d.moe:
+        return []
+    for e in [x for x in divisors(d.experts) if x > ep]:
+        c = _fits_with(profile, spec, cluster, cat, names, True, efficiency, tp, pp, cp, micro_batch, e)
+        if c:
+            return [f"--ep {e} ({c.label}: {_size(c)})"]
+    return []
+
+
 def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[str, Strategy],
             names: list[str], search_checkpointing: bool, efficiency: float | None = None,
             tp: int | None = None, pp: int | None = None, micro_batch: int | None = None,
-            cp: int | None = None) -> list[str]:
-    """The smallest change along each axis that makes some candidate fit (at a pinned cp)."""
+            cp: int | None = None, ep: int | None = 1) -> list[str]:
+    """The smallest change along each axis that makes some candidate fit (at a pinned cp, and the
+    plan's ep: a pinned one, or every ep_degrees choice)."""
     pinned_cp = cp or 1
-    out = []
+    out = _larger_ep(profile, spec, cluster, cat, names, efficiency, tp, pp, pinned_cp, micro_batch, ep)
     if pp is not None:      # pp was pinned: would another degree fit?
         for p in pp_degrees(cluster):
             c = p > pp and p <= profile.num_blocks and _fits_with(profile, spec, cluster, cat, names, True,
@@ -346,15 +393,14 @@ def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[
                 out.append(f"--tp {t} ({c.label}: {_size(c)})")
                 break
     if pp in (None, 1) and profile.decoder is not None:   # would splitting the sequence fit?
-        from .parallel import divisors
         for k in [d for d in divisors(cluster.world_size) if d > pinned_cp][:MAX_CP_TRIES - 1]:
             c = spec.seq_len % (2 * k) == 0 and _fits_with(profile, spec, cluster, cat, names, True, efficiency,
-                                                           tp, 1, k, micro_batch=micro_batch)
+                                                           tp, 1, k, micro_batch=micro_batch, ep=ep)
             if c:
                 out.append(f"--cp {k} ({c.label}: {_size(c)})")
                 break
     args = (cat, names, True, efficiency)
-    at = {"micro_batch": micro_batch, "cp": pinned_cp}
+    at = {"micro_batch": micro_batch, "cp": pinned_cp, "ep": ep}
     if not search_checkpointing and spec.activation_checkpointing != "full":
         for ac in ("selective", "full"):
             c = _fits_with(profile, replace(spec, activation_checkpointing=ac), cluster, *args, **at)

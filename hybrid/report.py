@@ -161,7 +161,7 @@ def format_plan(p: Plan, summary: bool = False, top: int | None = None) -> str:
                        f"tokens/s per GPU (+{c.cost.time_per_token / t.cost.time_per_token - 1:.0%}): it fits only "
                        "when the allocator frees its cache, so it is not chosen; to run it anyway, pass its "
                        "--strategy and --activation-checkpointing")
-        out += _why_cp(p)
+        out += _why_cp(p) + _why_ep(p)
     else:
         out.append(f"nothing fits in {fmt_bytes(p.cluster.capacity_bytes)} per GPU")
         if p.suggestions:
@@ -188,6 +188,34 @@ def _why_cp(p: Plan) -> list[str]:
     return [f"why cp {c.cp}: the best layout without it, {best.label}, runs {best.cost.tokens_per_s_per_gpu:,.0f} "
             f"tokens/s per GPU ({-gain:.1%} faster, within the model's error): the tie goes to the simpler layout "
             "(fewer pipeline, then tensor-parallel ranks before context-parallel ones)"]
+
+
+def _why_ep(p: Plan) -> list[str]:
+    """For an MoE model whose plan tried expert parallelism: why the chosen ep, against the best
+    fitting layout at the other side of ep 1 (or that none fits there)."""
+    c = p.chosen
+    if c is None or not {x.ep for x in p.candidates} - {c.ep}:          # dense, or --ep pinned: no rival
+        return []
+    other = (lambda x: x.ep == 1) if c.ep > 1 else (lambda x: x.ep > 1)
+    rivals = [x for x in p.candidates if other(x) and x.memory is not None]
+    fitting = [x for x in rivals if x.fits and (c.tight or not x.tight)]
+    what = "without expert parallelism" if c.ep > 1 else "with expert parallelism"
+    if not fitting:
+        if not rivals:
+            return []
+        least = min(rivals, key=lambda x: x.memory.needed)
+        return [f"why ep {c.ep}: no layout {what} fits (the best, {least.label}, {least.reason})"]
+    best = min(fitting, key=lambda x: x.cost.time_per_token)
+    gain = best.cost.time_per_token / c.cost.time_per_token - 1
+    ep = c if c.ep > 1 else best
+    cause = (f"; at ep {ep.ep} the all-to-alls take {ep.cost.all_to_all_s:.3f} s and the busiest rank's extra expert "
+             f"compute {ep.cost.straggler_s:.3f} s of its {ep.cost.seconds:.3f} s step")
+    if gain >= 0:
+        return [f"why ep {c.ep}: the best layout {what}, {best.label}, runs {best.cost.tokens_per_s_per_gpu:,.0f} "
+                f"tokens/s per GPU ({gain:.1%} slower){cause}"]
+    return [f"why ep {c.ep}: the best layout {what}, {best.label}, runs {best.cost.tokens_per_s_per_gpu:,.0f} "
+            f"tokens/s per GPU ({-gain:.1%} faster, within the model's error): the tie goes to the simpler layout"
+            f"{cause}"]
 
 
 def format_estimate(p: Plan) -> str:

@@ -48,6 +48,15 @@ def layer_every(mode: str) -> int | None:
     return int(mode.split(":", 1)[1]) if mode.startswith("layer:") else None
 
 
+MOE_IMBALANCE = 1.25
+"""Tokens the busiest expert-parallel rank receives over the mean (tokens x top_k / ep per rank
+of an ep group): the headroom MoE training recipes give their experts. Switch Transformer
+(Fedus et al. 2021, arXiv 2101.03961, sec. 2.2 and Table 1) trains with expert capacity factors
+1.0-1.25 under its load-balancing loss, 1.25 dropping few tokens; dropless training (torchtitan,
+Megatron-LM with no capacity factor, DeepEP) has no cap, and early in training a rank can receive
+more (deepseek-ai/DeepEP issue #99: out of memory in the first steps): raise --moe-imbalance
+for a cold start, up to ep (every token to one rank's experts)."""
+
 DEFAULT_SEQ_LEN = 4096
 """Sequence length when none is given: the model's maximum positions, at most this (the common
 pre-training length of 7B-70B recipes), 2048 when the model does not say."""
@@ -118,6 +127,11 @@ class TrainSpec:
     under FSDP2), behind compile, as torchtitan's float8 converter (hybrid/float8.py): their
     matmuls at the float8 peak, plus the casts. Needs compile and a GPU with float8 tensor
     cores (H100/H200). False: the compute dtype."""
+    moe_imbalance: float = MOE_IMBALANCE
+    """Mixture-of-experts models with expert parallelism (ep > 1): tokens the busiest rank's
+    experts receive over the mean, >= 1 (MOE_IMBALANCE: the published default). Scales the routed
+    activations, the all-to-all buffers and the busiest rank's expert compute; 1 = perfectly
+    balanced routing. Unused for dense models and at ep 1 (a rank computes its own tokens)."""
 
     def __post_init__(self):
         for attr in ("micro_batch", "seq_len", "gradient_accumulation", "global_batch"):
@@ -126,6 +140,10 @@ class TrainSpec:
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise HybridError(f"{attr.replace('_', '-')} must be a positive integer, got {v!r}")
+        if isinstance(self.moe_imbalance, bool) or not isinstance(self.moe_imbalance, (int, float)) \
+                or not 1.0 <= self.moe_imbalance <= 1e6:
+            raise HybridError(f"moe-imbalance must be a number >= 1 (the busiest expert-parallel rank's tokens over "
+                              f"the mean; 1 = balanced), got {self.moe_imbalance!r}")
         for attr in ("compile", "float8"):
             if not isinstance(getattr(self, attr), bool):
                 raise HybridError(f"{attr} must be True or False, got {getattr(self, attr)!r}")
@@ -155,4 +173,5 @@ class TrainSpec:
                 "optimizer": self.optimizer, "activation_checkpointing": self.activation_checkpointing,
                 "attention": self.attention, "gradient_accumulation": self.gradient_accumulation,
                 **({"global_batch": self.global_batch} if self.global_batch is not None else {}),
-                **({"compile": True} if self.compile else {}), **({"float8": True} if self.float8 else {})}
+                **({"compile": True} if self.compile else {}), **({"float8": True} if self.float8 else {}),
+                **({"moe_imbalance": self.moe_imbalance} if self.moe_imbalance != MOE_IMBALANCE else {})}

@@ -272,7 +272,8 @@ def format_tune(r: TuneResult) -> str:
                     + f"{pred_tps:>12,.0f}{tokens_per_s_per_gpu(c, t.seconds):>12,.0f}{alloc:>12}"
                     f"{fmt_bytes(t.reserved or t.allocated):>11}  ok")
         else:
-            row += f"{'-':>9}{'':>8}{'':>9}{pred_tps:>12,.0f}{'-':>12}{alloc:>12}{'-':>11}  {t.status.upper()}: {t.detail}"
+            row += (f"{'-':>9}{'':>8}{'':>9}{pred_tps:>12,.0f}{'-':>12}{alloc:>12}{'-':>11}  "
+                    f"{t.status.upper()}: {t.detail}")
         if not c.fits:
             row += " (predicted not to fit)"
         lines.append(row)

@@ -76,7 +76,8 @@ def test_korthikanti_full_recompute_is_2sbh_per_layer():
 def test_precision_and_optimizer_bytes():
     prof = profile_params(1e9)
     one = Cluster.build(1, 1, "h100-80gb")
-    ms = {p: estimate(CAT["ddp"], prof, TrainSpec(precision=p), one).model_states for p in ("fp32", "bf16-mixed", "bf16")}
+    ms = {p: estimate(CAT["ddp"], prof, TrainSpec(precision=p), one).model_states
+          for p in ("fp32", "bf16-mixed", "bf16")}
     assert ms == {"fp32": 16e9, "bf16-mixed": 16e9, "bf16": 8e9}
     sgd = estimate(CAT["ddp"], prof, TrainSpec(optimizer="sgd"), one).model_states
     assert sgd == 12e9
@@ -134,7 +135,8 @@ def test_offload_states_are_where_deepspeed_keeps_them(name):
         _, ds, largest = estimate_zero3_model_states_mem_needs(
             prof.params, prof.largest_layer_params, 8, 8, cpu_offload=True, cpu_offload_params=s.config.offload_params)
         # ours keeps the params under the persistence threshold whole; the gathered layer is in buffers
-        small = 0 if s.config.offload_params else 2 * persistent_params(prof, bucket_sizes(s, prof.decoder.hidden)[2]) * (1 - 1 / 64)
+        small = 0 if s.config.offload_params else (2 * persistent_params(prof, bucket_sizes(s, prof.decoder.hidden)[2])
+                                                    * (1 - 1 / 64))
         assert ours.model_states == pytest.approx(ds - largest + small, rel=1e-6, abs=8)
         assert ours.buffers >= 2 * prof.largest_layer_params
 

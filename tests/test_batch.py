@@ -162,7 +162,8 @@ def test_a_roomy_micro_batch_is_chosen_over_a_faster_tight_one():
     prof, cl = resolve_model("llama3-8b").profile, Cluster.build(1, 8, "h100-80gb")
     spec = TrainSpec(1, 8192, global_batch=64)
     searched = plan(prof, spec, cl, search_checkpointing=True)
-    at_one = {(c.label, c.shard_size): c for c in plan(prof, spec, cl, search_checkpointing=True, micro_batch=1).candidates}
+    at_one = {(c.label, c.shard_size): c
+              for c in plan(prof, spec, cl, search_checkpointing=True, micro_batch=1).candidates}
     for c in searched.candidates:
         if c.tight:
             one = at_one[(c.label, c.shard_size)]

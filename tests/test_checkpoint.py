@@ -136,7 +136,8 @@ def test_atomic_save_and_shape_mismatch(tmp_path):
     path = str(tmp_path / "ckpt")
     same, step, errors = run_ranks(2, crash_mid_save, path)[0]
     assert same == 0.0 and step == 1
-    assert "parameter 'embed.weight' has shape (512, 64) in the checkpoint and (512, 32) in this model" in errors["shape"]
+    assert ("parameter 'embed.weight' has shape (512, 64) in the checkpoint and (512, 32) in this model"
+            in errors["shape"])
     assert len([d for d in os.listdir(path) if d.startswith("data-")]) >= 1
 
 

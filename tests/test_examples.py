@@ -84,7 +84,7 @@ def test_demo_plans_then_trains_on_a_2d_mesh():
     out = run("-m", "hybrid.cli", "demo", "--steps", "8", timeout=240)
     assert "1/2" in out and "2/2" in out and "llama2-7b" in out
     assert "mesh dp_replicate 2 x dp_shard 2 (1, 2, 2, 1, 1)" in out and "*hsdp" in out
-    rows = [l.split() for l in out.splitlines() if l.split() and l.split()[0].isdigit() and "MiB" in l]
+    rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0].isdigit() and "MiB" in line]
     assert len(rows) == 4                                   # every rank: estimated vs measured
     for row in rows:
         traced_err = float(row[-1].rstrip("%"))

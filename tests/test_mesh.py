@@ -90,3 +90,29 @@ def _alone_then_shutdown():
     during = os.environ.get("WORLD_SIZE") == "1"
     shutdown()
     return during, "WORLD_SIZE" in os.environ
+
+
+def world_and_env():
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    out = (dist.get_world_size(), os.environ.get("HYBRID_PROBE"))
+    dist.destroy_process_group()
+    return out
+
+
+def test_launch_retries_a_rendezvous_port_taken_before_rank_0_binds_it(monkeypatch):
+    """free_port() picks, rank 0 binds later: another program can take the port in between. The
+    launch is tried again on a new port; the ranks see the caller's environment as it is now."""
+    import socket
+
+    import hybrid.launch as launch
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    picks = iter([taken.getsockname()[1]])
+    monkeypatch.setattr(launch, "free_port", lambda: next(picks, None) or free_port())
+    monkeypatch.setenv("HYBRID_PROBE", "now")
+    try:
+        assert run_ranks(2, world_and_env) == [(2, "now"), (2, "now")]
+    finally:
+        taken.close()

@@ -5,10 +5,9 @@ import torch
 from hybrid.launch import run_ranks
 from hybrid.models import build_decoder
 from tests.test_backends import TINY
+from tests.test_loop import CLIP, MB, SEQ, STEPS, adamw, warmup  # the same loop as test_loop
 
 pytestmark = pytest.mark.gloo
-
-from tests.test_loop import CLIP, MB, SEQ, STEPS, adamw, warmup  # noqa: F401 (the same loop as test_loop)
 
 GA = 4
 

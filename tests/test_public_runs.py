@@ -1,7 +1,6 @@
 """The allocator model, the bus bandwidth of groups across nodes, and the public-runs corpus
 replay (benchmarks/public_runs.py): what the calibrated figures are calibrated on."""
 import json
-import subprocess
 import sys
 from pathlib import Path
 

@@ -1,5 +1,6 @@
-"""The README's training loop, run as written on 2 gloo ranks (torchrun): it prints one line per
+"""The README's training loop (docs/training.md), run as written on 2 gloo ranks (torchrun): it prints one line per
 optimizer step, at the step, with that step's gradient norm."""
+import glob
 import os
 import re
 import subprocess
@@ -36,9 +37,14 @@ loader = [{"input_ids": torch.randint(0, 64, (1, 32))} for _ in range(16)]
 
 
 def readme_loop() -> str:
-    with open(os.path.join(ROOT, "README.md")) as f:
-        text = f.read()
-    block = re.search(r"## Training loop\n\n```python\n(.*?)```", text, flags=re.S).group(1)
+    """The python block under a "## Training loop" heading, in README.md or a file in docs/."""
+    docs = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    found = []
+    for doc in docs:
+        with open(doc) as f:
+            found += re.findall(r"^## Training loop\n\n```python\n(.*?)```", f.read(), flags=re.S | re.M)
+    assert len(found) == 1, f"one training loop block in README.md and docs/, found {len(found)}"
+    block = found[0]
     assert "w.step()" in block and "print(" in block
     return block
 

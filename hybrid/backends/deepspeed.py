@@ -156,7 +156,8 @@ class DeepSpeedEngine(Engine):
         for name, p in self._params():
             shape = p.ds_shape if hasattr(p, "ds_shape") else p.shape
             get = (lambda key=None: torch.zeros(shape, dtype=torch.float32, device=p.device)) if template else (
-                lambda key=None, p=p: safe_get_full_fp32_param(p) if key is None else safe_get_full_optimizer_state(p, key))
+                lambda key=None, p=p: safe_get_full_fp32_param(p) if key is None
+                else safe_get_full_optimizer_state(p, key))
             value = self._sharded(get())
             for alias in aliases[id(p)]:          # a tied weight under each of its names
                 model[alias] = value
@@ -270,7 +271,8 @@ def _deepspeed():
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     extension_cache()
     warnings.filterwarnings("ignore", category=FutureWarning,
-                            message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated")
+                            message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` "
+                                    r"is deprecated")
     import deepspeed
     import deepspeed.comm as ds_comm
 

@@ -99,6 +99,8 @@ def wrap(strategy, module, layout, mesh, spec, runtime, options=None, staged: bo
     """fully_shard the blocks, then the module as the root unit; a whole model's plain output
     objects are carried past FSDP's hooks (a stage returns plain tensors)."""
     kwargs = fsdp_kwargs(strategy, mesh, spec, runtime)
+    from .ep import shard_experts
+    shard_experts(module, mesh, kwargs)             # ep > 1: the experts over their own ranks first
     for block in shardable_blocks(module):
         fully_shard(block, **kwargs)
     unpack = None if staged else carry_plain_outputs(module)

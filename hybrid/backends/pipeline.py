@@ -175,7 +175,8 @@ def _tied_group(tied, chunks, layout, mesh, pp_rank):
     ranks = mesh.mesh                                     # (pp, dp_replicate, dp_shard, cp, tp) tensor of ranks
     me = dist.get_rank()
     mine = None
-    for coord in torch.cartesian_prod(*[torch.arange(n) for n in ranks.shape[1:]]).reshape(-1, ranks.dim() - 1).tolist():
+    coords = torch.cartesian_prod(*[torch.arange(n) for n in ranks.shape[1:]]).reshape(-1, ranks.dim() - 1)
+    for coord in coords.tolist():
         r0, r1 = int(ranks[(0, *coord)]), int(ranks[(-1, *coord)])
         g = mesh["pp"].get_group() if layout.pp == 2 and me in (r0, r1) else None
         if layout.pp > 2:

@@ -87,6 +87,10 @@ class Family:
         first of problems())."""
         for problem in self.problems(layout):
             raise problem
+        if layout.dims.ep > 1 and not self.supports_ep:
+            from ..memory.placement import NotApplicable
+            raise NotApplicable(f"{layout.dp.name}: expert parallelism (ep {layout.dims.ep}) runs under FSDP2 "
+                                "only; use an fsdp or hsdp strategy with ep, or ep 1", "ep")
 
     def problems(self, layout) -> list:
         """Every reason (NotApplicable, naming its dimension) this family cannot run the layout's
@@ -117,6 +121,10 @@ class Family:
     def torchtitan_offload(self, s) -> bool:
         """Whether torchtitan's --training.enable_cpu_offload is on for this preset."""
         return False
+
+    supports_ep: bool = False
+    """Whether the family shards a MoE layer's experts over ep ranks (ep > 1) as a unit of their own
+    over the expert_shard ranks (memory/moe.py, backends/ep.py; torchtitan's layout)."""
 
     def torchtitan_cp(self, c) -> None:
         """HybridError when torchtitan cannot run this family with context parallelism."""

@@ -291,7 +291,8 @@ class DeepSpeedFamily(Family):
         return frozenset({"params", "grads", "optimizer", "buffers"})
 
     def traced_note(self, s):
-        return f"{s.name}: traced as its FSDP2 equivalent, with DeepSpeed's partitions and buckets in place of the traced state"
+        return (f"{s.name}: traced as its FSDP2 equivalent, with DeepSpeed's partitions and buckets "
+                "in place of the traced state")
 
     def emit(self, c, plan, profile, target="engine"):
         """The DeepSpeed JSON config of the candidate. target "engine": concrete values for

@@ -42,6 +42,7 @@ class FSDPFamily(Family):
     config = FSDPConfig
     runtime_module = "hybrid.backends.fsdp"
     emits = "fsdp"
+    supports_ep = True
 
     def default_complexity(self, s):
         base = 3 if not s.config.reshard_after_forward else (5 if s.shard == "world" else 4)
@@ -150,7 +151,8 @@ class FSDPFamily(Family):
                 "units": [layer, "root"] if layer else ["root"],
                 "reshard_after_forward": s.config.reshard_after_forward,
                 "mp_policy": ({"param_dtype": {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}[c.spec.precision],
-                               "reduce_dtype": "float32"} if c.spec.mixed else {"param_dtype": None, "reduce_dtype": None}),
+                               "reduce_dtype": "float32"} if c.spec.mixed
+                              else {"param_dtype": None, "reduce_dtype": None}),
                 "offload_policy": "CPUOffloadPolicy(pin_memory=True)" if s.config.offload_params else None,
             },
             "activation_checkpointing": c.spec.activation_checkpointing,

@@ -62,8 +62,13 @@ def _moe_mlp(d: DecoderConfig, c: int) -> float:
     token the fp32 router softmax over all experts, and where the top-k weights are renormalised
     (Mixtral, Qwen3-MoE) their fp32 copy and sum. Measured in tests/test_moe.py."""
     renorm = d.hf_model_type != "olmoe"
-    pair = c * (2 * d.hidden + 4 * d.moe_ffn) + F32 + 4 * 8
-    return d.top_k * pair + F32 * d.experts + (F32 * (d.top_k + 1) if renorm else 0)
+    return d.top_k * moe_pair(d, c) + F32 * d.experts + (F32 * (d.top_k + 1) if renorm else 0)
+
+
+def moe_pair(d: DecoderConfig, c: int) -> float:
+    """Bytes one routed (token, expert) pair keeps (see _moe_mlp): what expert parallelism moves
+    to the rank that holds the expert, and what routing imbalance multiplies (memory/moe.py)."""
+    return c * (2 * d.hidden + 4 * d.moe_ffn) + F32 + 4 * 8
 
 
 def _layer_full(d: DecoderConfig, spec: TrainSpec, c: int, autocast: bool) -> float:
@@ -135,7 +140,8 @@ def _layer_compiled(d: DecoderConfig, spec: TrainSpec, c: int, mode: str) -> flo
     tests/test_compile.py holds the two equal). The norms' normalised outputs and the pointwise
     ops between matmuls are recomputed inside the fused backward, not kept.
     none   llama: block input, both norm outputs, q and k after rotary, v, the attention output
-           (its reshape is a view: flash kernels lay it out as b, s, heads, d), the o projection output (the residual sum is rebuilt from
+           (its reshape is a view: flash kernels lay it out as b, s, heads, d), the o projection output
+           (the residual sum is rebuilt from
            it), gate, up and their product, rsqrt per norm, logsumexp per head; gpt2: the same
            with the post-attention residual sum, LayerNorm mean and rstd, and gelu_new's tanh
     selective  the block input and the matmul outputs backward needs (not the down/second MLP

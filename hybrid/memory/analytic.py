@@ -23,6 +23,7 @@ from ..spec import TrainSpec
 from .activations import ActivationTerms, activation_terms, largest_transient
 from .breakdown import MemoryBreakdown, fragmentation_floor, overhead_bytes
 from .placement import FP32, NotApplicable, reduce_bytes
+from .moe import ExpertParallel, expert_parallel
 
 __all__ = ["NotApplicable", "check_job", "estimate", "placement_of"]
 
@@ -59,9 +60,14 @@ def estimate(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec, 
     layout.check(profile)
     sh = shares(profile, layout, spec, rank)
     dims = layout.dims
-    lay = placement_of(layout.dp, sh.profile, sh.spec, cluster, dims.dp_shard * dims.cp, sh.stage)
+    moe = expert_parallel(layout.dp, sh.profile, sh.spec, cluster, dims.dp_shard, dims.cp, dims.ep, placement_of,
+                          staged=sh.stage is not None)
+    lay = moe.placement if moe else placement_of(layout.dp, sh.profile, sh.spec, cluster, dims.dp_shard * dims.cp,
+                                                 sh.stage)
     act, notes = activations(sh, lay.autocast)
-    moments = step_moments(sh, lay, act)
+    if moe:
+        act = moe.activations(act, sh.spec, sh.profile.decoder.layers)
+    moments = step_moments(sh, lay, act, moe)
     phase, parts = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     tensors = lay.params + lay.optimizer + sum(parts.values())
     transient = largest_transient(profile.decoder, sh.spec, lay.autocast, sh.tp) if profile.decoder else 0
@@ -102,11 +108,12 @@ def activations(sh: Share, autocast: bool) -> tuple[ActivationTerms, list[str]]:
     return share_activations(sh, activation_terms(profile.decoder, spec, autocast), autocast, notes)
 
 
-def step_moments(sh: Share, lay, act: ActivationTerms) -> dict[str, dict[str, float]]:
+def step_moments(sh: Share, lay, act: ActivationTerms,
+                 moe: ExpertParallel | None = None) -> dict[str, dict[str, float]]:
     """Grads, activations, temporaries and buffers at each of the step's four moments."""
     profile, spec, st = sh.profile, sh.spec, sh.stage
     acts = act.layers * act.per_layer
-    unit = profile.block_params if profile.num_blocks else profile.largest_layer_params
+    unit = moe.unit if moe else (profile.block_params if profile.num_blocks else profile.largest_layer_params)
     unit_grads = (2 if lay.autocast else spec.bytes.compute) * unit
     moments = {
         "loss": dict(grads=lay.grads_start, activations=acts,
@@ -114,7 +121,8 @@ def step_moments(sh: Share, lay, act: ActivationTerms) -> dict[str, dict[str, fl
         # the block being differentiated: recomputed activations and its weight gradients as
         # autograd makes them (compute dtype), before they are reduced or accumulated
         "blocks": dict(grads=lay.grads_start, activations=acts,
-                       temporaries=act.recompute + act.autocast_cache + unit_grads, buffers=lay.buffers_mid),
+                       temporaries=act.recompute + act.autocast_cache + unit_grads + (moe.a2a_buffers if moe else 0),
+                       buffers=lay.buffers_mid),
         "grads": dict(grads=lay.grads_end, activations=0, temporaries=0, buffers=lay.buffers_end),
         "step": dict(grads=lay.grads_end + lay.grads_step, activations=0, temporaries=lay.scratch,
                      buffers=lay.buffers_step),

@@ -111,13 +111,14 @@ block has no earlier reduce-scatter in flight, its last nothing to prefetch)."""
 
 def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cluster,
                     shard_size: int | None = None, prefer_hf: bool = True, steps: int = 2, tp: int = 1,
-                    fast: bool = True, cp: int = 1) -> Traced:
+                    fast: bool = True, cp: int = 1, ep: int = 1) -> Traced:
     """One rank of the job traced on fake tensors. `fast`: a stack of identical blocks (a preset or
     a decoder config.json) is traced with FAST_BLOCKS blocks and extrapolated to its own count,
     which gives the full trace's peak (benchmarks/fast_traced.py) in a fraction of the time; other
     models, strategies whose state the trace replaces (DeepSpeed, host offload) and layer:N
     checkpointing are traced whole. cp > 1 runs the context-parallel code (backends/cp.py) on the
-    rank's chunks of a whole-sequence batch."""
+    rank's chunks of a whole-sequence batch; ep > 1 the expert-parallel code (backends/ep.py) with
+    the dispatch shapes of spec.moe_imbalance (a fake process group carries no routing counts)."""
     import torch.distributed as dist
 
     check_traceable(source)
@@ -126,7 +127,7 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
                           "distributed job (e.g. from the CLI)")
     check_job(source.profile, spec)
     n = strategy.shard_size(cluster, shard_size, tp, cp)
-    strategy.family_obj.check(Layout(ParallelDims(cp=cp, tp=tp), strategy))
+    strategy.family_obj.check(Layout(ParallelDims(dp_shard=n, cp=cp, tp=tp, ep=ep), strategy))
     if tp > 1:
         prefer_hf = False      # our decoders run sequence parallelism, as the analytic model assumes
     placement_of(strategy, source.profile, spec, cluster, n * cp)   # NotApplicable, before tracing
@@ -135,13 +136,13 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
     # every block alike: not with layer:N checkpointing, whose 3- and 4-block models mix kinds of block
     alike = not spec.activation_checkpointing.startswith("layer:")
     if fast and alike and layers > FAST_BLOCKS[-1] and not strategy.family_obj.traced_replaces(strategy):
-        runs = [_trace(source.with_layers(k), strategy, spec, cluster, n, prefer_hf, 1, tp, prime=True, cp=cp)
+        runs = [_trace(source.with_layers(k), strategy, spec, cluster, n, prefer_hf, 1, tp, prime=True, cp=cp, ep=ep)
                 for k in FAST_BLOCKS]
         parts, phase = extrapolate([t.moments() for t, _ in runs], FAST_BLOCKS, layers)
         memory = MemoryBreakdown.from_tensors(parts, cluster, phase=phase, notes=(
             f"traced with {' and '.join(map(str, FAST_BLOCKS))} blocks, extrapolated to {layers}",))
         return Traced(memory, runs[0][1], time.perf_counter() - start)
-    tracker, impl = _trace(source, strategy, spec, cluster, n, prefer_hf, steps, tp, cp=cp)
+    tracker, impl = _trace(source, strategy, spec, cluster, n, prefer_hf, steps, tp, cp=cp, ep=ep)
     memory = _account(tracker, strategy, source, spec, cluster, n, tp)
     return Traced(memory, impl, time.perf_counter() - start)
 
@@ -163,7 +164,7 @@ def extrapolate(moments: list[dict], blocks: tuple[int, int], layers: int) -> tu
 
 
 def _trace(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cluster, n: int,
-           prefer_hf: bool, steps: int, tp: int, prime: bool = False, cp: int = 1):
+           prefer_hf: bool, steps: int, tp: int, prime: bool = False, cp: int = 1, ep: int = 1):
     """(the tracker after `steps` training steps of one rank, which implementation was traced).
     `prime`: create the optimizer state first without a training step (driver.prime_optimizer),
     so that one step is the steady state."""
@@ -181,7 +182,7 @@ def _trace(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cl
     try:
         runtime = Runtime(torch.device("cpu"), "fake", cluster.world_size, 0, cluster.gpus_per_node)
         from ..parallel import ParallelDims
-        dims = ParallelDims(dp_replicate=cluster.world_size // tp // cp // n, dp_shard=n, cp=cp, tp=tp)
+        dims = ParallelDims(dp_replicate=cluster.world_size // tp // cp // n, dp_shard=n, cp=cp, tp=tp, ep=ep)
         mesh = build_mesh(dims, runtime, cluster.gpus_per_node)     # outside fake mode: real ints
         backend = strategy.family_obj.runtime()
         dtype = torch.bfloat16 if spec.precision == "bf16" else None

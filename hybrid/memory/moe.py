@@ -1,0 +1,154 @@
+"""Expert parallelism's memory terms (pure): what a rank holds and keeps when each MoE layer's
+experts are split over `ep` ranks (ParallelDims.ep, taken from dp_shard x cp as torchtitan does).
+
+    states    the dense parts FSDP-sharded over dp_shard x cp as today; each rank's experts/ep
+              experts FSDP-sharded over the expert_shard = dp_shard x cp / ep ranks of its
+              expert group (torchtitan's apply_fsdp: fully_shard(experts, mesh=dp_shard_mod_ep)):
+              per rank the same shard of every state, but the gathered expert unit of a block is
+              experts/ep experts, not the whole stack, and the unsharded gradients gradient
+              accumulation keeps are the rank's experts only;
+    routed    the busiest rank's experts receive imbalance x the mean (tokens x top_k: each of the
+              ep ranks sends it tokens x top_k / ep pairs): its routed activations (moe_pair per
+              pair) grow by (imbalance - 1) x that;
+    buffers   one MoE layer's all-to-alls in flight in the block being differentiated: dispatch
+              (send tokens x top_k x hidden, receive imbalance x that) and combine (the reverse),
+              in the compute dtype.
+At ep 1 nothing here applies: a rank computes its own tokens with every expert (FSDP gathers
+the whole stack), as memory/analytic.py counts it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..errors import HybridError, NotApplicable
+from ..profile import ModelProfile
+from ..spec import TrainSpec
+from .activations import ActivationTerms, checkpointed_blocks, moe_pair
+from .placement import Placement
+
+_SUMMED = ("params", "optimizer", "grads_start", "grads_end", "grads_step", "buffers_start", "regathered",
+           "buffers_mid", "buffers_end", "buffers_step", "scratch", "cpu")
+
+
+def check_ep(profile: ModelProfile, ep: int) -> None:
+    """ep > 1 needs an MoE decoder whose expert count it divides (HybridError: the user's input)."""
+    d = profile.decoder
+    if ep == 1:
+        return
+    if d is None or not d.moe:
+        raise HybridError(f"--ep {ep}: {profile.name} is a dense model (no experts to split); expert parallelism "
+                          "applies to mixture-of-experts models: leave --ep out (or use --ep 1)")
+    if d.experts % ep:
+        valid = [e for e in range(1, d.experts + 1) if d.experts % e == 0]
+        raise HybridError(f"--ep {ep} does not divide {profile.name}'s {d.experts} experts per layer, so ranks "
+                          f"would hold different numbers of experts; valid ep: {', '.join(map(str, valid))}")
+
+
+def ep_cluster(cluster, ep: int):
+    """The cluster whose 'GPUs' are ep groups (consecutive ranks, the innermost mesh dimension
+    after cp and tp): an expert-shard group takes one rank from each of its ep groups, so it
+    is priced and laid out as a group of these (as cost.py prices tp groups)."""
+    per = cluster.gpus_per_node
+    if per % ep == 0:
+        return dataclasses.replace(cluster, gpus_per_node=per // ep)
+    if ep % per == 0 and cluster.nodes % (ep // per) == 0:
+        return dataclasses.replace(cluster, nodes=cluster.nodes // (ep // per), gpus_per_node=1)
+    raise NotApplicable(f"ep {ep} neither divides the {per} GPUs per node nor is a whole number of nodes, so an "
+                        "expert-parallel group would straddle nodes")
+
+
+def expert_split(profile: ModelProfile, ep: int) -> tuple[ModelProfile, ModelProfile]:
+    """(dense parts, the rank's experts): the two FSDP groups of one rank under expert parallelism.
+    The experts' profile holds experts/ep experts of every block, as one unit per block."""
+    d = profile.decoder
+    L, local = profile.num_blocks, d.experts // ep
+    whole = L * d.experts * d.expert_params
+    mine = L * local * d.expert_params
+    frac = profile.trainable_params / profile.params
+    # Adafactor: one row and one column vector per expert matrix (gate_up 2m x h, down h x m)
+    fact = L * (3 * d.hidden + 3 * d.moe_ffn)
+    experts = dataclasses.replace(
+        profile, name=f"{profile.name} [experts, ep {ep}]", params=mine, trainable_params=round(mine * frac),
+        param_bytes=round(profile.param_bytes * mine / profile.params),
+        dtype_bytes=tuple((k, round(v * mine / profile.params)) for k, v in profile.dtype_bytes),
+        buffer_bytes=0, block_params=local * d.expert_params, root_params=0,
+        largest_layer_params=local * d.expert_params, largest_param=local * 2 * d.moe_ffn * d.hidden,
+        factored_state=None if profile.factored_state is None else local * fact, tied_groups=())
+    rest = profile.params - whole
+    dense = dataclasses.replace(
+        profile, name=f"{profile.name} [dense]", params=rest, trainable_params=round(rest * frac),
+        param_bytes=round(profile.param_bytes * rest / profile.params),
+        dtype_bytes=tuple((k, round(v * rest / profile.params)) for k, v in profile.dtype_bytes),
+        block_params=profile.block_params - d.experts * d.expert_params,
+        largest_layer_params=d.vocab * d.hidden, largest_param=d.vocab * d.hidden,
+        factored_state=None if profile.factored_state is None else profile.factored_state - d.experts * fact)
+    return dense, experts
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """What ep > 1 changes in one rank's estimate (memory/analytic.estimate applies it)."""
+
+    ep: int
+    imbalance: float
+    """The busiest rank's tokens over the mean: spec.moe_imbalance, at most ep."""
+    placement: Placement
+    """The family's placement: the dense parts' and the experts' FSDP groups summed."""
+    unit: int
+    """Parameters of one block as this rank gathers and differentiates it: its dense parts and
+    its experts/ep experts."""
+    routed_extra: int
+    """Bytes per micro-batch one MoE block keeps beyond the mean for the busiest rank's pairs."""
+    a2a_buffers: int
+    """Bytes of one MoE layer's dispatch and combine buffers (send and receive)."""
+
+    def activations(self, act: ActivationTerms, spec: TrainSpec, layers: int) -> ActivationTerms:
+        """The busiest rank's extra routed activations where the block keeps them (no
+        checkpointing; the blocks layer:N leaves alone), and in the recomputed block otherwise
+        (full, selective and op recompute the experts' grouped matmuls: activations.py)."""
+        mode, extra = spec.activation_checkpointing, self.routed_extra
+        if mode == "none":
+            return dataclasses.replace(act, per_layer=act.per_layer + extra)
+        if mode.startswith("layer:"):
+            kept = layers - checkpointed_blocks(layers, int(mode.split(":", 1)[1]))
+            return dataclasses.replace(act, per_layer=int(act.per_layer + extra * kept / layers),
+                                       recompute=act.recompute + extra)
+        return dataclasses.replace(act, recompute=act.recompute + extra)
+
+
+def expert_parallel(strategy, profile: ModelProfile, spec: TrainSpec, cluster, n: int, cp: int, ep: int,
+                    placement_of, staged: bool = False) -> ExpertParallel | None:
+    """The ep > 1 terms of one rank (None at ep 1). `spec` is the rank's (a cp rank's S / cp
+    tokens); `placement_of(strategy, profile, spec, cluster, n)` is the family's placement;
+    `staged`: the rank is a pipeline stage."""
+    if ep == 1:
+        return None
+    check_ep(profile, ep)
+    if not strategy.family_obj.supports_ep:
+        raise NotApplicable(f"expert parallelism is applied with fsdp strategies here (torchtitan's layout: experts "
+                            f"split over ep, each FSDP-sharded over the rest); {strategy.family} runs ep 1")
+    if staged:
+        raise NotApplicable("expert parallelism with pipeline stages is not modelled; use pp 1 with ep")
+    if spec.compile:
+        raise NotApplicable("compiled MoE blocks with ep > 1 are not modelled (the all-to-all's dynamic shapes); "
+                            "use eager with ep, or ep 1")
+    if (n * cp) % ep:
+        raise NotApplicable(f"ep {ep} does not divide dp_shard({n}) x cp({cp}) = {n * cp}")
+    d = profile.decoder
+    dense, experts = expert_split(profile, ep)
+    a = placement_of(strategy, dense, spec, cluster, n * cp)
+    b = placement_of(strategy, experts, spec, ep_cluster(cluster, ep), n * cp // ep)
+    lay = Placement(**{k: getattr(a, k) + getattr(b, k) for k in _SUMMED}, autocast=a.autocast,
+                 notes=list(a.notes) + [x for x in b.notes if x not in a.notes])
+    imb = min(spec.moe_imbalance, ep)          # every pair on one rank at most
+    c = spec.bytes.compute
+    pairs = spec.tokens * d.top_k               # the mean a rank receives: ep ranks x tokens x top_k / ep
+    shard = n * cp // ep
+    where = f"FSDP-sharded over {shard} ranks" if shard > 1 else "whole on each rank (expert_shard 1)"
+    lay.notes.append(f"expert parallel {ep}: {d.experts // ep} of {d.experts} experts per rank, {where}; the busiest "
+                     f"rank receives {imb:g}x the mean routed tokens (--moe-imbalance)")
+    return ExpertParallel(
+        ep=ep, imbalance=imb, placement=lay, unit=dense.block_params + experts.block_params,
+        routed_extra=int((imb - 1) * pairs * moe_pair(d, c)),
+        a2a_buffers=int(2 * (1 + imb) * pairs * d.hidden * c))
