@@ -16,7 +16,7 @@ from .cluster import ALLOC_CONF_VARS, Cluster, detect
 from .errors import HybridError
 from .mesh import build_mesh, init_distributed
 from .models import prepare_for_training
-from .parallelize import build_engine, parallelize
+from .parallelize import build_engine, check_model, parallelize
 from .planner import plan as make_plan
 from .profile import build_profile
 from .spec import TrainSpec, default_seq_len
@@ -226,10 +226,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
             if runtime.rank == 0:
                 log.warning("hybrid: warning: %s is forced but %s", strategy, chosen.reason)
     chosen = _agree(the_plan.chosen, runtime, strategy, cluster)
-    if chosen.parallel.ep > 1:           # what the runtime runs with ep, checked before any mesh is built
-        from .backends.ep import check_expert_parallel
-        check_expert_parallel(model, chosen.parallel.ep, chosen.strategy, chosen.pipeline is not None,
-                              chosen.parallel.tp)
+    check_model(model, chosen.layout, chosen.spec)     # before any mesh is built
     if chosen.tight and runtime.rank == 0:
         log.warning("hybrid: %s %s", chosen.label, chosen.reason)
     mesh = build_mesh(chosen.parallel, runtime, cluster.gpus_per_node)

@@ -199,7 +199,8 @@ def load_file(path: str) -> Strategy:
                               f"Allowed: {', '.join(sorted(allowed))}")
     if "name" not in data:
         raise HybridError(f"{path}: missing 'name'")
-    types = {f.name: str(f.type) for f in fields(Strategy)} | {f.name: str(f.type) for f in fields(FAMILIES[family].config)}
+    types = ({f.name: str(f.type) for f in fields(Strategy)}
+             | {f.name: str(f.type) for f in fields(FAMILIES[family].config)})
     for key, value in data.items():
         if not _type_ok(types[key], key, value):
             t = types[key]

@@ -48,16 +48,26 @@ def layout_of_mesh(strategy, mesh, spec) -> Layout:
     return Layout(dims, strategy, spec.activation_checkpointing, compile=spec.compile, float8=spec.float8)
 
 
-def parallelize(model: nn.Module, layout: Layout, mesh, spec, runtime, options=None) -> Parallelized:
-    """Apply `layout` to `model` on this rank's `mesh` (ParallelDims.build_mesh), in the one order."""
-    spec = layout.train_spec(spec)
-    family, dims = layout.dp.family_obj, layout.dims
-    backend = family.runtime()
-    family.check(layout)
-    backend.check(layout.dp, mesh, spec, runtime)
+def check_model(model: nn.Module, layout: Layout, spec) -> None:
+    """What the model must have for the layout's cp and ep (HybridError, one line): checked
+    before any mesh is built."""
+    dims = layout.dims
     if dims.cp > 1:
         from .backends.cp import check_context_parallel
         check_context_parallel(model, dims.cp, spec.seq_len)
+    if dims.ep > 1:
+        from .backends.ep import check_expert_parallel
+        check_expert_parallel(model, dims.ep, layout.dp, layout.pipeline is not None or dims.pp > 1, dims.tp)
+
+
+def parallelize(model: nn.Module, layout: Layout, mesh, spec, runtime, options=None) -> Parallelized:
+    """Apply `layout` to `model` on this rank's `mesh` (ParallelDims.build_mesh), in the one order."""
+    spec = layout.train_spec(spec)
+    family = layout.dp.family_obj
+    backend = family.runtime()
+    family.check(layout)
+    backend.check(layout.dp, mesh, spec, runtime)
+    check_model(model, layout, spec)
     if layout.pipeline is not None and spec.precision == "fp16-mixed":
         raise HybridError("fp16-mixed loss scaling is not wired through pipeline schedules; use bf16-mixed or fp32 "
                           "with pp > 1")

@@ -13,7 +13,7 @@ fit.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from . import batch as batch_search
 from .candidate import TIE, Candidate, Plan

@@ -332,7 +332,8 @@ def _from_config_json(path: str) -> ModelSource:
         raise
     except Exception as e:  # noqa: BLE001 - transformers rejects the config: say so in one line
         raise HybridError(f"cannot build a causal language model from {path!r} (model_type "
-                          f"{cfg.get('model_type')!r}): {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}. "
+                          f"{cfg.get('model_type')!r}): {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200] if str(e) else ''}. "
                           "config.json must describe a transformers causal LM; for other models give "
                           "package.module:factory") from None
     return ModelSource(profile_module(model, name), build, path)

@@ -50,7 +50,8 @@ def stage_share(profile: ModelProfile, pipeline, rank: int) -> ModelProfile:
         profile, name=f"{profile.name} [pp rank {rank}]", params=params,
         trainable_params=round(profile.trainable_params * frac), param_bytes=round(profile.param_bytes * frac),
         dtype_bytes=tuple((k, round(v * frac)) for k, v in profile.dtype_bytes), num_blocks=st.blocks,
-        root_params=root, factored_state=None if profile.factored_state is None else round(profile.factored_state * frac),
+        root_params=root,
+        factored_state=None if profile.factored_state is None else round(profile.factored_state * frac),
         tied_groups=(), decoder=dataclasses.replace(d, layers=st.blocks))
 
 
@@ -131,7 +132,8 @@ def tp_share(profile: ModelProfile, tp: int, stage=None) -> ModelProfile:
         dtype_bytes=tuple((k, round(v * frac)) for k, v in profile.dtype_bytes),
         block_params=profile.block_params - matrices + matrices // tp,
         root_params=profile.root_params - head + head // tp,
-        largest_layer_params=max(1, profile.largest_layer_params // tp), largest_param=max(1, profile.largest_param // tp),
+        largest_layer_params=max(1, profile.largest_layer_params // tp),
+        largest_param=max(1, profile.largest_param // tp),
         factored_state=None if profile.factored_state is None else profile.factored_state // tp)
 
 

@@ -7,6 +7,7 @@ from hybrid.catalogue import load_catalogue
 from hybrid.cluster import Cluster
 from hybrid.errors import HybridError
 from hybrid.memory.activations import moe_pair
+from hybrid.layout import Layout
 from hybrid.memory.analytic import estimate
 from hybrid.planner import plan
 from hybrid.profile import resolve_model
@@ -15,6 +16,11 @@ from hybrid.spec import MOE_IMBALANCE, TrainSpec
 CAT = load_catalogue()
 H100 = Cluster.build(8, 8, "h100-80gb")
 SPEC = TrainSpec(1, 4096)
+
+
+def _est(strategy, p, spec, n, ep=1):
+    """One rank's analytic estimate of `strategy` at shard size n and ep on 8 x 8 H100."""
+    return estimate(Layout.of(strategy, H100, spec, shard_size=n, ep=ep), p, spec, H100)
 
 
 def _profile(name="mixtral-8x7b"):
@@ -32,10 +38,10 @@ def test_expert_states_split_over_ep_then_sharded_over_expert_shard(strategy, n,
     experts = d.layers * d.experts * d.expert_params
     dense = p.params - experts
     mine = experts // ep
-    m = estimate(CAT[strategy], p, SPEC, H100, n, 1, 1, ep)
+    m = _est(CAT[strategy], p, SPEC, n, ep)
     assert m.params == int(4 * dense / n + 4 * mine / (n // ep))
     assert m.optimizer == int(8 * dense / n + 8 * mine / (n // ep))
-    acc = estimate(CAT[strategy], p, TrainSpec(1, 4096, gradient_accumulation=2), H100, n, 1, 1, ep)
+    acc = _est(CAT[strategy], p, TrainSpec(1, 4096, gradient_accumulation=2), n, ep)
     held = 4 * (dense + mine)                                      # fp32 no-sync gradients (FSDP2)
     assert acc.model_states - m.model_states == held
 
@@ -47,7 +53,7 @@ def test_the_gathered_expert_unit_is_experts_over_ep():
     p = _profile()
     d = p.decoder
     stack = d.experts * d.expert_params
-    buffers = {ep: estimate(CAT["fsdp"], p, SPEC, H100, 64, 1, 1, ep).buffers for ep in (1, 2, 8)}
+    buffers = {ep: _est(CAT["fsdp"], p, SPEC, 64, ep).buffers for ep in (1, 2, 8)}
     for ep in (2, 8):
         fewer = stack - stack // ep                                # expert params no longer gathered
         assert buffers[1] - buffers[ep] == 2 * 2 * fewer + 4 * fewer
@@ -60,7 +66,7 @@ def test_imbalance_scales_routed_activations_and_all_to_all_buffers_linearly():
     p = _profile()
     d = p.decoder
     pairs = SPEC.tokens * d.top_k
-    est = {imb: estimate(CAT["fsdp"], p, TrainSpec(1, 4096, moe_imbalance=imb), H100, 64, 1, 1, 8)
+    est = {imb: _est(CAT["fsdp"], p, TrainSpec(1, 4096, moe_imbalance=imb), 64, 8)
            for imb in (1.0, 1.5, 2.0)}
     assert {m.phase for m in est.values()} == {"blocks"}
     step = est[1.5].activations - est[1.0].activations
@@ -70,7 +76,7 @@ def test_imbalance_scales_routed_activations_and_all_to_all_buffers_linearly():
     assert buf == pytest.approx(2 * 0.5 * pairs * d.hidden * 2, abs=1)
     assert est[2.0].temporaries - est[1.5].temporaries == pytest.approx(buf, abs=1)
     # at ep 1 a rank computes its own tokens: the imbalance changes nothing
-    one = [estimate(CAT["fsdp"], p, TrainSpec(1, 4096, moe_imbalance=imb), H100, 64).total for imb in (1.0, 2.0)]
+    one = [_est(CAT["fsdp"], p, TrainSpec(1, 4096, moe_imbalance=imb), 64).total for imb in (1.0, 2.0)]
     assert one[0] == one[1]
 
 

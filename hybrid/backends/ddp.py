@@ -88,7 +88,8 @@ def wrap(strategy, module, layout, mesh, spec, runtime, options=None, staged: bo
     unpack = carry_plain_outputs(module)
     ddp = DDP(module, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
               process_group=replica_group(mesh), bucket_cap_mb=strategy.config.bucket_cap_mb,
-              gradient_as_bucket_view=strategy.config.gradient_as_bucket_view, static_graph=strategy.config.static_graph,
+              gradient_as_bucket_view=strategy.config.gradient_as_bucket_view,
+              static_graph=strategy.config.static_graph,
               find_unused_parameters=options.find_unused_parameters)
     ddp.register_forward_hook(unpack)
     return ddp

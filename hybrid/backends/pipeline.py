@@ -4,7 +4,8 @@ family over the stage's (dp_replicate, dp_shard) ranks with tensor parallelism i
 of torch's schedules (GPipe, 1F1B, interleaved 1F1B) running the micro-batches of a step.
 
 The order (hybrid/parallelize.py, as torchtitan applies it): split into stages (the model's own
-module names kept), then per stage tensor parallelism, activation checkpointing and FSDP2/DDP. A tied embedding and head on
+module names kept), then per stage tensor parallelism, activation checkpointing and FSDP2/DDP. A tied
+embedding and head on
 the first and last stage are one Parameter in the model and two copies here: their gradients are
 summed across the two ranks before every step, so the copies stay equal.
 """

@@ -21,7 +21,9 @@ def bucket_sizes(s, hidden: int | None) -> tuple[int, int, int]:
     h = hidden
     reduce = s.config.reduce_bucket_size or (h * h if h else 500_000_000)
     prefetch = s.config.prefetch_bucket_size or (int(0.9 * h * h) if h else 50_000_000)
-    persist = s.config.param_persistence_threshold if s.config.param_persistence_threshold is not None else (10 * h if h else 100_000)
+    persist = s.config.param_persistence_threshold
+    if persist is None:
+        persist = 10 * h if h else 100_000
     return reduce, prefetch, persist
 
 
@@ -323,10 +325,12 @@ class DeepSpeedFamily(Family):
                               f"`--emit deepspeed --for trainer -o ds.json` and point Accelerate's "
                               f"deepspeed_config_file at it")
         keys = {"distributed_type": "DEEPSPEED",
-                "deepspeed_config": {"zero_stage": s.config.stage, "gradient_accumulation_steps": c.spec.gradient_accumulation,
+                "deepspeed_config": {"zero_stage": s.config.stage,
+                                     "gradient_accumulation_steps": c.spec.gradient_accumulation,
                                      "offload_optimizer_device": "cpu" if s.config.offload_optimizer else "none",
                                      "offload_param_device": "cpu" if s.config.offload_params else "none",
-                                     "zero3_init_flag": s.config.stage == 3, "zero3_save_16bit_model": s.config.stage == 3}}
+                                     "zero3_init_flag": s.config.stage == 3,
+                                     "zero3_save_16bit_model": s.config.stage == 3}}
         return keys, user_checkpointing(c)
 
 

@@ -132,7 +132,8 @@ class FSDPFamily(Family):
         offload = 0.0
         if s.config.offload_params:
             offload = 2 * (spec.bytes.param * P / n) / PCIE_BW + (P / n) / HOST_STEP_RATE
-        return Comm(fwd=ag, bwd=ag if s.config.reshard_after_forward else 0.0, sync_bwd=sync, tail=tail, offload=offload,
+        return Comm(fwd=ag, bwd=ag if s.config.reshard_after_forward else 0.0, sync_bwd=sync, tail=tail,
+                    offload=offload,
                     copied_micro=gathers * 2 * c * P,   # copy-out of each gather
                     copied_sync=2 * rb * P)             # chunk_cat per reduce-scatter
 
@@ -175,7 +176,8 @@ class FSDPFamily(Family):
         wrap = ({"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_transformer_layer_cls_to_wrap": layer_class}
                 if layer_class else {"fsdp_auto_wrap_policy": "NO_WRAP"})
         keys = {"distributed_type": "FSDP",
-                "fsdp_config": {"fsdp_version": 2, **wrap, "fsdp_reshard_after_forward": bool(s.config.reshard_after_forward),
+                "fsdp_config": {"fsdp_version": 2, **wrap,
+                                "fsdp_reshard_after_forward": bool(s.config.reshard_after_forward),
                                 "fsdp_offload_params": bool(s.config.offload_params),
                                 "fsdp_state_dict_type": "SHARDED_STATE_DICT",
                                 "fsdp_cpu_ram_efficient_loading": True, "fsdp_sync_module_states": True,

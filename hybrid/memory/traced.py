@@ -127,6 +127,9 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
                           "distributed job (e.g. from the CLI)")
     check_job(source.profile, spec)
     n = strategy.shard_size(cluster, shard_size, tp, cp)
+    if ep > 1 and not strategy.family_obj.supports_ep:     # before ParallelDims asks ep to divide a ddp's 1
+        raise HybridError(f"ep {ep}: expert parallelism runs under FSDP2 only, not {strategy.name}; trace an fsdp or "
+                          "hsdp strategy with ep, or ep 1")
     strategy.family_obj.check(Layout(ParallelDims(dp_shard=n, cp=cp, tp=tp, ep=ep), strategy))
     if tp > 1:
         prefer_hf = False      # our decoders run sequence parallelism, as the analytic model assumes
