@@ -1,18 +1,21 @@
 """`hybrid tune` over ddp, zero1, zero2, zero3, fsdp and hsdp on 4 CPU ranks (gloo) for a small
-decoder (benchmarks/tune_decoder/config.json: GPT-2 style, 4.2M parameters), then the plan of the same
-job before and after the calibration it wrote.
+decoder (benchmarks/tune_decoder/config.json: GPT-2 style, 4.3M parameters), at two micro-batch
+sizes; then the calibration each run wrote is checked on the other run's trials (held out: the
+compute halves between them while the per-step host work does not), and the plan of the job
+before and after the calibration.
 
-    .venv/bin/python benchmarks/tune_cpu.py     # a few minutes -> benchmarks/results/tune_cpu.md, tune_cpu.yaml
+    .venv/bin/python benchmarks/tune_cpu.py     # a few minutes -> benchmarks/results/tune_cpu.md, tune_cpu*.yaml
 
 What it checks: every layout is measured (predicted vs measured side by side), the measured choice
-is the measured fastest, and after calibration the re-predicted step times are compared with the
-measured ones (the largest gap is printed; the cost model has no term for per-step framework
-work, so what it cannot fit shows up there).
+is the measured fastest, and the re-predicted step times after calibration against the measured
+ones, on the trials the calibration was fitted to and on the held-out ones.
 """
 from __future__ import annotations
 
 import contextlib
 import io
+import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,11 +27,14 @@ from hybrid.cli import main  # noqa: E402
 HERE = Path(__file__).parent
 OUT = HERE / "results" / "tune_cpu.md"
 CAL = HERE / "results" / "tune_cpu.yaml"
-JOB = ["benchmarks/tune_decoder", "--gpu", "cpu", "--gpus-per-node", "4", "--gpu-memory", "1GiB",
-       "--micro-batch", "4", "--seq-len", "256", "--precision", "fp32", "--activation-checkpointing", "none",
-       "--tp", "1"]
-TUNE = ["tune", *JOB, "--strategies", "ddp,zero1,zero2,zero3,fsdp,hsdp", "--top", "6", "--steps", "8",
-        "--implementation", "hybrid"]
+CAL_B = HERE / "results" / "tune_cpu_mb2.yaml"
+BASE = ["benchmarks/tune_decoder", "--gpu", "cpu", "--gpus-per-node", "4", "--gpu-memory", "1GiB", "--seq-len", "256",
+        "--precision", "fp32", "--activation-checkpointing", "none", "--tp", "1"]
+JOB = [*BASE[:5], "--micro-batch", "4", *BASE[5:]]
+JOB_B = [*BASE[:5], "--micro-batch", "2", *BASE[5:]]
+STRATEGIES = ["--strategies", "ddp,zero1,zero2,zero3,fsdp,hsdp", "--top", "6", "--steps", "8", "--implementation", "hybrid"]
+TUNE = ["tune", *JOB, *STRATEGIES]
+TUNE_B = ["tune", *JOB_B, *STRATEGIES]
 PLAN = ["plan", *JOB, "--pp", "1"]
 
 
@@ -45,29 +51,50 @@ def chosen(text: str) -> str:
     return next(line for line in text.splitlines() if line.startswith("chosen:"))
 
 
+def held_out(cal_path: Path, job: list[str], trials: list[dict]) -> list[tuple[str, float]]:
+    """Each trial's step time as the plan of `job` predicts it with the calibration at `cal_path`
+    (fitted on other trials), against its measured time: (layout, error)."""
+    p = json.loads(run(["plan", *job, "--pp", "1", "--json",
+                        "--calibration", str(cal_path)]))
+    pred = {(s["name"], s["shard_size"]): s["step_time_s"] for s in p["strategies"] if s.get("step_time_s")}
+    return [(t["layout"], pred[(t["layout"], t["shard_size"])] / t["measured_s"] - 1) for t in trials]
+
+
+def fmt(gaps) -> str:
+    return ", ".join(f"{k} {v:+.1%}" for k, v in gaps) + f"; largest {max(abs(v) for _, v in gaps):.1%}"
+
+
 def main_() -> int:
     import yaml
-
-    import os
 
     start, load0 = time.perf_counter(), os.getloadavg()[0]
     tuned = run([*TUNE, "--save-calibration", str(CAL)])
     minutes, load1 = (time.perf_counter() - start) / 60, os.getloadavg()[0]
-    cal = yaml.safe_load(CAL.read_text())
+    tuned_b = run([*TUNE_B, "--save-calibration", str(CAL_B)])
+    load2 = os.getloadavg()[0]
+    cal, cal_b = yaml.safe_load(CAL.read_text()), yaml.safe_load(CAL_B.read_text())
     fastest = min(cal["trials"], key=lambda t: t["measured_s"])["layout"]
     choice = next(line for line in tuned.splitlines() if line.startswith("measured choice:"))
-    gaps = [(t["layout"], t["repredicted_s"] / t["measured_s"] - 1) for t in cal["trials"]]
+    fitted = [(t["layout"], t["repredicted_s"] / t["measured_s"] - 1) for t in cal["trials"]]
+    fitted_b = [(t["layout"], t["repredicted_s"] / t["measured_s"] - 1) for t in cal_b["trials"]]
+    a_on_b, b_on_a = held_out(CAL, JOB_B, cal_b["trials"]), held_out(CAL_B, JOB, cal["trials"])
     before, after = run(PLAN), run([*PLAN, "--calibration", str(CAL)])
     lines = ["# hybrid tune on 4 CPU ranks", "",
              f"`.venv/bin/python benchmarks/tune_cpu.py` ran `hybrid {' '.join(TUNE)} --save-calibration "
              f"{CAL.relative_to(HERE.parent)}` in {minutes:.1f} min:", "",
              *("    " + x for x in tuned.splitlines()), "",
-             f"- machine: {os.cpu_count()} cores, load average {load0:.1f} at the start and {load1:.1f} at the end "
-             "(other work shares these cores: it slows some trials more than others)",
+             f"and the same at micro-batch 2, `hybrid {' '.join(TUNE_B)} --save-calibration "
+             f"{CAL_B.relative_to(HERE.parent)}`:", "",
+             *("    " + x for x in tuned_b.splitlines()), "",
+             f"- machine: {os.cpu_count()} cores, load average {load0:.1f} at the start, {load1:.1f} after the first "
+             f"run and {load2:.1f} after the second (other work shares these cores: it slows some trials more "
+             "than others)",
              f"- the measured choice is the measured fastest: {choice.split(':')[1].split('(')[0].strip() == fastest} "
              f"({fastest})",
-             "- re-predicted vs measured after calibration: " +
-             ", ".join(f"{k} {v:+.1%}" for k, v in gaps) + f"; largest {max(abs(v) for _, v in gaps):.1%}", "",
+             "- re-predicted vs measured, micro-batch 4, fitted on these trials: " + fmt(fitted),
+             "- re-predicted vs measured, micro-batch 2, fitted on these trials: " + fmt(fitted_b),
+             "- held out: micro-batch 2 trials predicted with the micro-batch 4 calibration: " + fmt(a_on_b),
+             "- held out: micro-batch 4 trials predicted with the micro-batch 2 calibration: " + fmt(b_on_a), "",
              "## The plan before and after the calibration", "",
              f"`hybrid {' '.join(PLAN)}`:", "", "    " + chosen(before), "",
              f"with `--calibration {CAL.relative_to(HERE.parent)}`:", "", "    " + chosen(after), ""]

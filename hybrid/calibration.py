@@ -4,14 +4,17 @@ measured trials (`hybrid tune --save-calibration cal.yaml`), read back by `hybri
 
 What is fitted: the cost model (hybrid/cost.py) prices a step as compute at `efficiency` x the
 GPU's peak, collectives at the link bandwidths and per-collective latencies (intra_node_*;
-inter_node_* when the trials span nodes) and buffer copies and the optimizer step at the device
-memory bandwidth (mem_bw). Each figure is scaled by a factor, and the factors minimise the squared
-log-ratio of re-predicted to measured step times over the trials (Levenberg-Marquardt on a
-finite-difference Jacobian). A figure none of the trials' predictions depends on is not fitted
-and keeps its catalogue value; n trials fit at most n - 1 figures, in the order of FIGURES.
+inter_node_* when the trials span nodes), buffer copies and the optimizer step at the device
+memory bandwidth (mem_bw), and the host work the frameworks do per collective call and per
+parameter tensor (collective_overhead, tensor_overhead; hybrid/overhead.py counts both). Step
+times are linear in each figure's cost per unit of work, so the figures are a least-squares fit of
+the relative errors over the trials with the cost model's counts as regressors (`fit`); which
+figures are fitted is chosen by the small-sample Akaike criterion, a figure none of the trials'
+predictions depends on is not fitted, and the others keep their catalogue value.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import asdict, dataclass, field, replace
@@ -27,13 +30,23 @@ MODEL_ERROR = 0.071
 a tie the planner breaks by simplicity."""
 ENV = "HYBRID_CALIBRATION"
 """The variable naming a calibration file when no --calibration / calibration= is given."""
-FIGURES = ("efficiency", "intra_node_bw", "intra_node_latency", "inter_node_bw", "inter_node_latency", "mem_bw")
-"""The GPUSpec speed figures a calibration may fit (hybrid/cluster.py documents each), in the
-order they are fitted when the trials are too few for all of them."""
-VERSION = 1
+FIGURES = ("efficiency", "intra_node_bw", "intra_node_latency", "inter_node_bw", "inter_node_latency", "mem_bw",
+           "collective_overhead", "tensor_overhead")
+"""The GPUSpec speed figures a calibration may fit (hybrid/cluster.py documents each); of fits
+that explain the trials equally well, the one with the earlier figures wins."""
+ADDITIVE = ("intra_node_latency", "inter_node_latency", "collective_overhead", "tensor_overhead")
+"""Figures that are seconds per event (the others are rates)."""
+FITTED = ("efficiency", "intra_node_bw", "inter_node_bw", "mem_bw", "collective_overhead", "tensor_overhead")
+"""What `calibrate` fits. Not the link latencies: the comm model counts one per unit where the
+libraries launch one per bucket or tensor, and collective_overhead is the per-call time with the
+calls counted as launched (hybrid/overhead.py); they keep the nccl-tests figures (hybrid/links.py)."""
+HOST = ("collective_overhead", "tensor_overhead")
+"""Added in version 2; a version 1 file has neither (0: no host term), nor the trials' counts."""
+VERSION = 2
 BOUND = 1000.0
-"""A fitted figure stays within this factor of the catalogue's: one the trials barely constrain
-(a term too small to matter in every trial) would otherwise drift without bound."""
+"""A fitted rate stays within this factor of the catalogue's: one the trials barely constrain
+(a term too small to matter in every trial) would otherwise drift without bound. Host times stay
+between 0 and the longest measured step."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +65,16 @@ class Trial:
     """Analytic allocated peak per rank, bytes."""
     measured_bytes: int
     """Measured allocated peak (CUDA max_memory_allocated, or tracked live tensors on CPU), bytes."""
+    calls: float | None = None
+    """Collective calls per step the cost model counts for it (hybrid/overhead.py); None in a
+    version 1 file."""
+    tensors: float | None = None
+    """Per-parameter-tensor host operations per step it counts; None in a version 1 file."""
+
+    @property
+    def residual(self) -> float:
+        """Re-predicted / measured - 1."""
+        return self.repredicted_s / self.measured_s - 1
 
 
 @dataclass(frozen=True)
@@ -74,6 +97,10 @@ class Calibration:
     """Seconds per log2(n) step of a collective across nodes."""
     mem_bw: float
     """Device memory bytes/s (buffer copies, the optimizer step)."""
+    collective_overhead: float
+    """Host seconds per collective call (0 where not fitted: the catalogue's)."""
+    tensor_overhead: float
+    """Host seconds per per-parameter-tensor operation (0 where not fitted)."""
     memory_ratio: float
     """Measured / predicted allocated peak, median over the trials (reported; not applied)."""
     error: float
@@ -108,13 +135,15 @@ class Calibration:
         d = asdict(self)
         d.pop("path")
         d["fitted"] = list(self.fitted)
-        d["trials"] = [asdict(t) for t in self.trials]
+        d["trials"] = [{**asdict(t), "residual": t.residual} for t in self.trials]
         return {"version": VERSION, **d}
 
 
 def _fmt(key: str, v: float) -> str:
     if key == "efficiency":
         return f"{v:.3g}"
+    if key in HOST:
+        return f"{v * 1e3:.3g} ms per {'call' if key == 'collective_overhead' else 'tensor'}"
     return f"{v * 1e6:.3g} us" if key.endswith("latency") else f"{v / 1e9:.3g} GB/s"
 
 
@@ -130,6 +159,7 @@ def save(cal: Calibration, path: str) -> None:
 
 _TRIAL_TYPES = {"layout": str, "shard_size": int, "predicted_s": float, "measured_s": float,
                 "repredicted_s": float, "predicted_bytes": int, "measured_bytes": int}
+_TRIAL_V2 = {"calls": float, "tensors": float, "residual": float}
 
 
 def load(path: str) -> Calibration:
@@ -147,43 +177,51 @@ def load(path: str) -> Calibration:
     if not isinstance(data, dict):
         raise HybridError(f"{path}: a calibration file is a mapping (hybrid tune --save-calibration writes one), "
                           f"got {type(data).__name__}")
-    want = {"version", "gpu", *FIGURES, "memory_ratio", "error", "fitted", "trials", "job"}
+    version = data.get("version")
+    if version not in (1, VERSION):
+        raise HybridError(f"{path}: version {version!r} is not {VERSION} (or 1); re-run hybrid tune --save-calibration")
+    figures = FIGURES if version == VERSION else tuple(k for k in FIGURES if k not in HOST)
+    want = {"version", "gpu", *figures, "memory_ratio", "error", "fitted", "trials", "job"}
     unknown = sorted(set(map(str, data)) - want)
     if unknown:
-        raise HybridError(f"{path}: unknown key {unknown[0]!r}. Allowed: {', '.join(sorted(want))}")
+        raise HybridError(f"{path}: unknown key {unknown[0]!r} in a version {version} file. Allowed: "
+                          f"{', '.join(sorted(want))}")
     missing = sorted(want - set(data))
     if missing:
         raise HybridError(f"{path}: missing key {missing[0]!r} (hybrid tune --save-calibration writes every key)")
-    if data["version"] != VERSION:
-        raise HybridError(f"{path}: version {data['version']!r} is not {VERSION}; re-run hybrid tune")
+    data = {**{k: 0.0 for k in HOST}, **data}            # version 1: no host term
     if not isinstance(data["gpu"], str) or not data["gpu"]:
         raise HybridError(f"{path}: gpu must be a GPU name, got {data['gpu']!r}")
     for key in (*FIGURES, "memory_ratio"):
-        _number(path, key, data[key], positive=True)
+        _number(path, key, data[key], positive=key not in ADDITIVE)
     if data["efficiency"] > 1 and data["gpu"] != "cpu":     # CPU ranks: relative to cpu_spec's assumed peak
         raise HybridError(f"{path}: efficiency must be in (0, 1], got {data['efficiency']!r}")
     _number(path, "error", data["error"])
     fitted = data["fitted"]
-    if not isinstance(fitted, list) or any(f not in FIGURES for f in fitted):
-        raise HybridError(f"{path}: fitted must be a list of {', '.join(FIGURES)}, got {fitted!r}")
+    if not isinstance(fitted, list) or any(f not in figures for f in fitted):
+        raise HybridError(f"{path}: fitted must be a list of {', '.join(figures)}, got {fitted!r}")
     if not isinstance(data["job"], dict):
         raise HybridError(f"{path}: job must be a mapping, got {data['job']!r}")
     trials = data["trials"]
     if not isinstance(trials, list) or not trials:
         raise HybridError(f"{path}: trials must be a non-empty list of the measured layouts, got {trials!r}")
     out = []
+    types = {**_TRIAL_TYPES, **(_TRIAL_V2 if version == VERSION else {})}
     for i, t in enumerate(trials):
-        if not isinstance(t, dict) or set(t) != set(_TRIAL_TYPES):
-            raise HybridError(f"{path}: trials[{i}] must have exactly the keys {', '.join(_TRIAL_TYPES)}")
-        for k, typ in _TRIAL_TYPES.items():
+        if not isinstance(t, dict) or set(t) != set(types):
+            raise HybridError(f"{path}: trials[{i}] must have exactly the keys {', '.join(types)}")
+        for k, typ in types.items():
             if typ is str:
                 if not isinstance(t[k], str):
                     raise HybridError(f"{path}: trials[{i}].{k} must be a string, got {t[k]!r}")
+            elif k == "residual":
+                if isinstance(t[k], bool) or not isinstance(t[k], (int, float)) or not math.isfinite(t[k]):
+                    raise HybridError(f"{path}: trials[{i}].residual must be a number, got {t[k]!r}")
             else:
-                _number(f"{path}: trials[{i}]", k, t[k], positive=True)
+                _number(f"{path}: trials[{i}]", k, t[k], positive=k not in _TRIAL_V2)
                 if typ is int and not isinstance(t[k], int):
                     raise HybridError(f"{path}: trials[{i}].{k} must be a whole number, got {t[k]!r}")
-        out.append(Trial(**{k: t[k] if typ is str else typ(t[k]) for k, typ in _TRIAL_TYPES.items()}))
+        out.append(Trial(**{k: t[k] if typ is str else typ(t[k]) for k, typ in types.items() if k != "residual"}))
     return Calibration(data["gpu"], *(float(data[k]) for k in FIGURES), float(data["memory_ratio"]),
                        float(data["error"]), tuple(fitted), tuple(out), data["job"], path)
 
@@ -201,59 +239,124 @@ def resolve(path: str | None, environ=os.environ) -> Calibration | None:
     return load(path) if path else None
 
 
-def fit(predict, cluster, measured: list[float], names=FIGURES, iterations: int = 60) -> tuple[dict, list[float]]:
-    """Scale factors for the GPU figures `names` minimising sum(log(predict(c) / measured)^2),
-    where predict(cluster) returns the predicted step times. Returns ({figure: value}, the
-    re-predicted times); figures the predictions do not depend on keep their value, and with n
-    trials at most n - 1 figures are fitted (the first of `names` that matter)."""
-    base = {k: getattr(cluster.gpu, k) for k in names}
+def _unit(key: str, v: float) -> float:
+    """The figure as a cost per unit of work, which step times are (nearly) linear in: seconds
+    per call, tensor or log2(n) step for the additive figures, 1 / rate for the others."""
+    return v if key in ADDITIVE else 1.0 / v
 
-    def at(logs: list[float], keys) -> list[float]:
-        gpu = replace(cluster.gpu, **{k: base[k] * math.exp(x) for k, x in zip(keys, logs)})
-        if gpu.efficiency > 1 and gpu.is_cuda:
-            gpu = replace(gpu, efficiency=1.0)
+
+def _value(key: str, u: float) -> float:
+    return u if key in ADDITIVE else 1.0 / u
+
+
+def fit(predict, cluster, measured: list[float], names=FIGURES, iterations: int = 8) -> tuple[dict, list[float]]:
+    """The GPU figures among `names` that best explain the measured step times, where
+    predict(cluster) returns the predicted ones. Step times are linear in each figure's cost per
+    unit of work (_unit: 1 / efficiency per FLOP, 1 / bandwidth per byte, seconds per collective
+    call or tensor), with the counts the cost model prices as regressors (its derivatives; exact
+    where no overlap is modelled, as on CPU ranks, else refined by Gauss-Newton steps). Least
+    squares of the relative errors, each figure kept in range (rates within BOUND x the
+    catalogue's, efficiency <= 1 on GPUs, host times >= 0). Which figures: the subset with the
+    lowest small-sample Akaike criterion (AICc, Hurvich & Tsai 1989) of at most n - 2 figures for
+    n trials (one for n <= 2), so a figure is fitted only when it explains more than it costs.
+    Returns ({figure: value}, the re-predicted times); the other figures keep their value."""
+    n = len(measured)
+    u = {k: _unit(k, getattr(cluster.gpu, k)) for k in names}
+    top = max(measured)
+    lo = {k: 0.0 if k in ADDITIVE else u[k] / BOUND for k in names}
+    hi = {k: top if k in ADDITIVE else u[k] * BOUND for k in names}
+    if "efficiency" in names and cluster.gpu.is_cuda:
+        lo["efficiency"] = max(lo["efficiency"], 1.0)            # at most the peak
+
+    def at(units: dict) -> list[float]:
+        gpu = replace(cluster.gpu, **{k: _value(k, v) for k, v in units.items()})
         return predict(replace(cluster, gpu=gpu))
 
-    def residuals(logs, keys):
-        return [math.log(p / m) for p, m in zip(at(logs, keys), measured)]
+    def linearise(units: dict):
+        base = at(units)
+        cols = {}
+        for k in names:
+            du = 1e-3 * units[k] if units[k] > 0 else 1e-6 * top
+            moved = at({**units, k: units[k] + du})
+            cols[k] = [(a - b) / du for a, b in zip(moved, base)]
+        return base, cols
 
-    h = 1e-3
-    zero = residuals([0.0] * len(names), names)
-    keys = []
-    for i, k in enumerate(names):          # a figure moves the predictions, or it is not fitted
-        step = [h if j == i else 0.0 for j in range(len(names))]
-        if max(abs(a - b) for a, b in zip(residuals(step, names), zero)) > 1e-6:
-            keys.append(k)
-    keys = keys[:max(1, len(measured) - 1)]  # one degree of freedom left, so the error means something
-    x, lam = [0.0] * len(keys), 1e-3
-    r = residuals(x, keys) if keys else zero
-    cost = sum(v * v for v in r)
-    for _ in range(iterations if keys else 0):
-        J = []
-        for i in range(len(keys)):
-            xi = list(x)
-            xi[i] += h
-            J.append([(a - b) / h for a, b in zip(residuals(xi, keys), r)])
-        n = len(keys)
-        A = [[sum(J[i][t] * J[j][t] for t in range(len(r))) + (lam if i == j else 0.0) for j in range(n)]
-             for i in range(n)]
-        g = [-sum(J[i][t] * r[t] for t in range(len(r))) for i in range(n)]
-        dx = _solve(A, g)
-        trial = [max(-math.log(BOUND), min(math.log(BOUND), a + b)) for a, b in zip(x, dx)]
-        rt = residuals(trial, keys)
-        ct = sum(v * v for v in rt)
-        if ct < cost:
-            x, r, lam = trial, rt, lam / 3
-            if cost - ct < 1e-12:
-                cost = ct
-                break
-            cost = ct
-        else:
-            lam *= 10
-    values = {k: base[k] * math.exp(v) for k, v in zip(keys, x)}
-    if values.get("efficiency", 0) > 1 and cluster.gpu.is_cuda:
-        values["efficiency"] = 1.0
-    return values, at(x, keys) if keys else predict(cluster)
+    base, cols = linearise(u)
+    # a figure the predictions do not depend on is not fitted
+    cand = [k for k in names if any(abs(c) * max(u[k], 1e-6 * top) > 1e-9 * m for c, m in zip(cols[k], measured))]
+    kmax = 1 if n <= 2 else n - 2
+    best = None
+    for size in range(1, min(kmax, len(cand)) + 1):
+        for keys in itertools.combinations(cand, size):
+            x, sse = _bounded_lsq(keys, u, base, cols, measured, lo, hi)
+            if x is None:
+                continue
+            score = _aicc(sse, n, size)
+            if best is None or score < best[0] - 1e-9:
+                best = (score, keys, x)
+    if best is None:
+        return {}, base
+    keys = best[1]
+    for _ in range(iterations):         # Gauss-Newton: re-linearise where overlap makes it bend
+        new = {**u, **dict(zip(keys, best[2]))}
+        if all(abs(new[k] - u[k]) <= 1e-9 * max(abs(u[k]), 1e-12) for k in keys):
+            break
+        u = new
+        base, cols = linearise(u)
+        x, _ = _bounded_lsq(keys, u, base, cols, measured, lo, hi)
+        if x is None:
+            break
+        best = (best[0], keys, x)
+    u = {**u, **dict(zip(keys, best[2]))}
+    return {k: _value(k, u[k]) for k in keys}, at(u)
+
+
+def _aicc(sse: float, n: int, k: int) -> float:
+    """Small-sample Akaike criterion of a least-squares fit (Hurvich & Tsai 1989); a relative error
+    below 1e-6 counts as none, so exact fits compare by their number of figures."""
+    rss = max(sse, n * 1e-12)
+    dof = n - k - 1
+    return n * math.log(rss / n) + 2 * k + (2 * k * (k + 1) / dof if dof > 0 else 0.0)
+
+
+def _bounded_lsq(keys, u, base, cols, measured, lo, hi):
+    """min sum(((t + X (x - u)) - m) / m)^2 over the figures `keys` with lo <= x <= hi: the
+    unconstrained solution if it is in range, else the best of those with some figures at a bound
+    (every combination: a few figures). Returns (x, sum of squares) or (None, inf)."""
+    rows = []
+    for i, (t, m) in enumerate(zip(base, measured)):
+        a = [cols[k][i] / m for k in keys]
+        rows.append((a, (m - t) / m + sum(aj * u[k] for aj, k in zip(a, keys))))
+
+    def solve(free, fixed):
+        A = [[sum(r[0][i] * r[0][j] for r in rows) for j in free] for i in free]
+        b = [sum(r[0][i] * (r[1] - sum(r[0][f] * v for f, v in fixed.items())) for r in rows) for i in free]
+        if free and min(abs(A[i][i]) for i in range(len(free))) == 0:
+            return None
+        sol = _solve(A, b) if free else []
+        x = dict(fixed)
+        x.update(zip(free, sol))
+        return [x[i] for i in range(len(keys))]
+
+    def sse(x):
+        return sum((r[1] - sum(a * v for a, v in zip(r[0], x))) ** 2 for r in rows)
+
+    def inside(x):
+        return x is not None and all(lo[k] * (1 - 1e-9) <= v <= hi[k] * (1 + 1e-9) for k, v in zip(keys, x))
+
+    idx = list(range(len(keys)))
+    x = solve(idx, {})
+    if inside(x):
+        return x, sse(x)
+    best = (None, math.inf)
+    for states in itertools.product((0, 1, 2), repeat=len(keys)):
+        if not any(states):
+            continue
+        fixed = {i: (lo if s == 1 else hi)[keys[i]] for i, s in enumerate(states) if s}
+        x = solve([i for i in idx if not states[i]], fixed)
+        if inside(x) and sse(x) < best[1]:
+            best = (x, sse(x))
+    return best
 
 
 def _solve(A: list[list[float]], b: list[float]) -> list[float]:
@@ -282,6 +385,15 @@ def predict(cands, profile, cluster) -> list[float]:
             for c in cands]
 
 
+def host_counts(cands, profile, cluster, key: str) -> list[float]:
+    """What the cost model counts per step for each candidate (collective calls for
+    collective_overhead, per-tensor operations for tensor_overhead): the step time's slope in that
+    figure, which is exact (the host term is added, hybrid/cost.py)."""
+    at = getattr(cluster.gpu, key)
+    up = predict(cands, profile, replace(cluster, gpu=replace(cluster.gpu, **{key: at + 1e-3})))
+    return [round((a - b) / 1e-3, 6) for a, b in zip(up, predict(cands, profile, cluster))]
+
+
 def calibrate(cands, profile, cluster, measured_s: list[float], measured_bytes: list[int],
               job: dict | None = None) -> Calibration:
     """Fit the cluster's speed figures to the measured step times of `cands` (planner
@@ -289,11 +401,12 @@ def calibrate(cands, profile, cluster, measured_s: list[float], measured_bytes: 
     if not cands or len(cands) != len(measured_s) or len(cands) != len(measured_bytes):
         raise HybridError("a calibration needs at least one measured trial (none of the trials ran)")
     before = predict(cands, profile, cluster)
-    values, after = fit(lambda cl: predict(cands, profile, cl), cluster, measured_s)
+    values, after = fit(lambda cl: predict(cands, profile, cl), cluster, measured_s, FITTED)
     g = replace(cluster.gpu, **values)
     ratios = sorted(m / c.memory.allocated for c, m in zip(cands, measured_bytes) if c.memory and c.memory.allocated)
-    trials = tuple(Trial(c.label, c.shard_size, p, m, a, int(c.memory.allocated if c.memory else 0), int(b))
-                   for c, p, m, a, b in zip(cands, before, measured_s, after, measured_bytes))
+    calls, tensors = (host_counts(cands, profile, replace(cluster, gpu=g), k) for k in HOST)
+    trials = tuple(Trial(c.label, c.shard_size, p, m, a, int(c.memory.allocated if c.memory else 0), int(b), n, t)
+                   for c, p, m, a, b, n, t in zip(cands, before, measured_s, after, measured_bytes, calls, tensors))
     error = max(abs(a - m) / m for a, m in zip(after, measured_s))
     return Calibration(cluster.gpu.name, *(getattr(g, k) for k in FIGURES),
                        ratios[len(ratios) // 2] if ratios else 1.0, error, tuple(values), trials, job or {})
