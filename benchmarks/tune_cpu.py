@@ -64,6 +64,14 @@ def fmt(gaps) -> str:
     return ", ".join(f"{k} {v:+.1%}" for k, v in gaps) + f"; largest {max(abs(v) for _, v in gaps):.1%}"
 
 
+def twins(trials: list[dict]) -> str:
+    """The gap between layouts that do the same work at accumulation 1 (zero2 reduce-scatters in
+    every micro-batch, zero1 at the window's end; hsdp with one replica is fsdp): the noise."""
+    m = {t["layout"]: t["measured_s"] for t in trials}
+    return ", ".join(f"{a} vs {b} {m[a] / m[b] - 1:+.1%}" for a, b in (("zero2", "zero1"), ("hsdp", "fsdp"))
+                     if a in m and b in m)
+
+
 def main_() -> int:
     import yaml
 
@@ -91,6 +99,8 @@ def main_() -> int:
              "than others)",
              f"- the measured choice is the measured fastest: {choice.split(':')[1].split('(')[0].strip() == fastest} "
              f"({fastest})",
+             f"- the same work measured twice (noise): micro-batch 4 {twins(cal['trials'])}; micro-batch 2 "
+             f"{twins(cal_b['trials'])}",
              "- re-predicted vs measured, micro-batch 4, fitted on these trials: " + fmt(fitted),
              "- re-predicted vs measured, micro-batch 2, fitted on these trials: " + fmt(fitted_b),
              "- held out: micro-batch 2 trials predicted with the micro-batch 4 calibration: " + fmt(a_on_b),

@@ -256,9 +256,11 @@ def fit(predict, cluster, measured: list[float], names=FIGURES, iterations: int 
     call or tensor), with the counts the cost model prices as regressors (its derivatives; exact
     where no overlap is modelled, as on CPU ranks, else refined by Gauss-Newton steps). Least
     squares of the relative errors, each figure kept in range (rates within BOUND x the
-    catalogue's, efficiency <= 1 on GPUs, host times >= 0). Which figures: the subset with the
-    lowest small-sample Akaike criterion (AICc, Hurvich & Tsai 1989) of at most n - 2 figures for
-    n trials (one for n <= 2), so a figure is fitted only when it explains more than it costs.
+    catalogue's, efficiency <= 1 on GPUs, host times >= 0). Which figures: efficiency always (the
+    compute is most of every step; no other figure may stand in for it), and with it the subset
+    with the lowest small-sample Akaike criterion (AICc, Hurvich & Tsai 1989) of at most n - 2
+    figures for n trials (one for n <= 2), so a figure is fitted only when it explains more than
+    it costs.
     Returns ({figure: value}, the re-predicted times); the other figures keep their value."""
     n = len(measured)
     u = {k: _unit(k, getattr(cluster.gpu, k)) for k in names}
@@ -285,9 +287,12 @@ def fit(predict, cluster, measured: list[float], names=FIGURES, iterations: int 
     # a figure the predictions do not depend on is not fitted
     cand = [k for k in names if any(abs(c) * max(u[k], 1e-6 * top) > 1e-9 * m for c, m in zip(cols[k], measured))]
     kmax = 1 if n <= 2 else n - 2
+    first = cand[:1] if cand and cand[0] == "efficiency" else []     # compute is most of every step
+    rest = cand[len(first):]
     best = None
     for size in range(1, min(kmax, len(cand)) + 1):
-        for keys in itertools.combinations(cand, size):
+        for more in itertools.combinations(rest, size - len(first)):
+            keys = (*first, *more)
             x, sse = _bounded_lsq(keys, u, base, cols, measured, lo, hi)
             if x is None:
                 continue
