@@ -5,6 +5,11 @@ compute halves between them while the per-step host work does not), and the plan
 before and after the calibration.
 
     .venv/bin/python benchmarks/tune_cpu.py     # a few minutes -> benchmarks/results/tune_cpu.md, tune_cpu*.yaml
+    .venv/bin/python benchmarks/tune_cpu.py --refit FILE   # seconds: today's fit on a calibration file's trials
+
+--refit fits the trials kept in a calibration file (an earlier run's, version 1 or 2) again with
+today's cost model and fit, on all of them and leaving each out in turn (fitted on the others,
+checked on it): the same measurements before and after a change to the model.
 
 What it checks: every layout is measured (predicted vs measured side by side), the measured choice
 is the measured fastest, and the re-predicted step times after calibration against the measured
@@ -72,8 +77,45 @@ def twins(trials: list[dict]) -> str:
                      if a in m and b in m)
 
 
+def refit(path: str) -> str:
+    """Today's calibration of the trials in the calibration file at `path`: each trial re-predicted
+    with the fit on all of them, and with the fit on the others (leave one out)."""
+    from dataclasses import replace
+
+    from hybrid.calibration import calibrate, load, predict
+    from hybrid.cluster import Cluster, cpu_spec
+    from hybrid.planner import plan
+    from hybrid.profile import resolve_model
+    from hybrid.spec import TrainSpec
+
+    cal = load(path)
+    job = cal.job
+    cl = Cluster(job["nodes"], job["gpus_per_node"], replace(cpu_spec(job["gpus_per_node"]), memory_bytes=2**30))
+    prof = resolve_model(job["model"]).profile
+    p = plan(prof, TrainSpec(job["micro_batch"], job["seq_len"], precision=job["precision"],
+                             activation_checkpointing="none", gradient_accumulation=job["gradient_accumulation"]),
+             cl, strategies=sorted({t.layout for t in cal.trials}), tp=1, pp=1)
+    cands = [next(c for c in p.candidates if (c.label, c.shard_size) == (t.layout, t.shard_size)) for t in cal.trials]
+    m = [t.measured_s for t in cal.trials]
+    whole = calibrate(cands, prof, cl, m, [t.measured_bytes for t in cal.trials])
+    out = [f"refit of the {len(m)} trials in {path} (measured {', '.join(f'{t.layout} {t.measured_s:.3f} s' for t in cal.trials)}):",
+           f"- fitted on all: {', '.join(f'{k} {getattr(whole, k):.4g}' for k in whole.fitted)}: " +
+           fmt([(t.layout, t.residual) for t in whole.trials])]
+    loo = []
+    for i in range(len(m)):
+        rest = [k for k in range(len(m)) if k != i]
+        c = calibrate([cands[k] for k in rest], prof, cl, [m[k] for k in rest], [1] * len(rest))
+        loo.append((f"{cands[i].label} ({'+'.join(c.fitted)})", predict([cands[i]], prof, c.apply(cl))[0] / m[i] - 1))
+    out.append("- each left out, fitted on the others: " + fmt(loo))
+    return "\n".join(out)
+
+
 def main_() -> int:
     import yaml
+
+    if sys.argv[1:2] == ["--refit"] and len(sys.argv) == 3:
+        print(refit(sys.argv[2]))
+        return 0
 
     start, load0 = time.perf_counter(), os.getloadavg()[0]
     tuned = run([*TUNE, "--save-calibration", str(CAL)])
