@@ -37,7 +37,8 @@ BASE = ["benchmarks/tune_decoder", "--gpu", "cpu", "--gpus-per-node", "4", "--gp
         "--precision", "fp32", "--activation-checkpointing", "none", "--tp", "1"]
 JOB = [*BASE[:5], "--micro-batch", "4", *BASE[5:]]
 JOB_B = [*BASE[:5], "--micro-batch", "2", *BASE[5:]]
-STRATEGIES = ["--strategies", "ddp,zero1,zero2,zero3,fsdp,hsdp", "--top", "6", "--steps", "8", "--implementation", "hybrid"]
+STRATEGIES = ["--strategies", "ddp,zero1,zero2,zero3,fsdp,hsdp", "--top", "6", "--steps", "8",
+              "--implementation", "hybrid"]
 TUNE = ["tune", *JOB, *STRATEGIES]
 TUNE_B = ["tune", *JOB_B, *STRATEGIES]
 PLAN = ["plan", *JOB, "--pp", "1"]
@@ -98,7 +99,8 @@ def refit(path: str) -> str:
     cands = [next(c for c in p.candidates if (c.label, c.shard_size) == (t.layout, t.shard_size)) for t in cal.trials]
     m = [t.measured_s for t in cal.trials]
     whole = calibrate(cands, prof, cl, m, [t.measured_bytes for t in cal.trials])
-    out = [f"refit of the {len(m)} trials in {path} (measured {', '.join(f'{t.layout} {t.measured_s:.3f} s' for t in cal.trials)}):",
+    runs = ", ".join(f"{t.layout} {t.measured_s:.3f} s" for t in cal.trials)
+    out = [f"refit of the {len(m)} trials in {path} (measured {runs}):",
            f"- fitted on all: {', '.join(f'{k} {getattr(whole, k):.4g}' for k in whole.fitted)}: " +
            fmt([(t.layout, t.residual) for t in whole.trials])]
     loo = []
