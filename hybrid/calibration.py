@@ -4,11 +4,13 @@ measured trials (`hybrid tune --save-calibration cal.yaml`), read back by `hybri
 
 What is fitted: the cost model (hybrid/cost.py) prices a step as compute at `efficiency` x the
 GPU's peak, collectives at the link bandwidths and per-collective latencies (intra_node_*;
-inter_node_* when the trials span nodes) and buffer copies and the optimizer step at the device
-memory bandwidth (mem_bw). Each figure is scaled by a factor, and the factors minimise the squared
-log-ratio of re-predicted to measured step times over the trials (Levenberg-Marquardt on a
-finite-difference Jacobian). A figure none of the trials' predictions depends on is not fitted
-and keeps its catalogue value; n trials fit at most n - 1 figures, in the order of FIGURES.
+inter_node_* when the trials span nodes), buffer copies and the optimizer step at the device
+memory bandwidth (mem_bw), and the host work the frameworks do per collective call and per
+parameter tensor (collective_overhead, tensor_overhead; hybrid/overhead.py counts both). Step
+times are linear in each figure's cost per unit of work, so the figures are a least-squares fit of
+the relative errors over the trials with the cost model's counts as regressors (`fit`); which
+figures are fitted is chosen by the small-sample Akaike criterion, a figure none of the trials'
+predictions depends on is not fitted, and the others keep their catalogue value.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 import yaml
 
 from .errors import HybridError
+from .fitting import ADDITIVE, BOUND, fit
 
 MODEL_ERROR = 0.071
 """Median |leave-one-out error| of predicted tokens/s per GPU on the public-runs corpus, as
@@ -27,15 +30,17 @@ MODEL_ERROR = 0.071
 a tie the planner breaks by simplicity."""
 ENV = "HYBRID_CALIBRATION"
 """The variable naming a calibration file when no --calibration / calibration= is given."""
-FIGURES = ("efficiency", "intra_node_bw", "intra_node_latency", "inter_node_bw", "inter_node_latency", "mem_bw")
-"""The GPUSpec speed figures a calibration may fit (hybrid/cluster.py documents each), in the
-order they are fitted when the trials are too few for all of them."""
-VERSION = 1
-BOUND = 1000.0
-"""A fitted figure stays within this factor of the catalogue's: one the trials barely constrain
-(a term too small to matter in every trial) would otherwise drift without bound."""
-
-
+FIGURES = ("efficiency", "intra_node_bw", "intra_node_latency", "inter_node_bw", "inter_node_latency", "mem_bw",
+           "collective_overhead", "tensor_overhead")
+"""The GPUSpec speed figures a calibration may fit (hybrid/cluster.py documents each); of fits
+that explain the trials equally well, the one with the earlier figures wins."""
+FITTED = ("efficiency", "intra_node_bw", "inter_node_bw", "mem_bw", "collective_overhead", "tensor_overhead")
+"""What `calibrate` fits. Not the link latencies: the comm model counts one per unit where the
+libraries launch one per bucket or tensor, and collective_overhead is the per-call time with the
+calls counted as launched (hybrid/overhead.py); they keep the nccl-tests figures (hybrid/links.py)."""
+HOST = ("collective_overhead", "tensor_overhead")
+"""Added in version 2; a version 1 file has neither (0: no host term), nor the trials' counts."""
+VERSION = 2
 @dataclass(frozen=True)
 class Trial:
     """One measured layout of the trials a calibration came from."""
@@ -52,6 +57,16 @@ class Trial:
     """Analytic allocated peak per rank, bytes."""
     measured_bytes: int
     """Measured allocated peak (CUDA max_memory_allocated, or tracked live tensors on CPU), bytes."""
+    calls: float | None = None
+    """Collective calls per step the cost model counts for it (hybrid/overhead.py); None in a
+    version 1 file."""
+    tensors: float | None = None
+    """Per-parameter-tensor host operations per step it counts; None in a version 1 file."""
+
+    @property
+    def residual(self) -> float:
+        """Re-predicted / measured - 1."""
+        return self.repredicted_s / self.measured_s - 1
 
 
 @dataclass(frozen=True)
@@ -74,6 +89,10 @@ class Calibration:
     """Seconds per log2(n) step of a collective across nodes."""
     mem_bw: float
     """Device memory bytes/s (buffer copies, the optimizer step)."""
+    collective_overhead: float
+    """Host seconds per collective call (0 where not fitted: the catalogue's)."""
+    tensor_overhead: float
+    """Host seconds per per-parameter-tensor operation (0 where not fitted)."""
     memory_ratio: float
     """Measured / predicted allocated peak, median over the trials (reported; not applied)."""
     error: float
@@ -108,13 +127,15 @@ class Calibration:
         d = asdict(self)
         d.pop("path")
         d["fitted"] = list(self.fitted)
-        d["trials"] = [asdict(t) for t in self.trials]
+        d["trials"] = [{**asdict(t), "residual": t.residual} for t in self.trials]
         return {"version": VERSION, **d}
 
 
 def _fmt(key: str, v: float) -> str:
     if key == "efficiency":
         return f"{v:.3g}"
+    if key in HOST:
+        return f"{v * 1e3:.3g} ms per {'call' if key == 'collective_overhead' else 'tensor'}"
     return f"{v * 1e6:.3g} us" if key.endswith("latency") else f"{v / 1e9:.3g} GB/s"
 
 
@@ -130,6 +151,7 @@ def save(cal: Calibration, path: str) -> None:
 
 _TRIAL_TYPES = {"layout": str, "shard_size": int, "predicted_s": float, "measured_s": float,
                 "repredicted_s": float, "predicted_bytes": int, "measured_bytes": int}
+_TRIAL_V2 = {"calls": float, "tensors": float, "residual": float}
 
 
 def load(path: str) -> Calibration:
@@ -147,43 +169,51 @@ def load(path: str) -> Calibration:
     if not isinstance(data, dict):
         raise HybridError(f"{path}: a calibration file is a mapping (hybrid tune --save-calibration writes one), "
                           f"got {type(data).__name__}")
-    want = {"version", "gpu", *FIGURES, "memory_ratio", "error", "fitted", "trials", "job"}
+    version = data.get("version")
+    if version not in (1, VERSION):
+        raise HybridError(f"{path}: version {version!r} is not {VERSION} (or 1); re-run hybrid tune --save-calibration")
+    figures = FIGURES if version == VERSION else tuple(k for k in FIGURES if k not in HOST)
+    want = {"version", "gpu", *figures, "memory_ratio", "error", "fitted", "trials", "job"}
     unknown = sorted(set(map(str, data)) - want)
     if unknown:
-        raise HybridError(f"{path}: unknown key {unknown[0]!r}. Allowed: {', '.join(sorted(want))}")
+        raise HybridError(f"{path}: unknown key {unknown[0]!r} in a version {version} file. Allowed: "
+                          f"{', '.join(sorted(want))}")
     missing = sorted(want - set(data))
     if missing:
         raise HybridError(f"{path}: missing key {missing[0]!r} (hybrid tune --save-calibration writes every key)")
-    if data["version"] != VERSION:
-        raise HybridError(f"{path}: version {data['version']!r} is not {VERSION}; re-run hybrid tune")
+    data = {**{k: 0.0 for k in HOST}, **data}            # version 1: no host term
     if not isinstance(data["gpu"], str) or not data["gpu"]:
         raise HybridError(f"{path}: gpu must be a GPU name, got {data['gpu']!r}")
     for key in (*FIGURES, "memory_ratio"):
-        _number(path, key, data[key], positive=True)
+        _number(path, key, data[key], positive=key not in ADDITIVE)
     if data["efficiency"] > 1 and data["gpu"] != "cpu":     # CPU ranks: relative to cpu_spec's assumed peak
         raise HybridError(f"{path}: efficiency must be in (0, 1], got {data['efficiency']!r}")
     _number(path, "error", data["error"])
     fitted = data["fitted"]
-    if not isinstance(fitted, list) or any(f not in FIGURES for f in fitted):
-        raise HybridError(f"{path}: fitted must be a list of {', '.join(FIGURES)}, got {fitted!r}")
+    if not isinstance(fitted, list) or any(f not in figures for f in fitted):
+        raise HybridError(f"{path}: fitted must be a list of {', '.join(figures)}, got {fitted!r}")
     if not isinstance(data["job"], dict):
         raise HybridError(f"{path}: job must be a mapping, got {data['job']!r}")
     trials = data["trials"]
     if not isinstance(trials, list) or not trials:
         raise HybridError(f"{path}: trials must be a non-empty list of the measured layouts, got {trials!r}")
     out = []
+    types = {**_TRIAL_TYPES, **(_TRIAL_V2 if version == VERSION else {})}
     for i, t in enumerate(trials):
-        if not isinstance(t, dict) or set(t) != set(_TRIAL_TYPES):
-            raise HybridError(f"{path}: trials[{i}] must have exactly the keys {', '.join(_TRIAL_TYPES)}")
-        for k, typ in _TRIAL_TYPES.items():
+        if not isinstance(t, dict) or set(t) != set(types):
+            raise HybridError(f"{path}: trials[{i}] must have exactly the keys {', '.join(types)}")
+        for k, typ in types.items():
             if typ is str:
                 if not isinstance(t[k], str):
                     raise HybridError(f"{path}: trials[{i}].{k} must be a string, got {t[k]!r}")
+            elif k == "residual":
+                if isinstance(t[k], bool) or not isinstance(t[k], (int, float)) or not math.isfinite(t[k]):
+                    raise HybridError(f"{path}: trials[{i}].residual must be a number, got {t[k]!r}")
             else:
-                _number(f"{path}: trials[{i}]", k, t[k], positive=True)
+                _number(f"{path}: trials[{i}]", k, t[k], positive=k not in _TRIAL_V2)
                 if typ is int and not isinstance(t[k], int):
                     raise HybridError(f"{path}: trials[{i}].{k} must be a whole number, got {t[k]!r}")
-        out.append(Trial(**{k: t[k] if typ is str else typ(t[k]) for k, typ in _TRIAL_TYPES.items()}))
+        out.append(Trial(**{k: t[k] if typ is str else typ(t[k]) for k, typ in types.items() if k != "residual"}))
     return Calibration(data["gpu"], *(float(data[k]) for k in FIGURES), float(data["memory_ratio"]),
                        float(data["error"]), tuple(fitted), tuple(out), data["job"], path)
 
@@ -201,85 +231,20 @@ def resolve(path: str | None, environ=os.environ) -> Calibration | None:
     return load(path) if path else None
 
 
-def fit(predict, cluster, measured: list[float], names=FIGURES, iterations: int = 60) -> tuple[dict, list[float]]:
-    """Scale factors for the GPU figures `names` minimising sum(log(predict(c) / measured)^2),
-    where predict(cluster) returns the predicted step times. Returns ({figure: value}, the
-    re-predicted times); figures the predictions do not depend on keep their value, and with n
-    trials at most n - 1 figures are fitted (the first of `names` that matter)."""
-    base = {k: getattr(cluster.gpu, k) for k in names}
-
-    def at(logs: list[float], keys) -> list[float]:
-        gpu = replace(cluster.gpu, **{k: base[k] * math.exp(x) for k, x in zip(keys, logs)})
-        if gpu.efficiency > 1 and gpu.is_cuda:
-            gpu = replace(gpu, efficiency=1.0)
-        return predict(replace(cluster, gpu=gpu))
-
-    def residuals(logs, keys):
-        return [math.log(p / m) for p, m in zip(at(logs, keys), measured)]
-
-    h = 1e-3
-    zero = residuals([0.0] * len(names), names)
-    keys = []
-    for i, k in enumerate(names):          # a figure moves the predictions, or it is not fitted
-        step = [h if j == i else 0.0 for j in range(len(names))]
-        if max(abs(a - b) for a, b in zip(residuals(step, names), zero)) > 1e-6:
-            keys.append(k)
-    keys = keys[:max(1, len(measured) - 1)]  # one degree of freedom left, so the error means something
-    x, lam = [0.0] * len(keys), 1e-3
-    r = residuals(x, keys) if keys else zero
-    cost = sum(v * v for v in r)
-    for _ in range(iterations if keys else 0):
-        J = []
-        for i in range(len(keys)):
-            xi = list(x)
-            xi[i] += h
-            J.append([(a - b) / h for a, b in zip(residuals(xi, keys), r)])
-        n = len(keys)
-        A = [[sum(J[i][t] * J[j][t] for t in range(len(r))) + (lam if i == j else 0.0) for j in range(n)]
-             for i in range(n)]
-        g = [-sum(J[i][t] * r[t] for t in range(len(r))) for i in range(n)]
-        dx = _solve(A, g)
-        trial = [max(-math.log(BOUND), min(math.log(BOUND), a + b)) for a, b in zip(x, dx)]
-        rt = residuals(trial, keys)
-        ct = sum(v * v for v in rt)
-        if ct < cost:
-            x, r, lam = trial, rt, lam / 3
-            if cost - ct < 1e-12:
-                cost = ct
-                break
-            cost = ct
-        else:
-            lam *= 10
-    values = {k: base[k] * math.exp(v) for k, v in zip(keys, x)}
-    if values.get("efficiency", 0) > 1 and cluster.gpu.is_cuda:
-        values["efficiency"] = 1.0
-    return values, at(x, keys) if keys else predict(cluster)
-
-
-def _solve(A: list[list[float]], b: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting (the few-by-few normal equations)."""
-    n = len(b)
-    M = [row[:] + [b[i]] for i, row in enumerate(A)]
-    for c in range(n):
-        p = max(range(c, n), key=lambda r: abs(M[r][c]))
-        M[c], M[p] = M[p], M[c]
-        if abs(M[c][c]) < 1e-300:
-            continue
-        for r in range(c + 1, n):
-            f = M[r][c] / M[c][c]
-            M[r] = [a - f * bb for a, bb in zip(M[r], M[c])]
-    x = [0.0] * n
-    for c in reversed(range(n)):
-        s = M[c][n] - sum(M[c][j] * x[j] for j in range(c + 1, n))
-        x[c] = s / M[c][c] if abs(M[c][c]) > 1e-300 else 0.0
-    return x
-
-
 def predict(cands, profile, cluster) -> list[float]:
     """The cost model's step time of each candidate on `cluster` (its GPU's figures)."""
     from .cost import step_cost
     return [step_cost(c.layout, profile, c.spec, cluster).seconds
             for c in cands]
+
+
+def host_counts(cands, profile, cluster, key: str) -> list[float]:
+    """What the cost model counts per step for each candidate (collective calls for
+    collective_overhead, per-tensor operations for tensor_overhead): the step time's slope in that
+    figure, which is exact (the host term is added, hybrid/cost.py)."""
+    at = getattr(cluster.gpu, key)
+    up = predict(cands, profile, replace(cluster, gpu=replace(cluster.gpu, **{key: at + 1e-3})))
+    return [round((a - b) / 1e-3, 6) for a, b in zip(up, predict(cands, profile, cluster))]
 
 
 def calibrate(cands, profile, cluster, measured_s: list[float], measured_bytes: list[int],
@@ -289,11 +254,12 @@ def calibrate(cands, profile, cluster, measured_s: list[float], measured_bytes: 
     if not cands or len(cands) != len(measured_s) or len(cands) != len(measured_bytes):
         raise HybridError("a calibration needs at least one measured trial (none of the trials ran)")
     before = predict(cands, profile, cluster)
-    values, after = fit(lambda cl: predict(cands, profile, cl), cluster, measured_s)
+    values, after = fit(lambda cl: predict(cands, profile, cl), cluster, measured_s, FITTED)
     g = replace(cluster.gpu, **values)
     ratios = sorted(m / c.memory.allocated for c, m in zip(cands, measured_bytes) if c.memory and c.memory.allocated)
-    trials = tuple(Trial(c.label, c.shard_size, p, m, a, int(c.memory.allocated if c.memory else 0), int(b))
-                   for c, p, m, a, b in zip(cands, before, measured_s, after, measured_bytes))
+    calls, tensors = (host_counts(cands, profile, replace(cluster, gpu=g), k) for k in HOST)
+    trials = tuple(Trial(c.label, c.shard_size, p, m, a, int(c.memory.allocated if c.memory else 0), int(b), n, t)
+                   for c, p, m, a, b, n, t in zip(cands, before, measured_s, after, measured_bytes, calls, tensors))
     error = max(abs(a - m) / m for a, m in zip(after, measured_s))
     return Calibration(cluster.gpu.name, *(getattr(g, k) for k in FIGURES),
                        ratios[len(ratios) // 2] if ratios else 1.0, error, tuple(values), trials, job or {})

@@ -64,6 +64,13 @@ class GPUSpec:
     """Seconds per log2(n) step of one collective inside a node (hybrid/links.py)."""
     inter_node_latency: float = LATENCY_INTER
     """... across nodes. Both are replaced by a calibration's fitted figures (hybrid/calibration.py)."""
+    collective_overhead: float = 0.0
+    """Host seconds per collective call whatever its size: launch, dispatch and the ranks meeting
+    (hybrid/overhead.py counts the calls). 0 in the catalogue (no measured figure; on GPUs the
+    host runs ahead of the kernels); a calibration fits it."""
+    tensor_overhead: float = 0.0
+    """Host seconds per per-parameter-tensor operation (an optimizer's per-tensor loop, DeepSpeed's
+    per-parameter hooks; hybrid/overhead.py counts them). 0 in the catalogue; a calibration fits it."""
 
     fp8_flops: float = 0.0
     """Dense float8 (e4m3) tensor-core peak, FLOP/s (datasheets: H100 SXM and H200 1,979 TFLOP/s

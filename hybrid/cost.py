@@ -35,6 +35,9 @@ moe       (ep > 1, expert_parallel_terms) two all-to-alls per MoE layer in forwa
           combine) and two in backward, on the links they cross, unhidden; the busiest rank's
           experts compute --moe-imbalance x the mean while the others wait at the combine; the
           experts' FSDP traffic runs over their expert_shard ranks, the dense parts' over all.
+host      (hybrid/overhead.py) collective calls and per-parameter-tensor operations per step, each
+          at a fixed host time (GPUSpec.collective_overhead, tensor_overhead): 0 in the
+          catalogue, fitted by a calibration from measured trials.
 step      the optimizer step on the GPU is memory-bound: it reads and writes each local parameter,
           its gradient and its states once, at the device memory bandwidth.
 """
@@ -76,6 +79,9 @@ class StepCost:
     """Expert parallelism (ep > 1): the step's all-to-alls, none hidden (in exposed_comm_s)."""
     straggler_s: float = 0.0
     """Expert parallelism: the busiest rank's extra expert compute of the step (in compute_s)."""
+    host_s: float = 0.0
+    """Host work per step: collective calls and per-tensor operations at the GPU's
+    collective_overhead and tensor_overhead (0 unless a calibration fitted them)."""
 
     @property
     def time_per_token(self) -> float:
@@ -86,7 +92,7 @@ class StepCost:
     def to_dict(self) -> dict:
         return {"step_time_s": self.seconds, "compute_s": self.compute_s, "comm_s": self.comm_s,
                 "exposed_comm_s": self.exposed_comm_s, "offload_s": self.offload_s,
-                "optimizer_s": self.optimizer_s, "bubble_s": self.bubble_s,
+                "optimizer_s": self.optimizer_s, "bubble_s": self.bubble_s, "host_s": self.host_s,
                 "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
                 **({"all_to_all_s": self.all_to_all_s, "straggler_s": self.straggler_s} if self.all_to_all_s else {})}
 
@@ -271,12 +277,16 @@ def step_cost(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec,
     copies = (ga * comm.copied_micro + comm.copied_sync) / g.mem_bw if W > 1 else 0.0
     exposed_s = max((ga - 1) * micro + last + comm.after_step, 0.0) + copies + ga * (tp_time + moe_s) + p2p
     bubble_s = (pp - 1) / pipe.virtual * (compute + tp_time) if pp > 1 else 0.0
-    seconds = ga * compute + bubble_s + exposed_s + comm.offload + optimizer
+    host_s = 0.0
+    if g.collective_overhead or g.tensor_overhead:      # hybrid/overhead.py; 0 in the catalogue
+        host = fam.host(strategy, profile, spec, cluster, N)
+        host_s = host.calls * g.collective_overhead + host.tensors * g.tensor_overhead
+    seconds = ga * compute + bubble_s + exposed_s + comm.offload + optimizer + host_s
     tokens = ga * T / tp / pp / cp             # tp, cp groups and a pipeline share their micro-batches
     return StepCost(seconds=seconds, compute_s=ga * compute, bubble_s=bubble_s,
                     comm_s=(ga * comm.fwd + (ga * comm.bwd + comm.sync_bwd) + comm.after_step + ga * (tp_time + moe_s)
                             + p2p),
-                    exposed_comm_s=exposed_s, offload_s=comm.offload, optimizer_s=optimizer,
+                    exposed_comm_s=exposed_s, offload_s=comm.offload, optimizer_s=optimizer, host_s=host_s,
                     tokens_per_s_per_gpu=tokens / seconds, all_to_all_s=ga * moe_s, straggler_s=ga * straggler,
                     mfu=model_flops_per_token(whole, spec.seq_len) * tokens / (seconds * g.bf16_flops))
 

@@ -326,6 +326,8 @@ def tune_for_wrap(plan, model, optimizer, runtime, cluster, top, max_grad_norm, 
 
 
 def _at_bound(cal, gpu, key: str) -> bool:
-    from .calibration import BOUND
+    from .calibration import ADDITIVE, BOUND
+    if key in ADDITIVE:             # host times and latencies: bounded by 0 and the longest step
+        return False
     ratio = getattr(cal, key) / getattr(gpu, key)
     return ratio > 0.99 * BOUND or ratio < 1.01 / BOUND

@@ -116,7 +116,7 @@ def test_plan_reads_the_calibration_from_the_flag_the_env_and_the_job_file(tmp_p
     ({"fitted": ["speed"]}, "fitted must be a list of"),
     ({"trials": []}, "trials must be a non-empty list"),
     ({"trials": [{"layout": "ddp"}]}, r"trials\[0\] must have exactly the keys"),
-    ({"version": 9}, "version 9 is not 1"),
+    ({"version": 9}, r"version 9 is not 2 \(or 1\)"),
     ({"extra": 1}, "unknown key 'extra'"),
 ])
 def test_bad_calibration_files_are_one_line(tmp_path, capsys, over, match):
@@ -156,3 +156,81 @@ def test_tune_refuses_bad_options_before_any_rank_starts(capsys, flags, match):
     assert main(["tune", "tiny-gpt", *flags]) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1 and match in err
+
+
+def _tune_job():
+    """The job of benchmarks/tune_cpu.py: its six layouts on 4 CPU ranks."""
+    cl = Cluster(1, 4, replace(cpu_spec(4), memory_bytes=2**30))
+    prof = resolve_model(str(ROOT / "benchmarks" / "tune_decoder")).profile
+    p = plan(prof, TrainSpec(4, 256, precision="fp32", activation_checkpointing="none"), cl,
+             strategies=["ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"], tp=1, pp=1, search_shards=True)
+    return [c for c in p.candidates if c.memory is not None], prof, cl
+
+
+def test_fit_recovers_known_host_overheads_per_call_and_per_tensor():
+    cands, prof, cl = _tune_job()
+    truth = replace(cl, gpu=replace(cl.gpu, efficiency=0.6, collective_overhead=4e-3, tensor_overhead=3e-4))
+    measured = predict(cands, prof, truth)
+    cal = calibrate(cands, prof, cl, measured, [1] * len(cands))
+    assert {"collective_overhead", "tensor_overhead"} <= set(cal.fitted)
+    assert cal.collective_overhead == pytest.approx(4e-3, rel=0.01)
+    assert cal.tensor_overhead == pytest.approx(3e-4, rel=0.01)
+    assert cal.efficiency == pytest.approx(0.6, rel=0.01) and cal.error < 0.001
+    # the counts are the regressors, kept with each trial: more calls where DeepSpeed buckets
+    calls = {t.layout: t.calls for t in cal.trials}
+    assert calls["ddp"] < calls["fsdp"] < calls["zero1"] < calls["zero3"]
+    # and the uncalibrated catalogue prices no host work: plans without a calibration are unchanged
+    assert all(c.cost.host_s == 0 for c in cands)
+
+
+def test_host_counts_follow_the_libraries():
+    from hybrid.families.deepspeed import bucket_sizes
+    from hybrid.overhead import ipg_buckets, param_tensors
+    cands, prof, cl = _tune_job()
+    model, _ = resolve_model(str(ROOT / "benchmarks" / "tune_decoder")).build(device="meta")
+    real = [p.numel() for p in model.parameters()]            # a tied head appears once
+    assert list(param_tensors(prof)) == real and sum(real) == prof.params
+    llama = resolve_model("tiny-llama")
+    m, _ = llama.build(device="meta")
+    assert list(param_tensors(llama.profile)) == [p.numel() for p in m.parameters()]
+    # DeepSpeed reduces a bucket before the gradient that would overflow it: 3 small, 1 big, 2 small
+    assert ipg_buckets([10, 10, 10, 100, 10, 10], 50) == 3
+    # counted by torch.profiler on 4 gloo ranks (one step, benchmarks/tune_cpu.py's job): ddp 1
+    # bucket; fsdp 2 x 5 all-gathers + 5 reduce-scatters; zero3 52 all-gathers, 35 reduce-scatters
+    # and the norm's all-reduce
+    from hybrid.calibration import host_counts
+    one = {(c.label, c.shard_size): c for c in cands}
+    got = host_counts([one[("ddp", 1)], one[("fsdp", 4)], one[("zero3", 4)]], prof, cl, "collective_overhead")
+    assert got == [1, 15, 88]
+    assert ipg_buckets(param_tensors(prof), bucket_sizes(one[("zero3", 4)].strategy, 256)[0]) == 35
+
+
+def test_calibration_files_keep_the_host_terms_and_old_files_still_load(tmp_path, capsys):
+    cands, prof, cl = _tune_job()
+    truth = replace(cl, gpu=replace(cl.gpu, efficiency=0.6, collective_overhead=4e-3, tensor_overhead=3e-4))
+    cal = calibrate(cands, prof, cl, predict(cands, prof, truth), [1] * len(cands), {"model": "x"})
+    path = tmp_path / "cal.yaml"
+    save(cal, str(path))
+    raw = yaml.safe_load(path.read_text())
+    assert raw["version"] == 2 and raw["collective_overhead"] == cal.collective_overhead
+    assert all(set(t) >= {"calls", "tensors", "residual"} for t in raw["trials"])
+    back = load(str(path))
+    assert back.trials == cal.trials and back.tensor_overhead == cal.tensor_overhead
+    assert [t.residual for t in back.trials] == pytest.approx([t["residual"] for t in raw["trials"]])
+    # a version 1 file (no host terms, no counts) loads as no host work, and plans say they used it
+    old = {k: v for k, v in raw.items() if k not in ("collective_overhead", "tensor_overhead")}
+    old["version"] = 1
+    old["fitted"] = [f for f in old["fitted"] if not f.endswith("overhead")]
+    old["trials"] = [{k: v for k, v in t.items() if k not in ("calls", "tensors", "residual")} for t in old["trials"]]
+    path.write_text(yaml.safe_dump(old))
+    v1 = load(str(path))
+    assert v1.collective_overhead == 0 and v1.tensor_overhead == 0 and v1.trials[0].calls is None
+    argv = ["plan", str(ROOT / "benchmarks" / "tune_decoder"), "--gpu", "cpu", "--gpus-per-node", "4",
+            "--gpu-memory", "1GiB", "--micro-batch", "4", "--seq-len", "256", "--precision", "fp32",
+            "--activation-checkpointing", "none", "--tp", "1", "--pp", "1", "--calibration", str(path)]
+    assert main(argv) == 0
+    assert f"speed calibrated by {path} on {len(cands)} trials" in capsys.readouterr().out
+    old["collective_overhead"] = 0.001                  # a version 2 key in a version 1 file
+    path.write_text(yaml.safe_dump(old))
+    with pytest.raises(HybridError, match="unknown key 'collective_overhead' in a version 1 file"):
+        load(str(path))
