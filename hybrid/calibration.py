@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 import yaml
 
 from .errors import HybridError
-from .fitting import ADDITIVE, BOUND, fit
+from .fitting import ADDITIVE, fit
 
 MODEL_ERROR = 0.071
 """Median |leave-one-out error| of predicted tokens/s per GPU on the public-runs corpus, as

@@ -279,7 +279,7 @@ def step_cost(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec,
     bubble_s = (pp - 1) / pipe.virtual * (compute + tp_time) if pp > 1 else 0.0
     host_s = 0.0
     if g.collective_overhead or g.tensor_overhead:      # hybrid/overhead.py; 0 in the catalogue
-        host = fam.host(strategy, profile, spec, cluster, N)
+        host = fam.host(strategy, profile, spec, cluster, N, sh.stage)
         host_s = host.calls * g.collective_overhead + host.tensors * g.tensor_overhead
     seconds = ga * compute + bubble_s + exposed_s + comm.offload + optimizer + host_s
     tokens = ga * T / tp / pp / cp             # tp, cp groups and a pipeline share their micro-batches

@@ -26,11 +26,12 @@ class Host:
         return Host(self.calls + other.calls, self.tensors + other.tensors)
 
 
-def param_tensors(profile) -> tuple[int, ...]:
+def param_tensors(profile, stage=None) -> tuple[int, ...]:
     """Elements of each parameter tensor, in registration order (a tied head counted once). From
     the decoder's shape (hybrid/models.py builds the same tensors as transformers' Llama and GPT-2);
-    without one, each unit and the root as one tensor (all the profile knows)."""
-    d, st = profile.decoder, profile.stage
+    without one, each unit and the root as one tensor (all the profile knows). `stage`: a pipeline
+    rank's shares.StageShare (its blocks, the embedding on the first, the head on the last)."""
+    d, st = profile.decoder, stage
     if d is None:
         units = [profile.block_params] * profile.num_blocks
         return tuple(x for x in [profile.root_params or profile.params, *units] if x > 0)

@@ -326,7 +326,7 @@ def tune_for_wrap(plan, model, optimizer, runtime, cluster, top, max_grad_norm, 
 
 
 def _at_bound(cal, gpu, key: str) -> bool:
-    from .calibration import ADDITIVE, BOUND
+    from .fitting import ADDITIVE, BOUND
     if key in ADDITIVE:             # host times and latencies: bounded by 0 and the longest step
         return False
     ratio = getattr(cal, key) / getattr(gpu, key)

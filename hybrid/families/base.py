@@ -111,7 +111,7 @@ class Family:
     def comm(self, s, profile, spec, cluster, n: int, links) -> Comm:
         raise NotImplementedError
 
-    def host(self, s, profile, spec, cluster, n: int):
+    def host(self, s, profile, spec, cluster, n: int, stage=None):
         """The step's collective calls and per-tensor host operations (hybrid/overhead.py), as
         this family's library issues them; what their seconds are is a calibration's to fit."""
         raise NotImplementedError

@@ -73,14 +73,14 @@ class DDPFamily(Family):
         copied = 0.0 if s.config.gradient_as_bucket_view or cl.world_size == 1 else 2 * grad_bytes
         return Comm(sync_bwd=sync, sync_tail=sync / buckets, copied_sync=copied)
 
-    def host(self, s, p, spec, cl, n):
+    def host(self, s, p, spec, cl, n, stage=None):
         from ..overhead import Host, param_tensors
         # one all-reduce per bucket at the window's end (as comm counts them); the optimizer steps
         # each local tensor in a loop: torch's foreach kernels take CUDA tensors only
         # (torch/optim/optimizer.py:161-172, _default_to_fused_or_foreach)
         grad_bytes = p.trainable_params * spec.bytes.grad
-        buckets = max(1, math.ceil(grad_bytes / (s.bucket_cap_mb * 1e6))) if cl.world_size > 1 else 0
-        return Host(calls=buckets, tensors=len(param_tensors(p)))
+        buckets = max(1, math.ceil(grad_bytes / (s.config.bucket_cap_mb * 1e6))) if cl.world_size > 1 else 0
+        return Host(calls=buckets, tensors=len(param_tensors(p, stage)))
 
     def accelerate(self, c, layer_class):
         if c.parallel.cp > 1:

@@ -290,7 +290,7 @@ class DeepSpeedFamily(Family):
         return Comm(fwd=ag, bwd=bwd, tail=tail, offload=offload,
                     copied_micro=2 * 2 * c * P + 2 * c * P)   # two gathers' copy-out, one bucket copy
 
-    def host(self, s, p, spec, cl, n):
+    def host(self, s, p, spec, cl, n, stage=None):
         from ..overhead import Host, ipg_buckets, param_tensors
         # gradients reduced in buckets of reduce_bucket_size elements (ipg_buckets); the step's
         # gradient norm is always all-reduced (stage_1_and_2.py:3039 scaled_global_norm, 1945);
@@ -301,16 +301,16 @@ class DeepSpeedFamily(Family):
         # torch.profiler: 52 gathers for 52 tensors) and keeps it for backward; its bookkeeping per
         # parameter runs at fetch and release in forward and backward (partitioned_param_coordinator)
         ga, W = spec.gradient_accumulation, cl.world_size
-        tensors = param_tensors(p)
+        tensors = param_tensors(p, stage)
         T = len(tensors)
         if W <= 1:
             return Host(tensors=1 + ga * T)
         reduce, _, _ = bucket_sizes(s, p.decoder.hidden if p.decoder else None)
         red = ipg_buckets(tensors, reduce)
-        if s.stage == 3:
+        if s.config.stage == 3:
             return Host(calls=ga * (T + red) + 1, tensors=1 + ga * 5 * T)
-        gather = max(1, math.ceil(p.trainable_params / W / s.allgather_bucket_size))
-        return Host(calls=(ga if s.stage == 2 else 1) * red + gather + 1, tensors=1 + ga * T)
+        gather = max(1, math.ceil(p.trainable_params / W / s.config.allgather_bucket_size))
+        return Host(calls=(ga if s.config.stage == 2 else 1) * red + gather + 1, tensors=1 + ga * T)
 
     def traced_replaces(self, s):
         return frozenset({"params", "grads", "optimizer", "buffers"})

@@ -137,7 +137,7 @@ class FSDPFamily(Family):
                     copied_micro=gathers * 2 * c * P,   # copy-out of each gather
                     copied_sync=2 * rb * P)             # chunk_cat per reduce-scatter
 
-    def host(self, s, p, spec, cl, n):
+    def host(self, s, p, spec, cl, n, stage=None):
         from ..overhead import Host, param_tensors
         # per micro-batch one all-gather per unit in forward and again in backward when resharded
         # (the root included: 2 x 5 for 4 blocks, counted by torch.profiler on 4 gloo ranks); one
@@ -145,10 +145,10 @@ class FSDPFamily(Family):
         # the optimizer loops over the DTensor shards (not foreach types: torch/optim/optimizer.py:172)
         units = max(p.num_blocks, 1) + 1
         if n <= 1 and cl.world_size <= 1:
-            return Host(tensors=len(param_tensors(p)))
-        gathers = units * (2 if s.reshard_after_forward else 1) if n > 1 else 0
+            return Host(tensors=len(param_tensors(p, stage)))
+        gathers = units * (2 if s.config.reshard_after_forward else 1) if n > 1 else 0
         window = (units if n > 1 else 0) + (units if cl.world_size // n > 1 else 0)
-        return Host(calls=spec.gradient_accumulation * gathers + window, tensors=len(param_tensors(p)))
+        return Host(calls=spec.gradient_accumulation * gathers + window, tensors=len(param_tensors(p, stage)))
 
     def emit(self, c, plan, profile, target="engine"):
         """The FSDP2 settings as YAML: mesh, units, mixed precision, reshard, offload."""
