@@ -112,21 +112,21 @@ PKG = Path(ROOT)
 REPO = PKG.parent
 
 DIMENSION_MODULES = {"layout.py", "shares.py", "cost.py", "parallel.py", "pipeline.py", "parallelize.py", "mesh.py",
-                     "memory/cp.py"}
+                     "memory/cp.py", "memory/moe.py"}
 """Where `tp > 1`, `cp == 1`, `pipeline is None` and the like belong: the Layout, the per-rank
-shares, the cost model, ParallelDims and its mesh, the pipeline's and cp's own arithmetic, the
+shares, the cost model, ParallelDims and its mesh, the pipeline's, cp's and ep's own arithmetic, the
 runtime order. backends/ (the engines) and families/ (each family's rules on the dimensions, its
 Family.problems) are allowed too."""
-DIMENSION_DEBT = {"candidate.py": 1, "catalogue.py": 1, "cli.py": 5, "emit.py": 4, "planner.py": 7, "report.py": 4,
-                  "memory/traced.py": 2}
-"""Dimension branches still outside those modules (the planner's enumeration and estimator
-dispatch, the CLI's method checks, the report's and emitters' wording, Strategy.shard_size's
-message, the traced estimate's tp and cp set-up)."""
+DIMENSION_DEBT = {"candidate.py": 1, "catalogue.py": 1, "cli.py": 7, "emit.py": 6, "planner.py": 7, "report.py": 9,
+                  "memory/traced.py": 3}
+"""Dimension branches (ep included) still outside those modules (the planner's enumeration and
+estimator dispatch, the CLI's method checks, the report's "why cp / why ep" and the emitters'
+wording, Strategy.shard_size's message, the traced estimate's tp, cp and ep set-up)."""
 FAMILY_DEBT = {"api.py": 1, "cli.py": 1, "memory/tracker.py": 1}
 """Family or preset names and family knobs outside families/, backends/ and the catalogue:
 estimate()'s default strategy, the DeepSpeed --for trainer note, and torch's "fsdp" op namespace
 in the tracker."""
-DIMS = {"tp", "pp", "cp"}
+DIMS = {"tp", "pp", "cp", "ep"}
 KNOBS = {"hpz", "reshard_after_forward", "bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "offload_params",
          "offload_optimizer", "reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size",
          "max_live_parameters", "max_reuse_distance", "param_persistence_threshold"}
