@@ -350,3 +350,24 @@ def test_analytic_ep2_estimate_agrees_with_the_trace():
     analytic = estimate(Layout.of(fsdp, cl, spec, ep=2), src.profile, spec, cl).tensors
     traced = traced_estimate(src, fsdp, spec, cl, ep=2).memory.tensors
     assert analytic == pytest.approx(traced, rel=0.03)
+
+
+@pytest.mark.fakepg
+def test_analytic_estimate_counts_the_end_of_the_backward():
+    """Mixtral-8x7B, fsdp on 8 x 8 H100, full checkpointing, ep 8: the peak is the end of the
+    backward (the first block differentiated, every other block's fp32 gradient shard made,
+    one block input left), which the analytic moment of the last block alone missed (5.4% low
+    before); within 3% of the trace."""
+    from hybrid.catalogue import load_catalogue
+    from hybrid.cluster import Cluster
+    from hybrid.layout import Layout
+    from hybrid.memory.analytic import estimate
+    from hybrid.memory.traced import traced_estimate
+    from hybrid.profile import resolve_model
+    from hybrid.spec import TrainSpec
+    src, cl = resolve_model("mixtral-8x7b"), Cluster.build(8, 8, "h100-80gb")
+    spec, fsdp = TrainSpec(1, 4096, activation_checkpointing="full"), load_catalogue()["fsdp"]
+    analytic = estimate(Layout.of(fsdp, cl, spec, ep=8), src.profile, spec, cl)
+    traced = traced_estimate(src, fsdp, spec, cl, ep=8).memory
+    assert analytic.phase == traced.phase == "blocks"
+    assert analytic.tensors == pytest.approx(traced.tensors, rel=0.03)
