@@ -89,8 +89,8 @@ def expert_split(profile: ModelProfile, ep: int) -> tuple[ModelProfile, ModelPro
 def alternating_units(summed_mid: float, D: int, E: int, spec: TrainSpec, last: int = 0,
                       routed: int = 0) -> tuple[tuple[float, int, int], ...]:
     """(buffers, parameters whose gradients are alive, recomputed activations already freed) at
-    each moment of a block's backward when its
-    experts are an FSDP unit of their own (E parameters) inside the block's dense unit (D).
+    each moment of a block's backward when its experts are an FSDP unit of their own (E
+    parameters) inside the block's dense unit (D).
     The two placements summed count each unit as FSDP's dense-model terms do, both at once:
     gathered, its successor prefetched (2 x c) and a reduce-scatter input (rb). FSDP2 runs
     them one after the other. post_forward_order is [.., experts_i, block_i, ..] (the nested
