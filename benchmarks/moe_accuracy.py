@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hybrid.catalogue import load_catalogue
 from hybrid.cluster import Cluster
+from hybrid.layout import Layout
 from hybrid.memory.analytic import estimate
 from hybrid.memory.traced import traced_estimate
 from hybrid.profile import resolve_model
@@ -43,7 +44,7 @@ def main():
         src = resolve_model(model)
         d = src.profile.decoder
         spec = TrainSpec(1, 4096, activation_checkpointing=ckpt)
-        a = estimate(cat["fsdp"], src.profile, spec, cl, ep=ep)
+        a = estimate(Layout.of(cat["fsdp"], cl, spec, ep=ep), src.profile, spec, cl)
         start = time.perf_counter()
         t = traced_estimate(src, cat["fsdp"], spec, cl, ep=ep)
         secs = time.perf_counter() - start

@@ -202,7 +202,10 @@ class _ExpertParallelForward:
 
     def _run(self, x, sizes):
         m = self.module
-        gate_up, down = (_local(m.gate_up_proj), _local(m.down_proj))
+        # unbind, not gate_up[e]: indexing makes each expert's weight gradient a zero-filled copy
+        # of the whole stack (select_backward) summed into the next (autograd's InputBuffer), up
+        # to three stacks at once; unbind's backward stacks the experts' gradients once
+        gate_up, down = (_local(m.gate_up_proj).unbind(0), _local(m.down_proj).unbind(0))
         pieces, start = [], 0
         for e, size in enumerate(sizes):
             rows = x[start:start + size]
@@ -214,7 +217,7 @@ class _ExpertParallelForward:
                 gate, up = h.chunk(2, dim=-1)
                 h = m.act_fn(gate) * up
             pieces.append(nn.functional.linear(h, down[e]))
-        return torch.cat(pieces) if pieces else x.new_empty((0, down.shape[1]))
+        return torch.cat(pieces) if pieces else x.new_empty((0, _local(m.down_proj).shape[1]))
 
 
 def _local(p):

@@ -119,14 +119,29 @@ def step_moments(sh: Share, lay, act: ActivationTerms,
         "loss": dict(grads=lay.grads_start, activations=acts,
                      temporaries=act.head_backward + act.autocast_cache, buffers=lay.buffers_start),
         # the block being differentiated: recomputed activations and its weight gradients as
-        # autograd makes them (compute dtype), before they are reduced or accumulated
-        "blocks": dict(grads=lay.grads_start, activations=acts,
-                       temporaries=act.recompute + act.autocast_cache + unit_grads + (moe.a2a_buffers if moe else 0),
-                       buffers=lay.buffers_mid),
+        # autograd makes them (compute dtype), before they are reduced or accumulated; with
+        # experts as a unit of their own, the largest of its moments (memory/moe.py)
+        "blocks": max((dict(grads=lay.grads_start, activations=acts,
+                            temporaries=(act.recompute - min(freed, act.recompute) + act.autocast_cache
+                                         + (2 if lay.autocast else spec.bytes.compute) * u
+                                         + (moe.a2a_buffers if moe else 0)),
+                            buffers=buf)
+                       for buf, u, freed in (moe.block_moments if moe and moe.block_moments
+                                             else [(lay.buffers_mid, unit, 0)])),
+                      key=lambda parts: sum(parts.values())),
         "grads": dict(grads=lay.grads_end, activations=0, temporaries=0, buffers=lay.buffers_end),
         "step": dict(grads=lay.grads_end + lay.grads_step, activations=0, temporaries=lay.scratch,
                      buffers=lay.buffers_step),
     }
+    if st is None and act.layers > 1 and profile.num_blocks:
+        # ... or the first block, differentiated last: every other block's gradient has been
+        # reduced into its shard by then (FSDP2's post_backward per unit; the root's at the end),
+        # while only this block's activations are left (with checkpointing its kept input was
+        # the smaller of the two: fp32 gradient shards grow faster than block inputs shrink)
+        done = (lay.grads_end - lay.grads_start) * (act.layers - 1) * profile.block_params / profile.params
+        end = dict(moments["blocks"], grads=lay.grads_start + done, activations=act.per_layer)
+        if sum(end.values()) > sum(moments["blocks"].values()):
+            moments["blocks"] = end
     if sh.loss_outside_forward:     # the root's parameters are gathered again after the loss backward
         moments["loss"]["buffers"] -= lay.regathered
     ends = [act.recompute + unit_grads] if st is not None else []     # a stage's backward ends in its first block

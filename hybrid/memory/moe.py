@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from ..errors import HybridError, NotApplicable
 from ..profile import ModelProfile
 from ..spec import TrainSpec
-from .activations import ActivationTerms, checkpointed_blocks, moe_pair
-from .placement import Placement
+from .activations import F32, ActivationTerms, _moe_mlp, checkpointed_blocks, moe_pair
+from .placement import Placement, reduce_bytes
 
 _SUMMED = ("params", "optimizer", "grads_start", "grads_end", "grads_step", "buffers_start", "regathered",
            "buffers_mid", "buffers_end", "buffers_step", "scratch", "cpu")
@@ -86,6 +86,37 @@ def expert_split(profile: ModelProfile, ep: int) -> tuple[ModelProfile, ModelPro
     return dense, experts
 
 
+def alternating_units(summed_mid: float, D: int, E: int, spec: TrainSpec, last: int = 0,
+                      routed: int = 0) -> tuple[tuple[float, int, int], ...]:
+    """(buffers, parameters whose gradients are alive, recomputed activations already freed) at
+    each moment of a block's backward when its experts are an FSDP unit of their own (E
+    parameters) inside the block's dense unit (D).
+    The two placements summed count each unit as FSDP's dense-model terms do, both at once:
+    gathered, its successor prefetched (2 x c) and a reduce-scatter input (rb). FSDP2 runs
+    them one after the other. post_forward_order is [.., experts_i, block_i, ..] (the nested
+    experts finish forward first), and a unit's pre-backward prefetches the one before it
+    (torch 2.13 _fsdp_param_group.py _backward_prefetch: post_forward_order[curr_index - 1]);
+    post_backward reshards the unit, then keeps its reduce-scatter input alive until the next
+    unit's post_backward ("Recycle prior modules' reduce-scatter input buffers"). So:
+      experts_i backward: block_i and experts_i gathered, block_{i-1} prefetched, block_{i+1}'s
+                          reduce-scatter input: c (2D + E) + rb D; the experts' gradients made;
+      experts_i reduced:  block_i gathered, block_{i-1} prefetched, the experts' reduce-scatter
+                          input beside their gradients (foreach_reduce copies them in; the
+                          previous input is let go first: reduce_scatter_max_input_buffers 1):
+                          c 2D + rb E + c E; a stack cut along dim 1 is first copied whole
+                          (_fsdp_collectives.foreach_reduce: torch.cat(torch.chunk(grad, world,
+                          dim)), replacing its gradient) while the loop variable still holds the
+                          last one's original: + c `last`;
+      block_i's dense backward: block_i gathered, block_{i-1} prefetched, experts_i's input:
+                          c 2D + rb E; the dense gradients made.
+    They replace the summed terms (2c (D + E) + rb (D + E)); analytic.step_moments takes the
+    largest. `routed`: the recomputed activations the experts' backward has freed by their reduce."""
+    c, rb = spec.bytes.compute, reduce_bytes(spec)
+    rest = summed_mid - (2 * c + rb) * (D + E)   # the root's and the head's terms
+    return ((rest + c * (2 * D + E) + rb * D, E, 0), (rest + c * 2 * D + rb * E + c * last, E, routed),
+            (rest + c * 2 * D + rb * E, D, routed))
+
+
 @dataclass(frozen=True)
 class ExpertParallel:
     """What ep > 1 changes in one rank's estimate (memory/analytic.estimate applies it)."""
@@ -102,6 +133,9 @@ class ExpertParallel:
     """Bytes per micro-batch one MoE block keeps beyond the mean for the busiest rank's pairs."""
     a2a_buffers: int
     """Bytes of one MoE layer's dispatch and combine buffers (send and receive)."""
+    block_moments: tuple[tuple[float, int, int], ...] = ()
+    """(buffers, unit, recomputed bytes freed) of each moment of a block's backward
+    (alternating_units); empty: the placement's buffers_mid and `unit`."""
 
     def activations(self, act: ActivationTerms, spec: TrainSpec, layers: int) -> ActivationTerms:
         """The busiest rank's extra routed activations where the block keeps them (no
@@ -141,6 +175,24 @@ def expert_parallel(strategy, profile: ModelProfile, spec: TrainSpec, cluster, n
     b = placement_of(strategy, experts, spec, ep_cluster(cluster, ep), n * cp // ep)
     lay = Placement(**{k: getattr(a, k) + getattr(b, k) for k in _SUMMED}, autocast=a.autocast,
                  notes=list(a.notes) + [x for x in b.notes if x not in a.notes])
+    unit, moments = dense.block_params + experts.block_params, ()
+    if getattr(strategy.config, "reshard_after_forward", True):
+        local = d.experts // ep
+        # the last expert stack FSDP2 reduces (down_proj, registered after gate_up_proj) when it
+        # is cut along dim 1 (fewer local experts than expert_shard ranks: ep._expert_placement)
+        last = 0 if local >= n * cp // ep else local * d.hidden * d.moe_ffn
+        # by the experts' reduce their backward is done: the block's recomputed routed
+        # activations (activations.py _moe_mlp, and the busiest rank's extra) are gone
+        routed = int(spec.tokens * _moe_mlp(d, F32 if lay.autocast else spec.bytes.compute)
+                     + (min(spec.moe_imbalance, ep) - 1) * spec.tokens * d.top_k * moe_pair(d, spec.bytes.compute))
+        moments = alternating_units(lay.buffers_mid, dense.block_params, experts.block_params, spec, last, routed)
+        lay.buffers_mid, unit, _ = moments[0]
+        # in the loss backward the root's pre-backward prefetches the unit before it in
+        # post_forward_order, the last block's dense unit: its experts are gathered later, in
+        # their own pre-backward (the summed placements count them gathered with the root)
+        gathered = spec.bytes.compute * experts.block_params
+        lay.buffers_start -= gathered
+        lay.regathered = max(0, lay.regathered - gathered)
     imb = min(spec.moe_imbalance, ep)          # every pair on one rank at most
     c = spec.bytes.compute
     pairs = spec.tokens * d.top_k               # the mean a rank receives: ep ranks x tokens x top_k / ep
@@ -149,6 +201,6 @@ def expert_parallel(strategy, profile: ModelProfile, spec: TrainSpec, cluster, n
     lay.notes.append(f"expert parallel {ep}: {d.experts // ep} of {d.experts} experts per rank, {where}; the busiest "
                      f"rank receives {imb:g}x the mean routed tokens (--moe-imbalance)")
     return ExpertParallel(
-        ep=ep, imbalance=imb, placement=lay, unit=dense.block_params + experts.block_params,
+        ep=ep, imbalance=imb, placement=lay, unit=unit,
         routed_extra=int((imb - 1) * pairs * moe_pair(d, c)),
-        a2a_buffers=int(2 * (1 + imb) * pairs * d.hidden * c))
+        a2a_buffers=int(2 * (1 + imb) * pairs * d.hidden * c), block_moments=moments)
