@@ -1,6 +1,6 @@
 """The order a layout is applied in, written once (torchtitan's parallelize_llama):
 
-    split pipeline stages -> float8 -> tensor parallel -> context parallel -> [expert parallel]
+    split pipeline stages -> float8 -> tensor parallel -> context parallel -> expert parallel
     -> activation checkpointing -> compile -> the family's data-parallel wrap
 
 then one engine: the pipeline's when the layout has stages, else the family's. float8 converts the
