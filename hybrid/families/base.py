@@ -47,6 +47,20 @@ class FamilyConfig:
         return False
 
 
+@dataclass(frozen=True)
+class HostOffloadConfig(FamilyConfig):
+    """A config whose subclass has the knobs offload_optimizer and offload_params (FSDP2's
+    CPUOffloadPolicy, DeepSpeed's offload_optimizer / offload_param)."""
+
+    @property
+    def offload(self) -> bool:
+        return self.offload_optimizer or self.offload_params
+
+    @property
+    def optimizer_on_host(self) -> bool:
+        return self.offload_optimizer
+
+
 class Family:
     """One backend family. Subclasses set the class attributes and override what differs."""
 

@@ -9,7 +9,7 @@ from ..errors import HybridError
 from ..links import HOST_STEP_RATE, PCIE_BW
 from ..parallel import validate_shard_size
 from ..memory.placement import FP32, Placement, NotApplicable, optimizer_elements, scratch_elements
-from .base import Comm, Family, FamilyConfig, provenance, user_checkpointing
+from .base import Comm, Family, HostOffloadConfig, provenance, user_checkpointing
 
 SUB_GROUP_SIZE = 1_000_000_000
 """DeepSpeed ZeRO-3 `sub_group_size` default: elements stepped (and fp32 grads made) at a time."""
@@ -86,7 +86,7 @@ def ds_config(strategy, spec, hidden: int | None, world_size: int, gpus_per_node
 
 
 @dataclass(frozen=True)
-class DeepSpeedConfig(FamilyConfig):
+class DeepSpeedConfig(HostOffloadConfig):
     """DeepSpeed ZeRO's knobs (the names of its zero_optimization config)."""
 
     offload_optimizer: bool = False
@@ -125,14 +125,6 @@ class DeepSpeedConfig(FamilyConfig):
             if self.stage != 3:
                 raise HybridError(f"hpz needs stage 3, got stage {self.stage}")
             object.__setattr__(self, "hpz", h)
-
-    @property
-    def offload(self) -> bool:
-        return self.offload_optimizer or self.offload_params
-
-    @property
-    def optimizer_on_host(self) -> bool:
-        return self.offload_optimizer
 
     def hpz_size(self, cluster) -> int | None:
         """Ranks of the hpZ secondary partition on this cluster; None without hpZ."""

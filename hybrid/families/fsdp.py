@@ -9,11 +9,11 @@ from ..errors import HybridError
 from ..links import HOST_STEP_RATE, PCIE_BW
 from ..memory.placement import Placement, optimizer_elements, reduce_bytes, scratch_elements
 from ..profile import transformers_layer_class
-from .base import Comm, Family, FamilyConfig, provenance
+from .base import Comm, Family, HostOffloadConfig, provenance
 
 
 @dataclass(frozen=True)
-class FSDPConfig(FamilyConfig):
+class FSDPConfig(HostOffloadConfig):
     """FSDP2 (fully_shard)'s knobs."""
 
     reshard_after_forward: bool = True
@@ -27,14 +27,6 @@ class FSDPConfig(FamilyConfig):
         if self.offload_params != self.offload_optimizer:
             raise HybridError("FSDP2's CPUOffloadPolicy moves params, grads and optimizer together; set "
                               "offload_params and offload_optimizer both true or both false")
-
-    @property
-    def offload(self) -> bool:
-        return self.offload_optimizer or self.offload_params
-
-    @property
-    def optimizer_on_host(self) -> bool:
-        return self.offload_optimizer
 
 
 class FSDPFamily(Family):
