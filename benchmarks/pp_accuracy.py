@@ -32,7 +32,7 @@ def one_rank(cell, rank, queue):
     from hybrid.memory.analytic import estimate
     from hybrid.memory.traced import traced_stage_estimate
     from hybrid.pipeline import stage_cluster
-    from hybrid.planner import pipeline_layout
+    from hybrid.memory.stages import pipeline_layout
     from hybrid.profile import resolve_model
     from hybrid.spec import TrainSpec
     model, nodes, seq, tp, pp, m, name, ckpt = cell

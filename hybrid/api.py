@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from .catalogue import get_strategy, load_catalogue
+from .catalogue import DEFAULT_STRATEGY, get_strategy, load_catalogue
 from .cluster import Cluster
 from .errors import HybridError
 from .layout import Layout
@@ -92,8 +92,9 @@ def plan(model, cluster: Cluster | None = None, *, strategies: list[str] | None 
                  search_checkpointing=train.get("activation_checkpointing") is None)
 
 
-def estimate(model, strategy: "str | Layout" = "fsdp", cluster: Cluster | None = None, spec: TrainSpec | None = None,
-             shard_size: int | None = None, strategies_dir: tuple[str, ...] = (), **train) -> MemoryBreakdown:
+def estimate(model, strategy: "str | Layout" = DEFAULT_STRATEGY, cluster: Cluster | None = None,
+             spec: TrainSpec | None = None, shard_size: int | None = None, strategies_dir: tuple[str, ...] = (),
+             **train) -> MemoryBreakdown:
     """Per-GPU memory of `strategy` for `model` (any form plan() takes): a preset's name (at tp = pp
     = 1, its shard size or `shard_size`) or a whole Layout (hybrid.layout.Layout.of). Training
     arguments come as keywords (micro_batch=2, seq_len=4096, ...) or as a whole `spec`."""

@@ -141,13 +141,7 @@ class Candidate:
             **(self.cost.to_dict() if self.cost else {}),
             "notes": list(m.notes) if m else [],
             **({"batch": self.batch.to_dict()} if self.batch is not None else {}),
-            **({"pipeline": {**self.pipeline.to_dict(),
-                             "stages": [{"rank": r, "blocks": sum(self.pipeline.blocks[i] for i in
-                                                                  self.pipeline.rank_stages(r)),
-                                         "in_flight": self.pipeline.in_flight(r), "phase": sm.phase,
-                                         "per_gpu": sm.to_dict()}
-                                        for r, sm in enumerate(self.stage_memory)]}}
-               if self.pipeline is not None else {}),
+            **self.layout.stages_dict(self.stage_memory),
         }
 
 

@@ -12,7 +12,10 @@ import yaml
 from .errors import HybridError, short, unknown_name
 from .families import FAMILIES, get_family
 from .families.base import FamilyConfig
-from .parallel import validate_shard_size
+from .parallel import check_group_shard_size
+
+DEFAULT_STRATEGY = "fsdp"
+"""The preset hybrid.estimate() takes when none is named: FSDP2 sharding every parameter over all ranks."""
 
 _COMMON = {"name", "family", "description", "shard", "complexity"}
 
@@ -96,14 +99,7 @@ class Strategy:
             n = override
         else:
             n = {"none": 1, "node": max(per_node // g, 1), "world": world // g}.get(self.shard) or int(self.shard)
-        if g == 1:
-            validate_shard_size(n, world, per_node)
-        else:
-            from .parallel import ParallelDims
-            what = "tensor-parallel" if cp == 1 else "context x tensor-parallel"
-            if n < 1 or (world // g) % n:
-                raise HybridError(f"shard size {n} does not divide the {world // g} {what} groups")
-            ParallelDims(dp_replicate=world // g // n, dp_shard=n, cp=cp, tp=tp).validate(world, per_node)
+        check_group_shard_size(n, world, per_node, tp, cp)
         return n
 
     def knobs(self) -> dict:

@@ -3,7 +3,6 @@ Bad input exits 2 with one line that names the value and the fix."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
@@ -132,62 +131,17 @@ def _cuda() -> bool:
 
 
 def _estimator(args, src, cluster):
-    """None for analytic; else a callable running the traced or measured estimate, with progress."""
+    """None for analytic; else the traced or measured estimate of each layout, with progress."""
     if args.method == "analytic":
         return None
-    from .memory.measured import check_host_memory, check_runnable, measured_estimate
-    from .memory.traced import check_traceable, traced_estimate
-
-    if args.method == "traced":
-        check_traceable(src)
-    else:
-        check_runnable(src, cluster)
-    run = traced_estimate if args.method == "traced" else measured_estimate
     if args.implementation == "transformers":
         try:
             import transformers  # noqa: F401
         except ImportError:
             raise HybridError("--implementation transformers needs transformers: pip install 'hybrid[hf]'") from None
-    prefer_hf = args.implementation != "hybrid"
-    verb = "tracing" if args.method == "traced" else "measuring"
-    progress = Progress(verb)
-
-    def estimator(strategy, spec, n, cp=1, ep=1):
-        if args.method == "measured":
-            check_host_memory(src, strategy, spec, cluster, n if strategy.shard_is_free else None)
-        progress.begin(f"{strategy.name} (shard {n}{f', cp {cp}' if cp > 1 else ''})")
-        result = run(src, strategy, spec, cluster, n if strategy.shard_is_free else None, prefer_hf=prefer_hf,
-                     **({"cp": cp} if cp > 1 else {}), **({"ep": ep} if ep > 1 else {}))
-        progress.end(f"{result.seconds:.1f}s ({result.implementation})")
-        impl = {"transformers": "the transformers model", "hybrid": "hybrid's own implementation",
-                "factory": "the factory's model"}[result.implementation]
-        note = f"{args.method} on {impl} ({result.implementation})"
-        return dataclasses.replace(result.memory, notes=result.memory.notes + (note,))
-
-    def stage(strategy, spec, n, tp, layout, rank):
-        """The busiest pipeline rank, traced in a fresh process (a fake process group per rank)."""
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
-        from concurrent.futures.process import BrokenProcessPool
-
-        from .memory.traced import traced_stage_in_process
-        progress.begin(f"{strategy.name} pp rank {rank} of {layout.pp}")
-        # a worker that dies (out of memory) breaks the pool instead of leaving us waiting
-        with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-            try:
-                result = pool.submit(traced_stage_in_process, src.ref, strategy.name, args.strategies_dir, spec,
-                                     cluster, n if strategy.shard_is_free else None, tp, layout, rank).result()
-            except BrokenProcessPool:
-                raise HybridError(f"tracing pp rank {rank} died (killed, e.g. out of host memory); use --method "
-                                  "analytic") from None
-        progress.end(f"{result.seconds:.1f}s")
-        note = f"traced pp rank {rank} (the busiest) on hybrid's own implementation"
-        return dataclasses.replace(result.memory, notes=result.memory.notes + (note,))
-
-    if args.method == "traced":
-        estimator.stage = stage
-    estimator.expect = progress.expect
-    return estimator
+    from .memory.method import RunEstimator
+    return RunEstimator(args.method, src, cluster, args.implementation != "hybrid", args.strategies_dir,
+                        Progress("tracing" if args.method == "traced" else "measuring"))
 
 
 class Progress:
@@ -223,28 +177,10 @@ def _plan(args, strategies=None, search=False):
     cat = load_catalogue(args.strategies_dir)
     for name in strategies or ():
         get_strategy(name, cat)
-    traced_stages = args.method == "traced" and (args.pp or 1) > 1    # a pinned pipeline: any tp
-    tp = args.tp if args.tp is not None else (None if search else 1)
-    if tp != 1 and args.method != "analytic" and not traced_stages:
-        if args.tp is not None:
-            raise HybridError(f"--method {args.method} runs tp 1 only for now (traced: with --pp); use --method "
-                              f"analytic for --tp {args.tp}")
-        tp = 1
-    if traced_stages and tp is None:
-        tp = 1
-    pp = args.pp if args.pp is not None else (None if search else 1)
-    if pp != 1 and args.method != "analytic":
-        if args.pp is not None and args.method != "traced":
-            raise HybridError(f"--method {args.method} runs pp 1 only; use --method traced or analytic for "
-                              f"--pp {args.pp}")
-        pp = args.pp or 1            # traced: a pinned pp only (its busiest rank traced per candidate)
+    # unpinned: plan searches (None), estimate and compare run 1; memory methods that run the job
+    # run the degrees layout.METHOD_REACH says
+    tp, pp, cp, ep = ((None if search else 1) if v is None else v for v in (args.tp, args.pp, args.cp, args.ep))
     from .calibration import resolve
-    cp = args.cp if args.cp is not None else (None if search and args.method == "analytic" else 1)
-    if cp != 1 and args.method == "measured":
-        raise HybridError(f"--method measured runs cp 1 only; use --method traced or analytic for --cp {args.cp}")
-    ep = args.ep if args.ep is not None else (None if search and args.method == "analytic" else 1)
-    if ep != 1 and args.method == "measured":
-        raise HybridError(f"--method measured runs ep 1 only; use --method traced or analytic for --ep {args.ep}")
     return plan(src.profile, spec, cluster, cat, args.shard_size, strategies=strategies, tp=tp, pp=pp, ep=ep,
                 schedule=args.schedule, calibration=resolve(args.calibration), cp=cp,
                 micro_batch=args.micro_batch if spec.global_batch is not None else None,
@@ -269,13 +205,13 @@ def cmd_plan(args) -> int:
         raise HybridError(f"--top must be a positive number of rows, got {args.top}; --all shows every candidate")
     p, src = _plan(args, args.strategy and [args.strategy], search=True)
     if args.emit:
-        from .emit import emit
+        from .emit import emit, emit_notes
         text, c = emit(args.emit, p, src.profile, args.strategy, getattr(args, "emit_for", "engine"))
         if p.chosen is not None and c is not p.chosen:
             print(f"hybrid: emitted {c.label} ({c.parallel.describe()}), the fastest {args.emit} layout that fits; "
                   f"the plan's choice is {p.chosen.label}, which {args.emit} does not run", file=sys.stderr)
-        if args.emit == "deepspeed" and args.emit_for == "trainer":
-            print(_trainer_arguments(c), file=sys.stderr)
+        for line in emit_notes(args.emit, c, getattr(args, "emit_for", "engine")):
+            print(line, file=sys.stderr)
         if p.cluster.expandable_segments and args.emit != "torchtitan":    # the torchtitan command sets it
             print("hybrid: the plan assumes PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (as auto_wrap sets "
                   "it): export it where this job runs, or plan with --expandable-segments off", file=sys.stderr)
@@ -291,22 +227,6 @@ def cmd_plan(args) -> int:
         return 0
     print(json.dumps(p.to_dict(), indent=2) if args.json else format_plan(p, top=None if args.all_rows else args.top))
     return 0
-
-
-def _trainer_arguments(c) -> str:
-    """What to set in TrainingArguments beside deepspeed="ds.json" for the emitted plan."""
-    kw = [f"per_device_train_batch_size={c.spec.micro_batch}",
-          f"gradient_accumulation_steps={c.spec.gradient_accumulation}"]
-    if c.spec.precision == "bf16-mixed":
-        kw.append("bf16=True")
-    elif c.spec.precision == "fp16-mixed":
-        kw.append("fp16=True")
-    if c.spec.compile:
-        kw.append("torch_compile=True")
-    if c.spec.activation_checkpointing != "none":
-        # transformers 5 renamed the field (the old name still works, with a FutureWarning)
-        kw.append("gradient_checkpointing=True (transformers >= 5: activation_checkpointing=True)")
-    return "hybrid: with --for trainer, set TrainingArguments(deepspeed=\"ds.json\", " + ", ".join(kw) + ")"
 
 
 def cmd_compare(args) -> int:

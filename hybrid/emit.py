@@ -14,6 +14,11 @@ KINDS = {f.emits: f for f in FAMILIES.values() if f.emits}
 CHOICES = (*KINDS, "torchtitan", "accelerate")
 
 
+def emit_notes(kind: str, c: Candidate, target: str = "engine") -> list[str]:
+    """Lines for stderr beside an emitted config: what its family says the user sets elsewhere."""
+    return KINDS[kind].emit_notes(c, target) if kind in KINDS else []
+
+
 def _pick(p: Plan, family, name: str | None) -> Candidate:
     """The named strategy's best fitting candidate, else the chosen one if it is of this family,
     else the fastest fitting candidate of this family."""
@@ -44,23 +49,26 @@ def emit(kind: str, p: Plan, profile: ModelProfile, name: str | None = None,
         c = _named(p, name) or p.chosen
         if c is None:
             raise HybridError("nothing fits this job, so there is no layout to emit; see `hybrid plan` for why")
-        _no_ep(c, kind)
+        _expressible(c, kind)
         return accelerate_yaml(c, p, profile), c
     if kind not in KINDS:
         raise HybridError(f"unknown --emit {kind!r}. Available: {', '.join(CHOICES)}")
     family = KINDS[kind]
     c = _pick(p, family, name)
-    _no_ep(c, kind)
+    _expressible(c, kind)
     return family.emit(c, p, profile, target), c
 
 
-def _no_ep(c: Candidate, kind: str) -> None:
-    """Expert parallelism is torchtitan's (ParallelismConfig.expert_parallel_degree) among the tools
-    we hand off to: DeepSpeed's JSON, the HF Trainer, Accelerate's FSDP plugin and plain FSDP2
-    settings have no key that splits a transformers MoE block's experts over ranks."""
-    if c.ep > 1:
-        raise HybridError(f"{c.label}: --emit {kind} cannot express expert parallelism (ep {c.ep}); use --emit "
-                          "torchtitan (--parallelism.expert_parallel_degree), or plan with --ep 1")
+HANDOFF_DIMS = {"accelerate": ("tp", "cp")}
+"""The model-parallel dimensions each hand-off can express (the families' own emitters: tp, pp and
+cp, their Family.emit says where not). Expert parallelism is torchtitan's alone among the tools we
+hand off to: DeepSpeed's JSON, the HF Trainer, Accelerate's FSDP plugin and plain FSDP2 settings
+have no key that splits a transformers MoE block's experts over ranks; Accelerate has no pipeline
+stages for FSDP or DeepSpeed plans."""
+
+
+def _expressible(c: Candidate, kind: str) -> None:
+    c.layout.check_handoff(f"--emit {kind}", HANDOFF_DIMS.get(kind, ("tp", "pp", "cp")))
 
 
 def _named(p: Plan, name: str | None) -> Candidate | None:
@@ -95,9 +103,6 @@ compiles, which the plan does not model)."""
 TORCHTITAN_AC = {"none": "none", "full": "full", "op": "selective", "selective": "selective"}
 """Our checkpointing modes -> torchtitan 0.3's activation-checkpoint subcommands (its SelectiveAC is
 the per-op policy, our `op`; torchtitan/distributed/activation_checkpoint.py)."""
-TORCHTITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
-"""torch.distributed.pipelining schedule class names without "Schedule", as torchtitan takes them."""
-
 
 def torchtitan_args(c: Candidate, p: Plan) -> list[str]:
     """The arguments torchtitan 0.3's ConfigManager reads after `-m torchtitan.train` (see
@@ -127,23 +132,10 @@ def _torchtitan_groups(c: Candidate, p: Plan) -> list[list[str]]:
             ["--config", config or "${TT_CONFIG:?your config_registry function}"],
             ["--parallelism.data_parallel_replicate_degree", str(d.dp_replicate)],
             ["--parallelism.data_parallel_shard_degree", str(d.dp_shard)],
-            ["--parallelism.fsdp_reshard_after_forward", s.family_obj.torchtitan_reshard(s)],
-            ["--parallelism.tensor_parallel_degree", str(d.tp)],
-            ["--parallelism.pipeline_parallel_degree", str(d.pp)]]
-    if d.cp > 1:
-        s.family_obj.torchtitan_cp(c)
-        # torchtitan's all-gather of K/V shards per layer: the method hybrid runs and estimates
-        args += [["--parallelism.context_parallel_degree", str(d.cp)],
-                 ["--parallelism.context_parallel_rotate_method", "allgather"]]
-    if d.ep > 1:
-        # torchtitan's ParallelismConfig.expert_parallel_degree (torchtitan/config/configs.py; v0.2.2's
-        # job_config.py): ep borrows dp_shard x cp ranks, the experts FSDP-sharded over the rest
-        args += [["--parallelism.expert_parallel_degree", str(d.ep)]]
-    if c.pipeline is not None:
-        args += [["--parallelism.pipeline_parallel_schedule", TORCHTITAN_SCHEDULES[c.pipeline.schedule]],
-                 ["--parallelism.pipeline_parallel_microbatch_size", str(spec.micro_batch)]]
-    local = spec.micro_batch * (c.pipeline.micro_batches if c.pipeline is not None else 1)
-    args += [["--training.local_batch_size", str(local)],
+            ["--parallelism.fsdp_reshard_after_forward", s.family_obj.torchtitan_reshard(s)]]
+    s.family_obj.torchtitan_check(c)
+    args += c.layout.torchtitan_parallelism(spec)
+    args += [["--training.local_batch_size", str(c.layout.local_batch(spec))],
              ["--training.global_batch_size", str(spec.micro_batch * spec.gradient_accumulation * d.dp_size)],
              ["--training.seq_len", str(spec.seq_len)]]
     if spec.precision == "bf16":
@@ -209,9 +201,6 @@ def accelerate_yaml(c: Candidate, p: Plan, profile: ModelProfile) -> str:
     import yaml
 
     spec, d = c.spec, c.parallel
-    if c.pipeline is not None:
-        raise HybridError(f"{c.label}: Accelerate has no pipeline stages for FSDP or DeepSpeed plans; emit a pp 1 "
-                          "layout (--pp 1) or use --emit torchtitan")
     keys, notes = c.strategy.family_obj.accelerate(c, transformers_layer_class(profile))
     cfg = {"compute_environment": "LOCAL_MACHINE", "distributed_type": keys.pop("distributed_type"),
            "mixed_precision": _MIXED.get(spec.precision, "no"),

@@ -22,6 +22,43 @@ if TYPE_CHECKING:
     from .catalogue import Strategy
     from .cluster import Cluster
 
+DIMENSIONS = {"pp": "pipeline stages", "tp": "tensor parallelism", "cp": "context parallelism",
+              "ep": "expert parallelism"}
+"""The model-parallel dimensions of ParallelDims beside data parallelism, in the tie-break's order,
+with what each is called in messages."""
+TORCHTITAN_DEGREES = {"tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree",
+                      "cp": "context_parallel_degree", "ep": "expert_parallel_degree"}
+"""torchtitan 0.3's ParallelismConfig key of each dimension (torchtitan/config/configs.py)."""
+TORCHTITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
+"""torch.distributed.pipelining schedule class names without "Schedule", as torchtitan takes them."""
+
+METHOD_REACH = {"analytic": dict.fromkeys(DIMENSIONS, "search"),
+                "traced": {"pp": "pinned", "tp": "pp", "cp": "pinned", "ep": "pinned"},
+                "measured": {}}
+"""Which degrees of each dimension a memory method runs: "search" every valid one, "pinned" a given
+one, the name of another dimension: a given one when that one is given above 1 (traced tp runs
+with a traced pipeline stage); a dimension left out runs at 1 only."""
+
+
+def method_degrees(method: str, degrees: dict[str, int | None]) -> dict[str, int | None]:
+    """The degrees a plan tries with this memory method: None (search every valid one) where the
+    method searches the dimension, a given degree where it runs it, else 1. HybridError, naming
+    the methods that run it, for a given degree this method cannot."""
+    reach, out = METHOD_REACH[method], {}
+    for dim in DIMENSIONS:
+        n, how = degrees.get(dim), reach.get(dim)
+        runs = how in ("search", "pinned") or (how in DIMENSIONS and (degrees.get(how) or 1) > 1)
+        if n is None:
+            out[dim] = None if how == "search" else 1
+        elif n == 1 or runs:
+            out[dim] = n
+        else:
+            others = " or ".join(m for m in ("traced", "analytic") if METHOD_REACH[m].get(dim) in ("search", "pinned"))
+            needs = "".join(f" ({m}: with --{r[dim]})" for m, r in METHOD_REACH.items() if r.get(dim) in DIMENSIONS)
+            raise HybridError(f"--method {method} runs {dim} 1 only{needs}; use --method {others} for --{dim} {n}")
+    return out
+
+
 AC_ORDER = {"none": 0, "selective": 1, "full": 2}
 """Checkpointing modes the planner searches, simplest first (op and layer:N when asked for)."""
 
@@ -44,7 +81,7 @@ class Layout:
     schedule: str | None = None
     """The pipeline schedule (1f1b, gpipe, interleaved) when dims.pp > 1; None without stages."""
     pipeline: PipelineLayout | None = None
-    """The stage split once judged (planner.pipeline_layout); None before, and without stages."""
+    """The stage split once judged (memory/stages.pipeline_layout); None before, and without stages."""
     compile: bool = False
     """torch.compile each block (hybrid/compile.py)."""
     float8: bool = False
@@ -124,6 +161,57 @@ class Layout:
         knobs), less recomputation, the wider shard group."""
         d = self.dims
         return (self.dp.offload, d.pp, d.tp, d.cp, d.ep, self.dp.complexity, _ac_rank(self.ac), -d.dp_shard)
+
+    def used(self) -> dict[str, int]:
+        """The model-parallel dimensions this layout splits (degree above 1), in DIMENSIONS' order."""
+        return {dim: n for dim in DIMENSIONS if (n := getattr(self.dims, dim)) > 1}
+
+    def check_handoff(self, what: str, expresses: tuple[str, ...], label: str | None = None) -> None:
+        """HybridError naming the first dimension this layout uses that a hand-off (`what`, e.g.
+        "--emit deepspeed") cannot express, with torchtitan's key for it or pinning it to 1."""
+        for dim, n in self.used().items():
+            if dim not in expresses:
+                raise HybridError(f"{label or self.label}: {what} cannot express {DIMENSIONS[dim]} ({dim} {n}); use "
+                                  f"--emit torchtitan (--parallelism.{TORCHTITAN_DEGREES[dim]}), or plan with "
+                                  f"--{dim} 1")
+
+    def torchtitan_parallelism(self, spec: TrainSpec) -> list[list[str]]:
+        """torchtitan's --parallelism options for the model-parallel dimensions: tp and pp always,
+        cp (with the K/V all-gather hybrid runs and estimates) and ep where used, and a staged
+        layout's schedule and micro-batch size."""
+        used = self.used()
+        out = [[f"--parallelism.{TORCHTITAN_DEGREES[dim]}", str(getattr(self.dims, dim))] for dim in ("tp", "pp")]
+        if "cp" in used:          # torchtitan's all-gather of K/V shards per layer: what hybrid runs and estimates
+            out += [["--parallelism.context_parallel_degree", str(used["cp"])],
+                    ["--parallelism.context_parallel_rotate_method", "allgather"]]
+        if "ep" in used:          # borrows dp_shard x cp ranks, the experts FSDP-sharded over the rest
+            out += [["--parallelism.expert_parallel_degree", str(used["ep"])]]
+        if self.pipeline is not None:
+            out += [["--parallelism.pipeline_parallel_schedule", TORCHTITAN_SCHEDULES[self.pipeline.schedule]],
+                    ["--parallelism.pipeline_parallel_microbatch_size", str(spec.micro_batch)]]
+        return out
+
+    def local_batch(self, spec: TrainSpec) -> int:
+        """Sequences one rank takes per optimizer step window of its schedule: the micro-batch, times
+        the pipeline's micro-batches when staged (they run in one schedule step)."""
+        return spec.micro_batch * (1 if self.pipeline is None else self.pipeline.micro_batches)
+
+    def pipeline_note(self, bubble: bool = False) -> str:
+        """"; <the stage split>" (or its bubble share with `bubble`) for a staged layout, else ""."""
+        if self.pipeline is None:
+            return ""
+        return f"; bubble {self.pipeline.bubble:.0%}" if bubble else f"; {self.pipeline.describe()}"
+
+    def stages_dict(self, stage_memory) -> dict:
+        """The JSON contract's "pipeline" entry (the split and each pipeline rank's estimate) for a
+        staged layout, else nothing."""
+        if self.pipeline is None:
+            return {}
+        p = self.pipeline
+        return {"pipeline": {**p.to_dict(),
+                             "stages": [{"rank": r, "blocks": sum(p.blocks[i] for i in p.rank_stages(r)),
+                                         "in_flight": p.in_flight(r), "phase": sm.phase, "per_gpu": sm.to_dict()}
+                                        for r, sm in enumerate(stage_memory)]}}
 
     def to_dict(self) -> dict:
         out = {"name": self.name, "family": self.dp.family, "shard_size": self.dims.dp_shard,

@@ -56,6 +56,18 @@ def validate_shard_size(n: int, world: int, per_node: int) -> None:
                           f"({per_node} GPUs each); valid sizes: {_divisors(world, per_node)}")
 
 
+def check_group_shard_size(n: int, world: int, per_node: int, tp: int = 1, cp: int = 1) -> None:
+    """A shard size over cp x tp groups of ranks: with neither, the plain rule above; else it
+    divides the groups and the whole layout fits the node and world shape (ParallelDims)."""
+    g = tp * cp
+    if g == 1:
+        return validate_shard_size(n, world, per_node)
+    what = "tensor-parallel" if cp == 1 else "context x tensor-parallel"
+    if n < 1 or (world // g) % n:
+        raise HybridError(f"shard size {n} does not divide the {world // g} {what} groups")
+    ParallelDims(dp_replicate=world // g // n, dp_shard=n, cp=cp, tp=tp).validate(world, per_node)
+
+
 def _divisors(world: int, per_node: int) -> str:
     return ", ".join(map(str, valid_shard_sizes(world, per_node)))
 

@@ -41,6 +41,12 @@ class Parallelized:
     """With stages: groups of names that shared one Parameter before the split."""
 
 
+def runs_transformers(dims: ParallelDims, prefer_hf: bool) -> bool:
+    """Whether a preset may run as its transformers model: not with tensor parallelism, whose
+    sequence parallelism our decoders run (as the analytic model assumes)."""
+    return prefer_hf and dims.tp == 1
+
+
 def layout_of_mesh(strategy, mesh, spec) -> Layout:
     """The layout a built mesh stands for (pp 1), at the spec's checkpointing, compile and float8."""
     from .mesh import ep_size

@@ -176,6 +176,14 @@ def pp_degrees(cluster) -> list[int]:
     return divisors(cluster.nodes) if cluster.nodes > 1 else divisors(cluster.gpus_per_node)
 
 
+def stage_degrees(cluster, blocks: int, pp: int | None, cp: int, most: int) -> list[int]:
+    """Pipeline degrees a plan tries: a pinned one, else 1 and every pp_degrees one up to the
+    model's blocks (0: no known decoder, nothing to split) and `most`; none above 1 with context
+    parallelism (stages do not carry sequence positions, backends/cp.py)."""
+    tries = [pp] if pp is not None else [1] + [p for p in pp_degrees(cluster) if 1 < p <= min(blocks, most)]
+    return [p for p in tries if p == 1 or cp == 1]
+
+
 def schedules_for(pp: int, m: int, layers_per_rank: int) -> list[str]:
     """The schedules the planner tries: 1f1b where torch runs it (m >= pp), else gpipe (the same
     memory and bubble with m < pp); interleaved where each rank's blocks split into 2 chunks."""

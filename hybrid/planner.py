@@ -18,16 +18,16 @@ from dataclasses import replace
 from . import batch as batch_search
 from .candidate import TIE, Candidate, Plan
 from .catalogue import Strategy, load_catalogue
-from .layout import AC_ORDER, Layout, as_layout
+from .layout import AC_ORDER, Layout, as_layout, method_degrees
 from .parallel import ParallelDims, divisors, valid_shard_sizes
 from .cluster import GPUS, Cluster
 from .cost import step_cost
 from .errors import HybridError
-from .memory.analytic import NotApplicable, check_job, estimate
-from .memory.moe import check_ep
+from .memory.analytic import NotApplicable, check_job
+from .memory.moe import check_ep, ep_degrees
 from .memory.breakdown import MemoryBreakdown, fragmentation_floor, overhead_bytes
-from .pipeline import (VIRTUAL, PipelineLayout, balanced_split, batch_schedules, even_split, pp_degrees, schedules_for,
-                       stage_cluster)
+from .memory.stages import rank_estimates
+from .pipeline import PipelineLayout, batch_schedules, pp_degrees, schedules_for, stage_cluster, stage_degrees
 from .profile import ModelProfile, tp_degrees
 from .spec import TrainSpec
 from .units import fmt_bytes
@@ -40,32 +40,22 @@ MAX_CP_TRIES = 8
 
 def judge(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster, estimator=None,
           efficiency: float | None = None) -> Candidate:
-    """Estimate one layout and say whether and why it fits. `estimator(strategy, spec, n)`
-    replaces the analytic memory model (traced, measured) for tp 1; the analytic one still rules
-    out strategies that cannot run the job at all, before anything expensive runs. With pp > 1
-    the blocks are split into stages (pipeline_layout) and every pipeline rank is estimated on
-    the stage's share of the cluster; the largest is the candidate's memory. A bare Strategy
-    stands for its layout on the cluster (Layout.of)."""
+    """Estimate one layout and say whether and why it fits. Every pipeline rank is estimated
+    (memory/stages.rank_estimates: one rank without stages); the busiest is the candidate's memory.
+    `estimator(layout, spec, rank)` (memory/method.RunEstimator: traced, measured) replaces the
+    analytic estimate of that rank; the analytic one still rules out layouts that cannot run the
+    job at all, before anything expensive runs. A bare Strategy stands for its layout on the
+    cluster (Layout.of)."""
     layout = as_layout(layout, cluster, spec)
     spec = layout.train_spec(spec)
-    d = layout.dims
-    strategy, n, (tp, pp, cp, ep) = layout.dp, d.dp_shard, (d.tp, d.pp, d.cp, d.ep)
-    stage_cl = stage_cluster(cluster, pp)
     stages = ()
     try:
-        strategy.family_obj.check(layout)
-        if pp > 1:
-            layout = layout.with_pipeline(pipeline_layout(layout, profile, spec, stage_cl))
-            stages = tuple(estimate(layout, profile, spec, stage_cl, r) for r in range(pp))
-            m = max(stages, key=lambda b: b.total)
-        else:
-            m = estimate(layout, profile, spec, cluster)
+        layout.dp.family_obj.check(layout)
+        layout, stages, busiest = rank_estimates(layout, profile, spec, cluster)
+        m = stages[busiest]
         floor = m.floor            # the model's shape and the allocator's, whatever the estimator
-        if estimator is not None and tp == 1 and pp == 1:
-            m = estimator(strategy, spec, n, **{k: v for k, v in (("cp", cp), ("ep", ep)) if v > 1})
-        elif estimator is not None and pp > 1 and hasattr(estimator, "stage"):
-            busiest = max(range(pp), key=lambda r: stages[r].total)
-            m = estimator.stage(strategy, spec, n, tp, layout.pipeline, busiest)
+        if estimator is not None:
+            m = estimator(layout, spec, busiest)
         if m.floor != floor:
             m = replace(m, floor=floor, overhead=max(m.overhead, m.context + floor))
     except NotApplicable as e:
@@ -94,8 +84,7 @@ def judge(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec, clu
             why += f"; host {fmt_bytes(m.cpu)} of {fmt_bytes(host)} per rank"
     if m.activations is None:
         why += "; activations unknown"
-    if layout.pipeline is not None:
-        why += f"; {layout.pipeline.describe()}"
+    why += layout.pipeline_note()
     return Candidate(layout, spec, m, fits, why, cost, stages, tight=tight)
 
 
@@ -113,35 +102,6 @@ def room(m: MemoryBreakdown, cluster: Cluster) -> str:
     return out
 
 
-def pipeline_layout(layout: Layout, profile: ModelProfile, spec: TrainSpec, stage_cl: Cluster) -> PipelineLayout:
-    """The stages of a pp > 1 layout. 1f1b and gpipe: blocks per rank balanced on the analytic
-    memory of each rank (its embedding or head, and per block its states and in-flight
-    activations: linear in the block count, so two estimates per rank fix it); interleaved: two
-    chunks per rank, as even as the block count allows."""
-    pp, schedule = layout.dims.pp, layout.schedule
-    if profile.decoder is None or profile.num_blocks == 0:
-        raise NotApplicable("pipeline stages split a transformer's blocks; this model has no known decoder shape")
-    L, m = profile.num_blocks, spec.gradient_accumulation
-    if schedule == "1f1b" and m < pp:
-        raise NotApplicable(f"1f1b needs at least pp = {pp} micro-batches (--gradient-accumulation {pp} or more); "
-                            "gpipe runs fewer")
-    if schedule == "interleaved":
-        if L < pp * VIRTUAL:
-            raise NotApplicable(f"interleaved needs at least {pp * VIRTUAL} blocks for its {pp * VIRTUAL} chunks")
-        return PipelineLayout(pp, schedule, m, even_split(L, pp * VIRTUAL), VIRTUAL)
-    if L < pp:
-        raise NotApplicable(f"{pp} stages need at least {pp} blocks; the model has {L}")
-    if L < 2 * pp:
-        return PipelineLayout(pp, schedule, m, even_split(L, pp))
-
-    def totals(k: int) -> list[int]:
-        lay = PipelineLayout(pp, schedule, m, (k,) * pp)
-        return [estimate(layout.with_pipeline(lay), profile, spec, stage_cl, r).total for r in range(pp)]
-    one, two = totals(1), totals(2)
-    per_block = [b - a for a, b in zip(one, two)]
-    return PipelineLayout(pp, schedule, m, balanced_split(L, [a - d for a, d in zip(one, per_block)], per_block))
-
-
 def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, spec: TrainSpec,
                          cluster: Cluster, names: list[str], shard_size: int | None,
                          search_checkpointing: bool, search_shards: bool = True,
@@ -156,18 +116,12 @@ def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, 
     expert-parallel degrees (ep_degrees; ep None tries them, an int pins it)."""
     can_ckpt = profile.num_blocks > 0 and (profile.decoder is not None or profile.activation_bytes_per_sample)
     ckpts = list(AC_ORDER) if search_checkpointing and can_ckpt else [spec.activation_checkpointing]
-    if pp is None:
-        stages = [1] + ([p for p in pp_degrees(cluster) if 1 < p <= min(profile.num_blocks, MAX_PP)]
-                        if profile.decoder is not None else [])
-    else:
-        stages = [pp]
+    stages = stage_degrees(cluster, profile.num_blocks if profile.decoder is not None else 0, pp, cp, MAX_PP)
     pinned = {"tp": tp is not None, "pp": pp is not None, "cp": cp_pinned}
     out = []
     for name in names:
         s = catalogue[name]
         for p in stages:
-            if p > 1 and cp > 1:                  # stages do not carry sequence positions (backends/cp.py)
-                continue
             cl = stage_cluster(cluster, p)
             if spec.global_batch is not None:        # the micro-batch count is searched per layout
                 scheds = batch_schedules(p, profile.num_blocks // p, schedule)
@@ -197,24 +151,6 @@ def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, 
                             out.append(Layout.of(s, cluster, replace(spec, activation_checkpointing=ac),
                                                  shard_size=n, tp=t, cp=cp, pp=p, schedule=sched, ep=e))
     return out
-
-
-def ep_degrees(profile: ModelProfile, strategy: Strategy, n: int, cp: int, tp: int, pp: int, cluster: Cluster,
-               ep: int | None) -> list[int]:
-    """Expert-parallel degrees of one layout: 1 for a dense model; a pinned ep where it divides
-    dp_shard x cp (ParallelDims' rule); else, for an MoE model under an fsdp strategy at pp 1
-    (memory/moe.py models those), 1 and every divisor of the experts that divides dp_shard x cp
-    and lies inside a node or on whole nodes (consecutive ranks, as shard groups do)."""
-    d = profile.decoder
-    if d is None or not d.moe:
-        return [1]
-    if ep is not None:
-        return [ep] if (n * cp) % ep == 0 else []
-    if not strategy.family_obj.supports_ep or pp > 1:
-        return [1]
-    per = cluster.gpus_per_node // tp
-    return [e for e in divisors(d.experts)
-            if e == 1 or ((n * cp) % e == 0 and (per % e == 0 or (e % per == 0 and cluster.nodes % (e // per) == 0)))]
 
 
 def choose(cands, tie: float = TIE) -> Candidate | None:
@@ -247,6 +183,8 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
     (hybrid/batch.py) unless `micro_batch` pins the micro-batch. ep None tries every expert-parallel
     degree of an MoE model (ep_degrees), an int pins it (1: none)."""
     check_job(profile, spec)
+    reach = method_degrees(method, {"tp": tp, "pp": pp, "cp": cp, "ep": ep})    # what traced/measured run
+    tp, pp, cp, ep = reach["tp"], reach["pp"], reach["cp"], reach["ep"]
     tie = TIE
     if calibration is not None:
         cluster, tie = calibration.apply(cluster), calibration.tie
@@ -279,14 +217,10 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
     if (cp or 1) > 1 and (pp or 1) > 1:
         raise HybridError(f"--cp {cp} with --pp {pp}: pipeline stages do not carry the sequence positions context "
                           "parallelism needs; use --pp 1 with --cp, or --cp 1 with --pp")
-    cps = cp_degrees(profile, spec, cluster, cp if cp is not None or estimator is None else 1)
-    todo = [item for c in cps
+    todo = [item for c in cp_degrees(profile, spec, cluster, cp)
             for item in enumerate_candidates(cat, profile, spec, cluster, names, shard_size, search_checkpointing,
-                                             search_shards=search_shards and estimator is None,
-                                             tp=tp if tp is not None or estimator is None else 1,
-                                             pp=pp if pp is not None or estimator is None else 1, schedule=schedule,
-                                             cp=c, cp_pinned=cp is not None,
-                                             ep=ep if ep is not None or estimator is None else 1)]
+                                             search_shards=search_shards and estimator is None, tp=tp, pp=pp,
+                                             schedule=schedule, cp=c, cp_pinned=cp is not None, ep=ep)]
     if (ep or 1) > 1 and not any(cat[n].family_obj.supports_ep for n in names):
         raise HybridError(f"--ep {ep}: {', '.join(names)} cannot split experts; expert parallelism runs on "
                           f"{', '.join(n for n in cat if cat[n].family_obj.supports_ep)}: use one of them with "
@@ -295,10 +229,8 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
         raise HybridError(f"--ep {ep}: no layout on {cluster.describe()} has dp_shard x cp divisible by {ep} (expert-"
                           f"parallel ranks are taken from them): use an --ep that divides {cluster.world_size}, or "
                           "leave --ep out")
-    if estimator is not None and (pp or 1) > 1:         # a traced pipeline: its families and schedules
-        todo = [t for t in todo if t.schedule != "interleaved"
-                and not any(x.dim == "pp" for x in t.dp.family_obj.problems(t))]
-    if hasattr(estimator, "expect"):                    # how many candidates it will see (progress)
+    if estimator is not None:               # the layouts it runs, and how many it will see (its progress)
+        todo = [t for t in todo if estimator.runs(t)]
         estimator.expect(len(todo))
     cands = judge_all(todo, profile, spec, cluster, estimator, efficiency, micro_batch, schedule is not None)
     chosen = choose(cands, tie)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .layout import DIMENSIONS
 from .memory.breakdown import CATEGORIES
 from .units import fmt_bytes
 
@@ -90,8 +91,8 @@ def ranking_table(cands: list[Candidate], chosen: Candidate | None = None) -> st
             continue
         cost = c.cost
         note = c.memory.describe_largest() if c.fits and not c.tight else c.reason
-        if c.fits and c.pipeline is not None:
-            note += f"; bubble {c.pipeline.bubble:.0%}"
+        if c.fits:
+            note += c.layout.pipeline_note(bubble=True)
         lines.append(f"{mark}{c.label:<{w}}{c.shard_size:>6}{bcol(c)}{fmt_bytes(c.memory.total):>11}"
                      f"{_fits(c):>7}{cost.seconds:>9.3f}{cost.tokens_per_s_per_gpu:>11,.0f}"
                      f"{cost.mfu:>7.1%}  {note}")
@@ -161,7 +162,7 @@ def format_plan(p: Plan, summary: bool = False, top: int | None = None) -> str:
                        f"tokens/s per GPU (+{c.cost.time_per_token / t.cost.time_per_token - 1:.0%}): it fits only "
                        "when the allocator frees its cache, so it is not chosen; to run it anyway, pass its "
                        "--strategy and --activation-checkpointing")
-        out += _why_cp(p) + _why_ep(p)
+        out += [line for dim in WHY for line in _why(p, dim)]
     else:
         out.append(f"nothing fits in {fmt_bytes(p.cluster.capacity_bytes)} per GPU")
         if p.suggestions:
@@ -169,53 +170,51 @@ def format_plan(p: Plan, summary: bool = False, top: int | None = None) -> str:
     return "\n".join(out + _notes(p, [c] if c else rows))
 
 
-def _why_cp(p: Plan) -> list[str]:
-    """When the chosen layout splits the sequence (cp > 1): what the best layout without context
-    parallelism (recomputation, tp) would give instead."""
-    c = p.chosen
-    if c is None or c.cp == 1 or not any(x.cp == 1 for x in p.candidates):     # --cp pinned: no rival
-        return []
-    # rivals of the chosen one's class: a layout that fits only tightly is no rival of one with room
-    rivals = [x for x in p.candidates if x.cp == 1 and x.fits and (c.tight or not x.tight)]
-    if not rivals:
-        return [f"why cp {c.cp}: no layout without context parallelism fits (recomputation and tp do not divide "
-                "the sequence's activations enough)"]
-    best = min(rivals, key=lambda x: x.cost.time_per_token)
-    gain = best.cost.time_per_token / c.cost.time_per_token - 1
-    if gain >= 0:
-        return [f"why cp {c.cp}: the best layout without it, {best.label}, runs {best.cost.tokens_per_s_per_gpu:,.0f} "
-                f"tokens/s per GPU ({gain:.1%} slower)"]
-    return [f"why cp {c.cp}: the best layout without it, {best.label}, runs {best.cost.tokens_per_s_per_gpu:,.0f} "
-            f"tokens/s per GPU ({-gain:.1%} faster, within the model's error): the tie goes to the simpler layout "
-            "(fewer pipeline, then tensor-parallel ranks before context-parallel ones)"]
+def _ep_cause(c: Candidate, best: Candidate) -> str:
+    ep = c if "ep" in c.layout.used() else best
+    return (f"; at ep {ep.ep} the all-to-alls take {ep.cost.all_to_all_s:.3f} s and the busiest rank's extra "
+            f"expert compute {ep.cost.straggler_s:.3f} s of its {ep.cost.seconds:.3f} s step")
 
 
-def _why_ep(p: Plan) -> list[str]:
-    """For an MoE model whose plan tried expert parallelism: why the chosen ep, against the best
-    fitting layout at the other side of ep 1 (or that none fits there)."""
+WHY = {
+    # dimension: (said when the chosen layout does not use it too, the rival named when it does, why none fits
+    # (None: the best rival's reason), the tie's words, the cost behind the choice)
+    "cp": (False, "without it", "(recomputation and tp do not divide the sequence's activations enough)",
+           " (fewer pipeline, then tensor-parallel ranks before context-parallel ones)", None),
+    "ep": (True, "without expert parallelism", None, "", _ep_cause),
+}
+"""The "why" line of each dimension the planner searches beside data parallelism."""
+
+
+def _why(p: Plan, dim: str) -> list[str]:
+    """Why the chosen layout splits `dim` (or, where WHY says so, why it does not): the best fitting
+    layout on the other side of degree 1 and its speed, or that none fits there. Nothing when the
+    degree was pinned (no rival)."""
     c = p.chosen
-    if c is None or not {x.ep for x in p.candidates} - {c.ep}:          # dense, or --ep pinned: no rival
+    both, without, no_fit, tie, cause = WHY[dim]
+    if c is None:
         return []
-    other = (lambda x: x.ep == 1) if c.ep > 1 else (lambda x: x.ep > 1)
-    rivals = [x for x in p.candidates if other(x) and x.memory is not None]
-    fitting = [x for x in rivals if x.fits and (c.tight or not x.tight)]
-    what = "without expert parallelism" if c.ep > 1 else "with expert parallelism"
+    uses = dim in c.layout.used()
+    n, name = getattr(c.parallel, dim), DIMENSIONS[dim]
+    other = [x for x in p.candidates if (dim in x.layout.used()) != uses]
+    if not other or not (uses or both):
+        return []
+    what = without if uses else f"with {name}"
+    fitting = [x for x in other if x.fits and (c.tight or not x.tight)]
     if not fitting:
-        if not rivals:
-            return []
-        least = min(rivals, key=lambda x: x.memory.needed)
-        return [f"why ep {c.ep}: no layout {what} fits (the best, {least.label}, {least.reason})"]
+        if no_fit is not None:
+            return [f"why {dim} {n}: no layout without {name} fits {no_fit}"]
+        rivals = [x for x in other if x.memory is not None]
+        least = min(rivals, key=lambda x: x.memory.needed, default=None)
+        return [f"why {dim} {n}: no layout {what} fits (the best, {least.label}, {least.reason})"] if least else []
     best = min(fitting, key=lambda x: x.cost.time_per_token)
     gain = best.cost.time_per_token / c.cost.time_per_token - 1
-    ep = c if c.ep > 1 else best
-    cause = (f"; at ep {ep.ep} the all-to-alls take {ep.cost.all_to_all_s:.3f} s and the busiest rank's extra expert "
-             f"compute {ep.cost.straggler_s:.3f} s of its {ep.cost.seconds:.3f} s step")
+    why = cause(c, best) if cause else ""
+    head = (f"why {dim} {n}: the best layout {what}, {best.label}, runs {best.cost.tokens_per_s_per_gpu:,.0f} "
+            "tokens/s per GPU")
     if gain >= 0:
-        return [f"why ep {c.ep}: the best layout {what}, {best.label}, runs {best.cost.tokens_per_s_per_gpu:,.0f} "
-                f"tokens/s per GPU ({gain:.1%} slower){cause}"]
-    return [f"why ep {c.ep}: the best layout {what}, {best.label}, runs {best.cost.tokens_per_s_per_gpu:,.0f} "
-            f"tokens/s per GPU ({-gain:.1%} faster, within the model's error): the tie goes to the simpler layout"
-            f"{cause}"]
+        return [f"{head} ({gain:.1%} slower){why}"]
+    return [f"{head} ({-gain:.1%} faster, within the model's error): the tie goes to the simpler layout{tie}{why}"]
 
 
 def format_estimate(p: Plan) -> str:

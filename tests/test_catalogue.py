@@ -1,7 +1,8 @@
 """The YAML catalogue: shipped presets load, user files are validated with file and line."""
 import pytest
 
-from hybrid.catalogue import load_catalogue, validate_shard_size
+from hybrid.catalogue import load_catalogue
+from hybrid.parallel import validate_shard_size
 from hybrid.cluster import Cluster
 from hybrid.errors import HybridError
 

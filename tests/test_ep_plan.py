@@ -135,7 +135,7 @@ def test_planner_picks_ep_for_hsdp_on_8x8_h100_and_says_why(name):
 
 @pytest.mark.unit
 def test_ep_is_tried_for_moe_fsdp_layouts_only():
-    from hybrid.planner import ep_degrees
+    from hybrid.memory.moe import ep_degrees
     moe, dense = _profile(), resolve_model("llama2-7b").profile
     assert ep_degrees(dense, CAT["fsdp"], 64, 1, 1, 1, H100, None) == [1]
     assert ep_degrees(moe, CAT["fsdp"], 64, 1, 1, 1, H100, None) == [1, 2, 4, 8]

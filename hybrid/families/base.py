@@ -106,6 +106,13 @@ class Family:
             raise NotApplicable(f"{layout.dp.name}: expert parallelism (ep {layout.dims.ep}) runs under FSDP2 "
                                 "only; use an fsdp or hsdp strategy with ep, or ep 1", "ep")
 
+    def check_ep(self, s, ep: int) -> None:
+        """HybridError for an expert-parallel degree this family cannot run, asked before any
+        ParallelDims asks ep to divide the family's ranks (a ddp's dp_shard is 1)."""
+        if ep > 1 and not self.supports_ep:
+            raise HybridError(f"ep {ep}: expert parallelism runs under FSDP2 only, not {s.name}; use an fsdp or hsdp "
+                              "strategy with ep, or ep 1")
+
     def problems(self, layout) -> list:
         """Every reason (NotApplicable, naming its dimension) this family cannot run the layout's
         pipeline, tensor- and context-parallel dimensions, in that order; empty when it can."""
@@ -145,10 +152,12 @@ class Family:
     """Whether the family shards a MoE layer's experts over ep ranks (ep > 1) as a unit of their own
     over the expert_shard ranks (memory/moe.py, backends/ep.py; torchtitan's layout)."""
 
-    def torchtitan_cp(self, c) -> None:
-        """HybridError when torchtitan cannot run this family with context parallelism."""
-        raise HybridError(f"{c.label}: torchtitan's context parallelism shards parameters with FSDP2 over "
-                          "dp_shard x cp (its dp_shard_cp mesh); emit an fsdp or hsdp layout with cp")
+    def torchtitan_check(self, c) -> None:
+        """HybridError when torchtitan cannot run this family's layout: context parallelism needs
+        FSDP2's dp_shard_cp mesh."""
+        if c.parallel.cp > 1:
+            raise HybridError(f"{c.label}: torchtitan's context parallelism shards parameters with FSDP2 over "
+                              "dp_shard x cp (its dp_shard_cp mesh); emit an fsdp or hsdp layout with cp")
 
     def sharded_optimizer(self, s) -> bool:
         """Whether the optimizer step runs on 1/N of the parameters."""
@@ -167,6 +176,10 @@ class Family:
 
     def emit(self, candidate, plan, profile, target: str = "engine") -> str:
         raise HybridError(f"{self.name} strategies have no config to emit")
+
+    def emit_notes(self, candidate, target: str = "engine") -> list[str]:
+        """What to set beside the emitted config (stderr lines), for `target`."""
+        return []
 
     def accelerate(self, candidate, layer_class: str | None) -> tuple[dict, list[str]]:
         """This family's keys of an Accelerate config file (distributed_type and its plugin

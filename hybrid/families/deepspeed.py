@@ -311,6 +311,23 @@ class DeepSpeedFamily(Family):
         return (f"{s.name}: traced as its FSDP2 equivalent, with DeepSpeed's partitions and buckets "
                 "in place of the traced state")
 
+    def emit_notes(self, c, target="engine"):
+        """With --for trainer: what to set in TrainingArguments beside deepspeed="ds.json"."""
+        if target != "trainer":
+            return []
+        kw = [f"per_device_train_batch_size={c.spec.micro_batch}",
+              f"gradient_accumulation_steps={c.spec.gradient_accumulation}"]
+        if c.spec.precision == "bf16-mixed":
+            kw.append("bf16=True")
+        elif c.spec.precision == "fp16-mixed":
+            kw.append("fp16=True")
+        if c.spec.compile:
+            kw.append("torch_compile=True")
+        if c.spec.activation_checkpointing != "none":
+            # transformers 5 renamed the field (the old name still works, with a FutureWarning)
+            kw.append("gradient_checkpointing=True (transformers >= 5: activation_checkpointing=True)")
+        return ["hybrid: with --for trainer, set TrainingArguments(deepspeed=\"ds.json\", " + ", ".join(kw) + ")"]
+
     def emit(self, c, plan, profile, target="engine"):
         """The DeepSpeed JSON config of the candidate. target "engine": concrete values for
         deepspeed.initialize; "trainer": the HF Trainer's form, "auto" wherever the Trainer fills

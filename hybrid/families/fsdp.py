@@ -173,7 +173,7 @@ class FSDPFamily(Family):
     def torchtitan_offload(self, s):
         return s.config.offload_params
 
-    def torchtitan_cp(self, c):
+    def torchtitan_check(self, c):
         return None
 
     def accelerate(self, c, layer_class):

@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..errors import HybridError, NotApplicable
+from ..parallel import divisors
 from ..profile import ModelProfile
 from ..spec import TrainSpec
 from .activations import F32, ActivationTerms, _moe_mlp, checkpointed_blocks, moe_pair
@@ -204,3 +205,21 @@ def expert_parallel(strategy, profile: ModelProfile, spec: TrainSpec, cluster, n
         ep=ep, imbalance=imb, placement=lay, unit=unit,
         routed_extra=int((imb - 1) * pairs * moe_pair(d, c)),
         a2a_buffers=int(2 * (1 + imb) * pairs * d.hidden * c), block_moments=moments)
+
+
+def ep_degrees(profile: ModelProfile, strategy, n: int, cp: int, tp: int, pp: int, cluster,
+               ep: int | None) -> list[int]:
+    """Expert-parallel degrees of one layout: 1 for a dense model; a pinned ep where it divides
+    dp_shard x cp (ParallelDims' rule); else, for an MoE model under an fsdp strategy at pp 1
+    (memory/moe.py models those), 1 and every divisor of the experts that divides dp_shard x cp
+    and lies inside a node or on whole nodes (consecutive ranks, as shard groups do)."""
+    d = profile.decoder
+    if d is None or not d.moe:
+        return [1]
+    if ep is not None:
+        return [ep] if (n * cp) % ep == 0 else []
+    if not strategy.family_obj.supports_ep or pp > 1:
+        return [1]
+    per = cluster.gpus_per_node // tp
+    return [e for e in divisors(d.experts)
+            if e == 1 or ((n * cp) % e == 0 and (per % e == 0 or (e % per == 0 and cluster.nodes % (e // per) == 0)))]

@@ -121,18 +121,18 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
     the dispatch shapes of spec.moe_imbalance (a fake process group carries no routing counts)."""
     import torch.distributed as dist
 
+    from ..parallelize import runs_transformers
+
     check_traceable(source)
     if dist.is_initialized():
         raise HybridError("a traced estimate starts its own fake process group; run it outside a "
                           "distributed job (e.g. from the CLI)")
     check_job(source.profile, spec)
     n = strategy.shard_size(cluster, shard_size, tp, cp)
-    if ep > 1 and not strategy.family_obj.supports_ep:     # before ParallelDims asks ep to divide a ddp's 1
-        raise HybridError(f"ep {ep}: expert parallelism runs under FSDP2 only, not {strategy.name}; trace an fsdp or "
-                          "hsdp strategy with ep, or ep 1")
-    strategy.family_obj.check(Layout(ParallelDims(dp_shard=n, cp=cp, tp=tp, ep=ep), strategy))
-    if tp > 1:
-        prefer_hf = False      # our decoders run sequence parallelism, as the analytic model assumes
+    strategy.family_obj.check_ep(strategy, ep)
+    dims = ParallelDims(dp_shard=n, cp=cp, tp=tp, ep=ep)
+    strategy.family_obj.check(Layout(dims, strategy))
+    prefer_hf = runs_transformers(dims, prefer_hf)
     placement_of(strategy, source.profile, spec, cluster, n * cp)   # NotApplicable, before tracing
     start = time.perf_counter()
     layers = source.decoder_cfg.layers if source.decoder_cfg is not None else 0
@@ -196,9 +196,6 @@ def _trace(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cl
                                            dtype=dtype)
                 prepare_for_training(model)
                 engine = backend.traced_apply(strategy, model, optimizer_factory(spec), mesh, spec, runtime)
-                if cp > 1 and engine.cp is None:       # parallelize gave fsdp (and its proxies) theirs
-                    from ..backends.cp import apply_context_parallel
-                    engine.cp = apply_context_parallel(engine.model, mesh["cp"], spec)
                 tracker.relabel(list(model.parameters()), "params")
                 tracker.reset_peak()               # building the full model is not part of a step
                 batch = make_batch(model, spec, source.profile.decoder.vocab if source.profile.decoder else None)
@@ -350,3 +347,15 @@ def traced_stage_in_process(ref: str, strategy_name: str, strategies_dir, spec: 
     from ..profile import resolve_model
     return traced_stage_estimate(resolve_model(ref), load_catalogue(tuple(strategies_dir or ())).get(strategy_name),
                                  spec, cluster, shard_size, tp, layout, rank)
+
+
+IMPLEMENTATIONS = {"transformers": "the transformers model", "hybrid": "hybrid's own implementation",
+                   "factory": "the factory's model"}
+"""What a traced or measured estimate ran, in its note."""
+
+
+def traced_runs(layout) -> bool:
+    """Whether the trace runs this layout: pipeline stages only under a family that runs them, and
+    not the interleaved schedule (two chunks per rank: traced_stage_estimate runs one)."""
+    return layout.schedule != "interleaved" and not any(x.dim == "pp" for x in layout.dp.family_obj.problems(layout))
+

@@ -1,0 +1,67 @@
+"""What each memory method runs (layout.METHOD_REACH) and the planner's estimator interface
+(memory/method.RunEstimator): the CLI and the planner never ask a layout's dimensions themselves."""
+import json
+
+import pytest
+
+from hybrid.cli import main
+from hybrid.errors import HybridError
+from hybrid.layout import METHOD_REACH, method_degrees
+
+
+@pytest.mark.unit
+def test_unpinned_degrees_are_searched_by_analytic_and_one_elsewhere():
+    free = {"tp": None, "pp": None, "cp": None, "ep": None}
+    assert method_degrees("analytic", free) == free
+    assert method_degrees("traced", free) == {"pp": 1, "tp": 1, "cp": 1, "ep": 1}
+    assert method_degrees("measured", {"tp": 1, "pp": 1, "cp": None, "ep": 1}) == {"pp": 1, "tp": 1, "cp": 1, "ep": 1}
+
+
+@pytest.mark.unit
+def test_pinned_degrees_a_method_runs_are_kept():
+    assert method_degrees("traced", {"pp": 2, "tp": 4, "cp": None, "ep": None}) == {"pp": 2, "tp": 4, "cp": 1, "ep": 1}
+    assert method_degrees("traced", {"cp": 8, "ep": 2}) == {"pp": 1, "tp": 1, "cp": 8, "ep": 2}
+    assert method_degrees("analytic", {"tp": 8, "pp": 4, "cp": 2, "ep": 8})["ep"] == 8
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("method,degrees,match", [
+    ("measured", {"cp": 2}, r"--method measured runs cp 1 only; use --method traced or analytic for --cp 2"),
+    ("measured", {"ep": 4}, r"--method measured runs ep 1 only; use --method traced or analytic for --ep 4"),
+    ("measured", {"pp": 2}, r"--method measured runs pp 1 only; use --method traced or analytic for --pp 2"),
+    ("measured", {"tp": 2}, r"runs tp 1 only \(traced: with --pp\); use --method analytic for --tp 2"),
+    ("traced", {"tp": 2}, r"--method traced runs tp 1 only \(traced: with --pp\); use --method analytic for --tp 2"),
+    ("traced", {"tp": 2, "pp": 1}, r"--method traced runs tp 1 only"),
+])
+def test_a_pinned_degree_the_method_cannot_run_names_the_methods_that_can(method, degrees, match):
+    with pytest.raises(HybridError, match=match):
+        method_degrees(method, degrees)
+
+
+@pytest.mark.unit
+def test_every_method_names_only_known_dimensions():
+    from hybrid.layout import DIMENSIONS
+    for reach in METHOD_REACH.values():
+        assert set(reach) <= set(DIMENSIONS) and set(reach.values()) <= {"search", "pinned", *DIMENSIONS}
+
+
+@pytest.mark.unit
+def test_the_cli_refuses_a_degree_the_method_cannot_run(capsys):
+    assert main(["plan", "llama2-7b", "--nodes", "2", "--method", "traced", "--tp", "2", "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip().endswith("use --method analytic for --tp 2")
+
+
+@pytest.mark.fakepg
+def test_traced_pipeline_rank_runs_through_the_planners_estimator(capsys):
+    """--method traced --pp 2: the planner estimates both pipeline ranks analytically and the
+    estimator traces the busiest one's stage in its own process (memory/stages.traced_rank)."""
+    code = main(["estimate", "tiny-llama", "--strategy", "fsdp", "--nodes", "2", "--gpus-per-node", "2", "--pp", "2",
+                 "--gradient-accumulation", "2", "--seq-len", "64", "--method", "traced", "--implementation", "hybrid",
+                 "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    row = json.loads(out)["strategies"][0]
+    assert row["parallel"]["pp"] == 2 and len(row["pipeline"]["stages"]) == 2
+    assert any(n.startswith("traced pp rank ") for n in row["notes"]), row["notes"]
+    assert "tracing fsdp+pp2 (shard 2)" in err
