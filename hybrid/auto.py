@@ -16,6 +16,7 @@ from .cluster import ALLOC_CONF_VARS, Cluster, detect
 from .errors import HybridError
 from .mesh import build_mesh, init_distributed
 from .models import prepare_for_training
+from .layout import runtime_degrees
 from .parallelize import build_engine, check_model, parallelize
 from .planner import plan as make_plan
 from .profile import build_profile
@@ -203,8 +204,8 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
                           "drop one of them")
     if strategy == "auto":
         the_plan = make_plan(profile, spec, cluster, catalogue, shard_size, search_checkpointing=search,
-                             tp=1 if (ep or 1) > 1 and tp is None else tp, pp=pp, schedule=schedule,
-                             calibration=cal, cp=cp, micro_batch=pin, ep=ep or 1)
+                             **runtime_degrees({"tp": tp, "pp": pp, "cp": cp, "ep": ep or 1}), schedule=schedule,
+                             calibration=cal, micro_batch=pin)
         if the_plan.chosen is None:
             fixes = "; ".join(the_plan.suggestions) or "none found"
             raise HybridError(f"no strategy fits {profile.name} in {cluster.describe()}. Smallest changes that "

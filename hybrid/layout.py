@@ -59,6 +59,16 @@ def method_degrees(method: str, degrees: dict[str, int | None]) -> dict[str, int
     return out
 
 
+def runtime_degrees(degrees: dict[str, int | None]) -> dict[str, int | None]:
+    """The degrees auto_wrap plans with: as given, except that an unpinned tp is 1 with expert
+    parallelism (backends/ep.py splits whole experts over dp_shard x cp ranks and does not build ep
+    x tp; a plan hands ep x tp to torchtitan)."""
+    out = dict(degrees)
+    if (degrees.get("ep") or 1) > 1 and degrees.get("tp") is None:
+        out["tp"] = 1
+    return out
+
+
 AC_ORDER = {"none": 0, "selective": 1, "full": 2}
 """Checkpointing modes the planner searches, simplest first (op and layer:N when asked for)."""
 

@@ -176,6 +176,13 @@ def pp_degrees(cluster) -> list[int]:
     return divisors(cluster.nodes) if cluster.nodes > 1 else divisors(cluster.gpus_per_node)
 
 
+def check_stages_with_cp(pp: int | None, cp: int | None) -> None:
+    """Pinned pipeline stages and context parallelism together: HybridError (the one rule)."""
+    if (cp or 1) > 1 and (pp or 1) > 1:
+        raise HybridError(f"--cp {cp} with --pp {pp}: pipeline stages do not carry the sequence positions context "
+                          "parallelism needs; use --pp 1 with --cp, or --cp 1 with --pp")
+
+
 def stage_degrees(cluster, blocks: int, pp: int | None, cp: int, most: int) -> list[int]:
     """Pipeline degrees a plan tries: a pinned one, else 1 and every pp_degrees one up to the
     model's blocks (0: no known decoder, nothing to split) and `most`; none above 1 with context

@@ -24,10 +24,11 @@ from .cluster import GPUS, Cluster
 from .cost import step_cost
 from .errors import HybridError
 from .memory.analytic import NotApplicable, check_job
-from .memory.moe import check_ep, ep_degrees
+from .memory.moe import check_ep, check_ep_layouts, ep_degrees
 from .memory.breakdown import MemoryBreakdown, fragmentation_floor, overhead_bytes
 from .memory.stages import rank_estimates
-from .pipeline import PipelineLayout, batch_schedules, pp_degrees, schedules_for, stage_cluster, stage_degrees
+from .pipeline import (PipelineLayout, batch_schedules, check_stages_with_cp, pp_degrees, schedules_for,
+                       stage_cluster, stage_degrees)
 from .profile import ModelProfile, tp_degrees
 from .spec import TrainSpec
 from .units import fmt_bytes
@@ -212,23 +213,13 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
                               f"{profile.num_blocks} blocks); valid: {', '.join(map(str, valid))}")
     if schedule is not None:
         PipelineLayout(2, schedule, 1, (1, 1))             # the name check, one line
-    if ep is not None:
-        check_ep(profile, ep)
-    if (cp or 1) > 1 and (pp or 1) > 1:
-        raise HybridError(f"--cp {cp} with --pp {pp}: pipeline stages do not carry the sequence positions context "
-                          "parallelism needs; use --pp 1 with --cp, or --cp 1 with --pp")
+    check_ep(profile, ep, cat, names)
+    check_stages_with_cp(pp, cp)
     todo = [item for c in cp_degrees(profile, spec, cluster, cp)
             for item in enumerate_candidates(cat, profile, spec, cluster, names, shard_size, search_checkpointing,
                                              search_shards=search_shards and estimator is None, tp=tp, pp=pp,
                                              schedule=schedule, cp=c, cp_pinned=cp is not None, ep=ep)]
-    if (ep or 1) > 1 and not any(cat[n].family_obj.supports_ep for n in names):
-        raise HybridError(f"--ep {ep}: {', '.join(names)} cannot split experts; expert parallelism runs on "
-                          f"{', '.join(n for n in cat if cat[n].family_obj.supports_ep)}: use one of them with "
-                          "--ep, or leave --ep out")
-    if (ep or 1) > 1 and not todo:
-        raise HybridError(f"--ep {ep}: no layout on {cluster.describe()} has dp_shard x cp divisible by {ep} (expert-"
-                          f"parallel ranks are taken from them): use an --ep that divides {cluster.world_size}, or "
-                          "leave --ep out")
+    check_ep_layouts(ep, todo, cluster)
     if estimator is not None:               # the layouts it runs, and how many it will see (its progress)
         todo = [t for t in todo if estimator.runs(t)]
         estimator.expect(len(todo))

@@ -143,8 +143,15 @@ def _name(node):
     return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
 
 
+def _dim(node):
+    """The dimension name a compared operand reads: `tp`, `d.tp`, or an unpinned one's `(tp or 1)`."""
+    if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or) and node.values:
+        node = node.values[0]
+    return _name(node)
+
+
 def dimension_branches(tree) -> list[int]:
-    """Lines comparing tp, pp or cp with 1, or testing a pipeline against None."""
+    """Lines comparing tp, pp, cp or ep (or `(tp or 1)`) with 1, or testing a pipeline against None."""
     out = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Compare) or len(node.ops) != 1:
@@ -154,7 +161,7 @@ def dimension_branches(tree) -> list[int]:
                 isinstance(right, ast.Constant) and right.value is None:
             out.append(node.lineno)
         elif isinstance(op, (ast.Gt, ast.GtE, ast.Lt, ast.LtE, ast.Eq, ast.NotEq)) and any(
-                _name(a) in DIMS and isinstance(b, ast.Constant) and b.value == 1
+                _dim(a) in DIMS and isinstance(b, ast.Constant) and b.value == 1
                 for a, b in ((left, right), (right, left))):
             out.append(node.lineno)
     return out
@@ -279,3 +286,10 @@ def test_the_rules_catch_what_they_name():
     tree = ast.parse("if d.tp > 1 and 1 != cp:\n    x = c.pipeline is None\ny = 'zero3'\nz = s.hpz\n")
     assert dimension_branches(tree) == [1, 1, 2]
     assert family_references(tree, {"zero3"}) == [3, 4]
+
+
+def test_the_dimension_branch_detector_sees_each_form():
+    """The AST rule the two tests above rely on finds every way a module branches on a dimension."""
+    code = ("if tp > 1: pass\nif d.cp == 1: pass\nif (pp or 1) > 1: pass\nif 1 < ep: pass\n"
+            "if layout.pipeline is None: pass\nif n > 1: pass\nif tp > 2: pass\n")
+    assert dimension_branches(ast.parse(code)) == [1, 2, 3, 4, 5]

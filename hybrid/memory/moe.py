@@ -32,10 +32,11 @@ _SUMMED = ("params", "optimizer", "grads_start", "grads_end", "grads_step", "buf
            "buffers_mid", "buffers_end", "buffers_step", "scratch", "cpu")
 
 
-def check_ep(profile: ModelProfile, ep: int) -> None:
-    """ep > 1 needs an MoE decoder whose expert count it divides (HybridError: the user's input)."""
+def check_ep(profile: ModelProfile, ep: int | None, catalogue=None, names=None) -> None:
+    """A pinned ep > 1 needs an MoE decoder whose expert count it divides and, among the presets
+    `names` of `catalogue`, one whose family splits experts (HybridError: the user's input)."""
     d = profile.decoder
-    if ep == 1:
+    if ep is None or ep == 1:
         return
     if d is None or not d.moe:
         raise HybridError(f"--ep {ep}: {profile.name} is a dense model (no experts to split); expert parallelism "
@@ -44,6 +45,18 @@ def check_ep(profile: ModelProfile, ep: int) -> None:
         valid = [e for e in range(1, d.experts + 1) if d.experts % e == 0]
         raise HybridError(f"--ep {ep} does not divide {profile.name}'s {d.experts} experts per layer, so ranks "
                           f"would hold different numbers of experts; valid ep: {', '.join(map(str, valid))}")
+    if catalogue is not None and not any(catalogue[n].family_obj.supports_ep for n in names):
+        raise HybridError(f"--ep {ep}: {', '.join(names)} cannot split experts; expert parallelism runs on "
+                          f"{', '.join(n for n in catalogue if catalogue[n].family_obj.supports_ep)}: use one of them "
+                          "with --ep, or leave --ep out")
+
+
+def check_ep_layouts(ep: int | None, layouts: list, cluster) -> None:
+    """A pinned ep > 1 that no enumerated layout takes (HybridError, with the rule)."""
+    if ep is not None and ep > 1 and not layouts:
+        raise HybridError(f"--ep {ep}: no layout on {cluster.describe()} has dp_shard x cp divisible by {ep} (expert-"
+                          f"parallel ranks are taken from them): use an --ep that divides {cluster.world_size}, or "
+                          "leave --ep out")
 
 
 def ep_cluster(cluster, ep: int):
