@@ -15,7 +15,7 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
     command searches what is not given (plan, tune), which the help says."""
     from .jobconfig import OPTIONS
 
-    groups: dict[str, argparse._ActionsContainer] = {"": p}
+    groups = {"": p}
     for o in OPTIONS.values():
         if o.flag_per_command:
             continue
