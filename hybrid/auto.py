@@ -100,7 +100,9 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
               compile: bool = False, float8: bool = False, ep: int | None = None,
               moe_imbalance: float | None = None) -> Wrapped:
     """Wrap `model` for data-parallel training on the current process group (started here from
-    torchrun's variables if needed, nccl+cuda or gloo+cpu).
+    torchrun's variables if needed, nccl+cuda or gloo+cpu). The arguments that are job options are
+    the JobConfig's rows (hybrid/jobconfig.py): the CLI's flags of the same name, checked and
+    defaulted as they are.
 
     optimizer   callable(params) -> torch optimizer (default AdamW lr 3e-4)
     strategy    "auto" (the fastest candidate that fits), or a catalogue name to force
