@@ -101,7 +101,9 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
               compile: bool = False, float8: bool = False, ep: int | None = None,
               moe_imbalance: float | None = None) -> Wrapped:
     """Wrap `model` for data-parallel training on the current process group (started here from
-    torchrun's variables if needed, nccl+cuda or gloo+cpu).
+    torchrun's variables if needed, nccl+cuda or gloo+cpu). The arguments that are job options are
+    the JobConfig's rows (hybrid/jobconfig.py): the CLI's flags of the same name, checked and
+    defaulted as they are.
 
     optimizer   callable(params) -> torch optimizer (default AdamW lr 3e-4)
     strategy    "auto" (the fastest candidate that fits), or a catalogue name to force
@@ -153,14 +155,10 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     """
     if config is not None:
         return _with_job_file(config, locals())
+    from .jobconfig import WRAP_KEYS, or_default
     from .jobfile import check_arguments
-    check_arguments({"micro_batch": micro_batch, "seq_len": seq_len, "precision": precision, "strategy": strategy,
-                     "activation_checkpointing": activation_checkpointing, "attention": attention,
-                     "shard_size": shard_size, "tp": tp, "pp": pp, "schedule": schedule,
-                     "gpu_memory": gpu_memory, "strategies_dir": list(strategies_dir) or None, "cp": cp,
-                     "gradient_accumulation": gradient_accumulation, "calibration": calibration,
-                     "global_batch": global_batch, "global_batch_tokens": global_batch_tokens, "compile": compile,
-                     "float8": float8, "ep": ep, "moe_imbalance": moe_imbalance}, "auto_wrap")
+    given = locals()
+    check_arguments({k: given[k] for k in WRAP_KEYS}, "auto_wrap")       # the job options, checked as flags are
     if (global_batch is not None or global_batch_tokens is not None) and gradient_accumulation is not None:
         from .batch import global_batch_of        # the conflict is known before any process group starts
         global_batch_of(global_batch, global_batch_tokens, seq_len or 1, gradient_accumulation, cli=False)
@@ -187,12 +185,12 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     seq_len = seq_len or default_seq_len(mp)
     gb = global_batch_of(global_batch, global_batch_tokens, seq_len, gradient_accumulation, cli=False)
     pin = micro_batch if gb is not None else None
-    spec = TrainSpec(micro_batch=1 if micro_batch is None else micro_batch, seq_len=seq_len,
+    spec = TrainSpec(micro_batch=or_default("micro_batch", micro_batch), seq_len=seq_len,
                      precision=precision or default_precision(runtime), optimizer=optimizer_kind(optimizer),
-                     activation_checkpointing=activation_checkpointing or "none", attention=attention,
-                     gradient_accumulation=1 if gradient_accumulation is None else gradient_accumulation,
-                     global_batch=gb, compile=compile, float8=float8,
-                     **({"moe_imbalance": moe_imbalance} if moe_imbalance is not None else {}))
+                     activation_checkpointing=or_default("activation_checkpointing", activation_checkpointing),
+                     attention=attention, global_batch=gb, compile=compile, float8=float8,
+                     gradient_accumulation=or_default("gradient_accumulation", gradient_accumulation),
+                     moe_imbalance=or_default("moe_imbalance", moe_imbalance))
     from .float8 import check_float8
     check_float8(spec, cluster)
     catalogue = load_catalogue(strategies_dir)

@@ -10,86 +10,38 @@ from .errors import HybridError
 
 
 def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
-    p.add_argument("model", nargs="?", help="preset name, HF config.json (or its folder), "
-                   "package.module:factory; omit with --params")
-    p.add_argument("--params", help="bare parameter count (e.g. 7.5e9): model states only")
-    g = p.add_argument_group("cluster")
-    g.add_argument("--nodes", type=int, default=1, help="machines (default 1)")
-    g.add_argument("--gpus-per-node", type=int, default=None,
-                   help="GPUs per machine (default 8; `measure` on a machine without CUDA: 2 CPU ranks)")
-    g.add_argument("--gpu", default=None, help="GPU model from the catalogue (default h100-80gb; `measure` "
-                   "without CUDA: this machine's CPU; cpu: this machine's CPU ranks, as `tune` runs them)")
-    g.add_argument("--gpu-memory", help="override the GPU's memory, e.g. 80GiB or 40GB")
-    g.add_argument("--host-memory", help="override a node's host memory (offload), e.g. 1TiB")
-    g.add_argument("--expandable-segments", choices=("on", "off"), default=None,
-                   help="the CUDA allocator setting the job runs with (default: on, as auto_wrap sets it, unless "
-                        "PYTORCH_CUDA_ALLOC_CONF here says otherwise); decides reserved over allocated")
-    g.add_argument("--headroom", type=float, default=None,
-                   help="reserved memory over allocated, as a fraction (default: calibrated on public runs, "
-                        "0.10 with expandable segments, 0.28 without)")
-    t = p.add_argument_group("training step")
-    t.add_argument("--micro-batch", type=int, default=None, help="sequences per GPU per forward (default 1; with "
-                   "--global-batch: chosen per layout unless given)")
-    t.add_argument("--global-batch", type=int, default=None,
-                   help="sequences per optimizer step over all data-parallel ranks: each layout's micro-batch and "
-                        "accumulation are chosen so that micro-batch x accumulation x data-parallel ranks = this")
-    t.add_argument("--global-batch-tokens", type=int, default=None,
-                   help="the global batch in tokens (a multiple of --seq-len), instead of --global-batch")
-    t.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's maximum, at most 4096)")
-    t.add_argument("--precision", default=None, help="fp32 | bf16-mixed | fp16-mixed | bf16 (default bf16-mixed; "
-                   "fp16-mixed on GPUs without bf16, e.g. v100, t4)")
-    t.add_argument("--gradient-accumulation", type=int, default=None,
-                   help="micro-batches per optimizer step (default 1); "
-                        "global batch = micro-batch x this x data-parallel ranks")
-    t.add_argument("--optimizer", default="adamw", help="adamw | sgd | adafactor (default adamw)")
-    t.add_argument("--activation-checkpointing", default=None,
-                   help="none | selective | op | full | layer:N (default: " +
-                        ("the planner tries none, selective and full" if search else "none") + ")")
-    t.add_argument("--compile", action="store_true", default=None,
-                   help="torch.compile each block and the loss, as torchtitan does (fsdp and ddp strategies)")
-    t.add_argument("--float8", action="store_true", default=None,
-                   help="torchao float8 training of the block linears (tensorwise, float8 all-gather under FSDP), "
-                        "behind --compile, as torchtitan's float8 converter; H100/H200 only")
-    t.add_argument("--attention", default="sdpa", help="sdpa (flash) | eager (default sdpa)")
-    t.add_argument("--shard-size", type=int, help="ranks per shard group for hsdp (default: every valid size)")
-    t.add_argument("--tp", type=int, help="tensor-parallel degree inside a node (default: plan tries 1, 2, 4, 8 "
-                   "where they divide the GPUs per node and the heads; estimate/compare use 1)")
-    t.add_argument("--pp", type=int, help="pipeline stages (default: plan tries every divisor of the nodes, or of "
-                   "one node's GPUs; estimate/compare use 1); micro-batches = --gradient-accumulation")
-    t.add_argument("--cp", type=int, help="context-parallel degree: each sequence split over this many ranks in 2cp "
-                   "chunks (default: plan tries every divisor of the GPUs that divides the sequence into 2cp chunks "
-                   "when --seq-len >= 16384, else 1; estimate/compare use 1)")
-    t.add_argument("--ep", type=int, help="expert-parallel degree of a mixture-of-experts model: each layer's experts "
-                   "split over this many of the dp_shard x cp ranks, tokens sent to them by all-to-all (default: plan "
-                   "tries every divisor of the experts that divides them, fsdp strategies; estimate/compare use 1)")
-    t.add_argument("--moe-imbalance", type=float, default=None,
-                   help="MoE with --ep > 1: tokens the busiest rank's experts receive over the mean (default 1.25, "
-                        "Switch Transformer's training capacity factor; raise it for a cold start)")
-    t.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved"),
-                   help="pipeline schedule (default: plan tries 1f1b, or gpipe with fewer micro-batches than "
-                        "stages, and interleaved)")
-    o = p.add_argument_group("method and output")
-    o.add_argument("--method", default="analytic",
-                   help="analytic (closed form, instant; default) | traced (simulate one rank of the real job "
-                        "with fake tensors, seconds per strategy) | measured (run it here on local ranks)")
-    o.add_argument("--implementation", default="auto",
-                   help="what traced/measured runs for a preset: auto (transformers when installed, else "
-                        "ours) | transformers | hybrid")
-    o.add_argument("--efficiency", type=float, default=None,
-                   help="fraction of peak FLOP/s the cost model assumes (default: the GPU's figure, calibrated "
-                        "on public runs: a100 0.65, h100 0.52; 0.45 for GPUs without public runs)")
-    o.add_argument("--strategies-dir", action="append", default=[], help="extra catalogue directory (repeatable)")
-    o.add_argument("--calibration", help="a calibration file from `hybrid tune --save-calibration` (default: "
-                   "$HYBRID_CALIBRATION): the cluster's measured speed figures replace the catalogue's")
-    o.add_argument("--json", action="store_true", help="print the JSON contract instead of a table")
-    o.add_argument("--config", help="job file (YAML) with any of these options as keys; flags override it")
-    o.add_argument("--save-config", help="write the options in effect to this job file")
+    """The job's options (hybrid/jobconfig.py) as flags, in their --help groups; `search`: the
+    command searches what is not given (plan, tune), which the help says."""
+    from .jobconfig import OPTIONS
+
+    groups = {"": p}
+    for o in OPTIONS.values():
+        if o.flag_per_command:
+            continue
+        if o.group not in groups:
+            groups[o.group] = p.add_argument_group(o.group)
+        kw: dict = {"help": o.help_text(search)}
+        if o.positional:
+            kw["nargs"] = "?"
+        elif o.kind == "bool":
+            kw["action"] = "store_true"
+        elif o.kind == "list":
+            kw.update(action="append", default=list(o.default))
+        else:
+            kw["default"] = o.default if o.fill else None
+            if o.kind in ("int", "float"):
+                kw["type"] = int if o.kind == "int" else float
+            elif o.kind == "onoff":
+                kw["choices"] = ("on", "off")
+            elif o.listed:
+                kw["choices"] = o.choices
+        groups[o.group].add_argument(o.flag, **kw)
 
 
 def _job(args):
     from .api import check_precision, default_precision
-    from .cluster import Cluster
-    from .jobfile import on_off
+    from .jobconfig import or_default
+    from .jobfile import cluster_of
     from .profile import resolve_model
     from .spec import TrainSpec, default_seq_len
 
@@ -98,22 +50,19 @@ def _job(args):
         # measured on CPU ranks (or --gpu cpu): this machine's CPU, 2 ranks unless told, no CUDA context
         from .cluster import cpu_spec
         per_node = args.gpus_per_node or 2
-        cluster = Cluster.build(args.nodes, per_node, cpu_spec(args.nodes * per_node), args.gpu_memory,
-                                args.host_memory, args.headroom, on_off(args.expandable_segments))
+        cluster = cluster_of(vars(args), gpus_per_node=per_node, gpu=cpu_spec(args.nodes * per_node))
     else:
-        cluster = Cluster.build(args.nodes, args.gpus_per_node or 8, args.gpu or "h100-80gb", args.gpu_memory,
-                                args.host_memory, args.headroom, on_off(args.expandable_segments))
+        cluster = cluster_of(vars(args))
     seq = args.seq_len if args.seq_len is not None else default_seq_len(src.profile.max_positions)
     precision = args.precision or default_precision(cluster)
     check_precision(precision, cluster)
     from .batch import global_batch_of
     gb = global_batch_of(args.global_batch, args.global_batch_tokens, seq, args.gradient_accumulation)
-    spec = TrainSpec(micro_batch=1 if args.micro_batch is None else args.micro_batch, seq_len=seq, precision=precision,
-                     gradient_accumulation=1 if args.gradient_accumulation is None else args.gradient_accumulation,
-                     global_batch=gb, compile=bool(args.compile), float8=bool(args.float8),
-                     optimizer=args.optimizer, activation_checkpointing=args.activation_checkpointing or "none",
-                     attention=args.attention,
-                     **({"moe_imbalance": args.moe_imbalance} if args.moe_imbalance is not None else {}))
+    spec = TrainSpec(micro_batch=or_default("micro_batch", args.micro_batch), seq_len=seq, precision=precision,
+                     gradient_accumulation=or_default("gradient_accumulation", args.gradient_accumulation),
+                     global_batch=gb, compile=bool(args.compile), float8=bool(args.float8), optimizer=args.optimizer,
+                     activation_checkpointing=or_default("activation_checkpointing", args.activation_checkpointing),
+                     attention=args.attention, moe_imbalance=or_default("moe_imbalance", args.moe_imbalance))
     from .float8 import check_float8
     check_float8(spec, cluster)
     if args.compile and args.method == "traced":
