@@ -32,6 +32,23 @@ class Runtime:
     def device_type(self) -> str:
         return self.device.type
 
+    @property
+    def traced(self) -> bool:
+        """A traced estimate's rank (memory/traced.py): fake tensors on a fake process group, standing
+        for the GPU job on this CPU."""
+        return self.backend == TRACED
+
+
+TRACED = "fake"
+"""The process-group backend of a traced estimate (torch's fake process group)."""
+
+
+def traced_group(group) -> bool:
+    """Whether collectives on `group` run on a traced estimate's fake process group: shapes only,
+    no values (routing counts, masks and the like are planned, not computed)."""
+    import torch.distributed as dist
+    return dist.get_backend(group) == TRACED
+
 
 def free_port() -> int:
     """A TCP port free on this host now (for a world of one, or locally spawned ranks)."""

@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import HybridError
+from ..mesh import traced_group
 from ..memory.cp import rank_chunks, rank_positions
 
 IGNORE = -100
@@ -97,7 +98,7 @@ def cp_attention(q, k, v, group, scale: float | None = None) -> torch.Tensor:
     # a traced estimate (fake process group, fake tensors: shapes only) runs the mask-free causal
     # kernel, which saves what CUDA's flash kernel saves when it takes the lower-right mask (q, k,
     # v, output, logsumexp); the CPU kernel would materialise the mask a GPU never holds
-    traced = dist.get_backend(group) == "fake"
+    traced = traced_group(group)
     out = []
     for half, chunk in enumerate(rank_chunks(cp, rank)):
         end = (chunk + 1) * L                         # the keys at or before this chunk's last query
@@ -183,7 +184,7 @@ class ContextParallel:
         ids, labels = _parse(args, kwargs)
         pos = self.positions(ids.shape[1], ids.device)
         L = ids.shape[1] // (2 * self.size)
-        if dist.get_backend(self.group) != "fake":
+        if not traced_group(self.group):
             for chunk in rank_chunks(self.size, self.rank):
                 lower_right_bias(L, (chunk + 1) * L)
         local = ids.index_select(1, pos)

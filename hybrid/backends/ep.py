@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import HybridError
+from ..mesh import traced_group
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
@@ -167,7 +168,7 @@ class _ExpertParallelForward:
         chosen = top_k_index.reshape(-1)
         order = torch.argsort(chosen, stable=True)         # rows grouped by expert, tokens in order
         token = order // k
-        if dist.get_backend(group) == "fake":
+        if traced_group(group):
             send, recv, sizes = self._planned(chosen.numel(), ep, n)
             perm = torch.arange(sum(recv), device=hidden_states.device)
         else:

@@ -53,14 +53,14 @@ def dp_mesh(mesh):
 
 def fsdp_kwargs(strategy, mesh, spec, runtime) -> dict:
     """fully_shard arguments: the mesh (2D = hybrid sharding), mixed precision, offload."""
-    if runtime.backend != "fake":     # a traced run simulates the GPU job on this CPU
+    if not runtime.traced:            # a traced run simulates the GPU job on this CPU
         strategy.family_obj.check_device(strategy, spec, runtime.device.type == "cuda")
     fsdp_mesh = dp_mesh(mesh)
     low = compute_dtype(spec)
     mp = (MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low is not None
           else MixedPrecisionPolicy())
     # a traced (fake) run simulates the GPU job on the CPU: offload is accounted afterwards
-    offload = (CPUOffloadPolicy(pin_memory=True) if strategy.config.offload_params and runtime.backend != "fake"
+    offload = (CPUOffloadPolicy(pin_memory=True) if strategy.config.offload_params and not runtime.traced
                else OffloadPolicy())
     return dict(mesh=fsdp_mesh, reshard_after_forward=strategy.config.reshard_after_forward, mp_policy=mp,
                 offload_policy=offload, shard_placement_fn=functools.partial(shard_placement, n=fsdp_mesh.size(-1)))

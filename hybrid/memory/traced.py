@@ -177,13 +177,13 @@ def _trace(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cl
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from ..models import prepare_for_training
-    from ..mesh import Runtime, build_mesh
+    from ..mesh import TRACED, Runtime, build_mesh
     from .driver import prime_optimizer, tracked_steps
     from .tracker import MemoryTracker
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cluster.world_size)
+    dist.init_process_group(TRACED, store=FakeStore(), rank=0, world_size=cluster.world_size)
     try:
-        runtime = Runtime(torch.device("cpu"), "fake", cluster.world_size, 0, cluster.gpus_per_node)
+        runtime = Runtime(torch.device("cpu"), TRACED, cluster.world_size, 0, cluster.gpus_per_node)
         from ..parallel import ParallelDims
         dims = ParallelDims(dp_replicate=cluster.world_size // tp // cp // n, dp_shard=n, cp=cp, tp=tp, ep=ep)
         mesh = build_mesh(dims, runtime, cluster.gpus_per_node)     # outside fake mode: real ints
@@ -253,7 +253,7 @@ def traced_stage_estimate(source: ModelSource, strategy: Strategy, spec: TrainSp
     from ..models import prepare_for_training
     from ..backends.fsdp import gathered_params
     from ..backends.base import optimizer_tensors
-    from ..mesh import Runtime, build_mesh
+    from ..mesh import TRACED, Runtime, build_mesh
     from ..models import causal_lm_loss, pipeline_stage
     from ..parallel import ParallelDims
     from ..pipeline import rank_actions, stage_cluster
@@ -274,9 +274,9 @@ def traced_stage_estimate(source: ModelSource, strategy: Strategy, spec: TrainSp
     d = source.profile.decoder
     m, world = layout.micro_batches, cluster.world_size
     start = time.perf_counter()
-    dist.init_process_group("fake", store=FakeStore(), rank=pp_rank * (world // layout.pp), world_size=world)
+    dist.init_process_group(TRACED, store=FakeStore(), rank=pp_rank * (world // layout.pp), world_size=world)
     try:
-        runtime = Runtime(torch.device("cpu"), "fake", world, dist.get_rank(), cluster.gpus_per_node)
+        runtime = Runtime(torch.device("cpu"), TRACED, world, dist.get_rank(), cluster.gpus_per_node)
         dims = ParallelDims(dp_replicate=stage_cl.world_size // tp // n, dp_shard=n, tp=tp, pp=layout.pp)
         mesh = build_mesh(dims, runtime, cluster.gpus_per_node)
         dtype = torch.bfloat16 if spec.precision == "bf16" else None
