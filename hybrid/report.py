@@ -200,6 +200,7 @@ def _why(p: Plan, dim: str) -> list[str]:
     if not other or not (uses or both):
         return []
     what = without if uses else f"with {name}"
+    # rivals of the chosen one's class: a layout that fits only tightly is no rival of one with room
     fitting = [x for x in other if x.fits and (c.tight or not x.tight)]
     if not fitting:
         if no_fit is not None:
