@@ -60,7 +60,8 @@ class Candidate:
     reason: str
     cost: StepCost | None = None
     stage_memory: tuple[MemoryBreakdown, ...] = ()
-    """pp > 1: every pipeline rank's estimate (`memory` is the largest of them)."""
+    """Every pipeline rank's analytic estimate, one without stages (`memory` is the busiest one's, or the
+    estimator's for it)."""
     tight: bool = False
     """It fits (`fits`) only because the allocator gives its cache back under pressure: the
     predicted reserved memory does not fit, the live tensors, context and floor do."""
