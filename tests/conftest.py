@@ -1,12 +1,13 @@
 """Test tiers (ARCHITECTURE.md): every test gets one of the markers unit, torch, fakepg, gloo (or gpu).
 
     pytest -m unit        pure estimation: no torch, DeepSpeed, transformers or accelerate imported,
-                          no process group (the fast subset, under a minute; runs where torch is not
-                          installed, and `pytest -m unit --no-torch` proves it where torch is)
+                          no process group (the fast subset; it runs where torch is not installed,
+                          and `pytest -m unit --no-torch` checks that where torch is)
     pytest -m torch       one process with torch (real or meta modules, tensors, the libraries'
                           own estimators), no process group
     pytest -m fakepg      fake process group + fake tensors
     pytest -m gloo        real CPU ranks
+    pytest -m gpu         a CUDA device (skipped without one)
     pytest                everything (the README's test command)
 
 Every test carries exactly one tier (its own mark, or its module's `pytestmark`): collection fails
