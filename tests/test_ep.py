@@ -39,7 +39,7 @@ MODELS = {"mixtral": tiny_mixtral, "ours": tiny_moe_decoder, "qwen3": tiny_qwen3
 # --- pure checks: the layout, the errors ------------------------------------------------------
 
 
-@pytest.mark.fakepg          # CPU modules, no process group
+@pytest.mark.torch           # CPU modules, no process group
 def test_what_cannot_honour_ep_says_what_can():
     from hybrid.backends.ep import check_expert_parallel
     from hybrid.models import build_decoder
@@ -62,7 +62,7 @@ def test_what_cannot_honour_ep_says_what_can():
         check_expert_parallel(build_decoder("tiny-llama"), 2, cat["fsdp"], False, 1)
 
 
-@pytest.mark.fakepg          # CPU modules, no process group
+@pytest.mark.torch           # CPU modules, no process group
 def test_our_moe_block_computes_what_transformers_mixtral_computes():
     """Same weights, same tokens: our MoE decoder's logits and gradients are transformers'."""
     hf, ours = tiny_mixtral(), tiny_moe_decoder(seed=3)
