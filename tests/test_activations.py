@@ -7,7 +7,7 @@ from hybrid.models import build_decoder, build_hf
 from hybrid.presets import DecoderConfig
 from hybrid.spec import TrainSpec
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.torch
 
 S = 48
 

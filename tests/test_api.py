@@ -37,7 +37,7 @@ def test_plan_takes_a_config_json(tmp_path):
     assert p.model.params == hybrid.plan("gpt2", micro_batch=8, seq_len=1024).model.params
 
 
-@pytest.mark.fakepg      # builds a module on the meta device (needs torch)
+@pytest.mark.torch       # builds a module on the meta device
 def test_estimate_takes_a_module_and_a_factory():
     from hybrid.models import build_decoder
     from hybrid.presets import get_preset

@@ -123,12 +123,10 @@ def test_estimate_traced_method(capsys):
     (["plan", "gpt2", "--seq-len", "-5"], "seq-len must be a positive integer, got -5"),
     (["plan", "gpt2", "--seq-len", "4096"], "longer than gpt2's maximum positions 1024"),
     (["plan", "gpt2", "--gpu-memory", "eighty gigs"], "cannot parse memory size 'eighty gigs'"),
-    (["plan", "tests.factories:frozen"], "has no trainable parameters"),
     (["plan", "gpt2", "--precision", "fp16"], "unknown precision 'fp16'"),
     (["plan", "--params", "lots"], "cannot parse parameter count 'lots'"),
     (["plan", "gpt2", "--method", "guess"], "unknown method 'guess'. Available: analytic, traced, measured"),
     (["estimate", "--params", "1e9", "--strategy", "ddp", "--method", "traced"], "bare parameter count"),
-    (["measure", "gpt2", "--strategy", "ddp", "--nodes", "8"], "world size 16 needs more than"),
     (["plan"], "no model given"),
 ])
 @pytest.mark.unit
@@ -136,6 +134,15 @@ def test_bad_input_exit_2(capsys, argv, match):
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == ""
     assert match in err and err.startswith("hybrid: error:") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["plan", "tests.factories:frozen"], "has no trainable parameters"),          # a torch module
+    (["measure", "gpt2", "--strategy", "ddp", "--nodes", "8"], "world size 16 needs more than"),  # counts devices
+])
+@pytest.mark.torch
+def test_bad_input_that_needs_torch_to_see_exits_2(capsys, argv, match):
+    test_bad_input_exit_2(capsys, argv, match)
 
 
 @pytest.mark.unit

@@ -1,7 +1,7 @@
 """GPU catalogue, memory strings, and detection of this (CPU) machine."""
 import pytest
 
-from hybrid.cluster import GPUS, Cluster, detect, get_gpu
+from hybrid.cluster import GPUS, Cluster, get_gpu
 from hybrid.errors import HybridError
 from hybrid.units import GiB, fmt_bytes, parse_bytes, parse_count
 
@@ -39,13 +39,3 @@ def test_cluster_build_and_errors():
         Cluster.build(0, 8)
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU path")
-def test_detect_cpu(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    c = detect()
-    assert (c.nodes, c.gpus_per_node) == (2, 2)
-    assert c.gpu.name == "cpu" and not c.gpu.is_cuda and c.gpu.cuda_context_bytes == 0
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    with pytest.raises(HybridError, match="WORLD_SIZE=4 is not a multiple of LOCAL_WORLD_SIZE=3"):
-        detect()

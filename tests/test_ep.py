@@ -37,38 +37,9 @@ MODELS = {"mixtral": tiny_mixtral, "ours": tiny_moe_decoder, "qwen3": tiny_qwen3
 
 
 # --- pure checks: the layout, the errors ------------------------------------------------------
-@pytest.mark.unit
-def test_the_experts_mesh_splits_the_sharded_ranks():
-    from hybrid.parallel import EXPERT_DIM_NAMES, ParallelDims
-    d = ParallelDims(dp_replicate=2, dp_shard=4, cp=2, ep=4)
-    assert EXPERT_DIM_NAMES == ("pp", "dp_replicate", "expert_shard", "ep", "tp")
-    assert d.expert_shape == (1, 2, 2, 4, 1)
-    assert ParallelDims(dp_shard=4).expert_shape == (1, 1, 4, 1, 1)
 
 
-@pytest.mark.unit
-def test_ep_is_a_checked_job_option():
-    from hybrid.jobfile import OPTIONS, check_arguments
-    assert OPTIONS["ep"].check(2) == 2
-    with pytest.raises(HybridError, match="ep"):
-        check_arguments({"ep": 0}, "auto_wrap")
-
-
-@pytest.mark.unit
-def test_a_forced_strategy_without_ep_says_which_have_it():
-    """auto_wrap(strategy="ddp", ep=2) and `hybrid plan --strategy ddp --ep 2` plan through here."""
-    from hybrid.catalogue import load_catalogue
-    from hybrid.cluster import Cluster
-    from hybrid.planner import plan
-    from hybrid.profile import resolve_model
-    from hybrid.spec import TrainSpec
-    prof, cl = resolve_model("mixtral-8x7b").profile, Cluster.build(8, 8, "h100-80gb")
-    for name in ("ddp", "zero3"):
-        with pytest.raises(HybridError, match=f"--ep 8: {name} cannot split experts; expert parallelism runs on"):
-            plan(prof, TrainSpec(1, 4096), cl, load_catalogue(), strategies=[name], ep=8)
-
-
-@pytest.mark.fakepg          # CPU modules, no process group
+@pytest.mark.torch           # CPU modules, no process group
 def test_what_cannot_honour_ep_says_what_can():
     from hybrid.backends.ep import check_expert_parallel
     from hybrid.models import build_decoder
@@ -91,7 +62,7 @@ def test_what_cannot_honour_ep_says_what_can():
         check_expert_parallel(build_decoder("tiny-llama"), 2, cat["fsdp"], False, 1)
 
 
-@pytest.mark.fakepg          # CPU modules, no process group
+@pytest.mark.torch           # CPU modules, no process group
 def test_our_moe_block_computes_what_transformers_mixtral_computes():
     """Same weights, same tokens: our MoE decoder's logits and gradients are transformers'."""
     hf, ours = tiny_mixtral(), tiny_moe_decoder(seed=3)

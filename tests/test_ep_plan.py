@@ -179,7 +179,7 @@ def test_torchtitan_emit_carries_ep_and_the_others_name_torchtitan():
             emit(kind, p, p.model)
 
 
-@pytest.mark.unit
+@pytest.mark.torch
 def test_torchtitan_reads_the_ep_degree(capsys):
     """torchtitan's own ConfigManager on the emitted arguments (skipped where torchtitan 0.3 is not
     installed, as tests/test_handoff.py does), its model module and config function filled in."""
@@ -242,3 +242,29 @@ def test_job_file_and_auto_wrap_carry_moe_imbalance_and_ep(tmp_path, capsys):
     assert wrap_options(str(job))[0]["moe_imbalance"] == 1.5
     with pytest.raises(HybridError, match="auto_wrap: moe_imbalance must be at least 1"):
         check_arguments({"moe_imbalance": 0.5}, "auto_wrap")
+
+
+@pytest.mark.unit
+def test_the_experts_mesh_splits_the_sharded_ranks():
+    from hybrid.parallel import EXPERT_DIM_NAMES, ParallelDims
+    d = ParallelDims(dp_replicate=2, dp_shard=4, cp=2, ep=4)
+    assert EXPERT_DIM_NAMES == ("pp", "dp_replicate", "expert_shard", "ep", "tp")
+    assert d.expert_shape == (1, 2, 2, 4, 1)
+    assert ParallelDims(dp_shard=4).expert_shape == (1, 1, 4, 1, 1)
+
+
+@pytest.mark.unit
+def test_ep_is_a_checked_job_option():
+    from hybrid.jobfile import OPTIONS, check_arguments
+    assert OPTIONS["ep"].check(2) == 2
+    with pytest.raises(HybridError, match="ep"):
+        check_arguments({"ep": 0}, "auto_wrap")
+
+
+@pytest.mark.unit
+def test_a_forced_strategy_without_ep_says_which_have_it():
+    """auto_wrap(strategy="ddp", ep=2) and `hybrid plan --strategy ddp --ep 2` plan through here."""
+    prof, cl = resolve_model("mixtral-8x7b").profile, Cluster.build(8, 8, "h100-80gb")
+    for name in ("ddp", "zero3"):
+        with pytest.raises(HybridError, match=f"--ep 8: {name} cannot split experts; expert parallelism runs on"):
+            plan(prof, TrainSpec(1, 4096), cl, load_catalogue(), strategies=[name], ep=8)

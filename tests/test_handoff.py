@@ -1,4 +1,5 @@
-"""Hand-off: torchtitan's command line, the HF Trainer's DeepSpeed form, job files (pure: no process group)."""
+"""Hand-off: torchtitan's command line, the HF Trainer's DeepSpeed form, job files (no process group;
+torchtitan's and Accelerate's own readers check their files in the torch tier)."""
 import json
 
 import pytest
@@ -37,7 +38,7 @@ def torchtitan_config(argv: list[str]):
 @pytest.mark.parametrize("argv,world", [(("llama3-8b", "--nodes", "8"), 64),
                                         (("llama3-70b", "--nodes", "4", "--seq-len", "8192",
                                           "--gradient-accumulation", "16", "--strategy", "fsdp", "--pp", "2"), 32)])
-@pytest.mark.unit
+@pytest.mark.torch
 def test_torchtitan_command_loads_in_torchtitan(capsys, argv, world):
     out, _ = _run(capsys, "plan", *argv, "--emit", "torchtitan")
     assert "-m torchtitan.train" in out and f"--nnodes {world // 8} --nproc-per-node 8" in out
@@ -178,7 +179,7 @@ def test_torchtitan_command_carries_the_pipeline(capsys):
                         "${TT_CONFIG:?your config_registry function}"]     # its registry function runs float8
 
 
-@pytest.mark.unit
+@pytest.mark.torch
 def test_accelerate_for_several_machines_says_how_to_launch_each(capsys, tmp_path):
     """A two-node file as launched with no rank or address would wait for peers that never come:
     it carries the rendezvous keys (a placeholder address that cannot resolve), a comment, and

@@ -24,7 +24,7 @@ def test_moe_presets_give_published_total_and_active_counts(name):
     assert abs(cfg.active_params / active - 1) < 0.03
 
 
-@pytest.mark.fakepg             # builds the transformers module on the meta device
+@pytest.mark.torch              # builds the transformers module on the meta device
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_closed_form_equals_the_transformers_module(name):
     from hybrid.models import build_hf
@@ -47,7 +47,7 @@ def _tiny(mt, **kw):
                          head_size=32 if mt == "qwen3_moe" else None, **shape)
 
 
-@pytest.mark.fakepg             # real CPU tensors, one block, no process group
+@pytest.mark.torch              # real CPU tensors, one block, no process group
 @pytest.mark.parametrize("regime", ["fp32", "bf16", "autocast"])
 @pytest.mark.parametrize("mt", ["mixtral", "qwen3_moe", "olmoe"])
 def test_moe_block_formula_matches_autograd(mt, regime):
@@ -70,7 +70,7 @@ def test_moe_block_formula_matches_autograd(mt, regime):
         assert measured == pytest.approx(_layer_full(cfg, spec, spec.bytes.compute, autocast) * 2 * S, rel=0.01)
 
 
-@pytest.mark.fakepg
+@pytest.mark.torch              # real CPU tensors, one process
 @pytest.mark.parametrize("mode", ["full", "selective", "op"])
 def test_moe_checkpointing_policies_keep_what_the_formulas_say(mode):
     import torch
@@ -182,7 +182,7 @@ def test_emitted_configs_wrap_the_transformers_moe_layer(name):
     assert transformers_layer_class(resolve_model(name).profile) == expected
 
 
-@pytest.mark.fakepg
+@pytest.mark.torch
 def test_the_moe_layer_table_is_what_transformers_says():
     from hybrid.models import build_hf
     from hybrid.profile import HF_LAYERS

@@ -23,19 +23,6 @@ def test_expandable_segments_follow_the_users_allocator_setting():
     assert allocator_expandable({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}) is False
 
 
-def test_auto_wrap_sets_expandable_segments_only_where_nobody_did(monkeypatch):
-    import torch
-    from hybrid.auto import enable_expandable_segments
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    env = {}
-    assert enable_expandable_segments(env) and env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    mine = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
-    assert not enable_expandable_segments(mine) and mine == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert not enable_expandable_segments(env := {}) and env == {}  # CPU ranks: nothing to set
-
-
 def _row(capsys, *flags):
     assert main(["estimate", "llama2-7b", "--nodes", "8", "--strategy", "fsdp", "--json", *flags]) == 0
     return json.loads(capsys.readouterr().out)["strategies"][0]

@@ -14,12 +14,12 @@ import zlib
 import pytest
 import torch
 
-from hybrid.cli import main
 from hybrid.errors import HybridError
 from hybrid.launch import run_ranks
 from hybrid.models import build_decoder
 from tests.test_backends import TINY
 from tests.test_safety import _train
+from tests.test_safety_input import _cli
 
 pytestmark = pytest.mark.safety
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -282,12 +282,6 @@ def test_deeply_nested_or_huge_meta_json_is_one_line(ckpts, tmp_path):
     with open(os.path.join(c, "meta.json"), "w") as f:
         f.truncate(65 << 20)
     assert "larger than" in export_error(c, str(tmp_path / "out"))
-
-
-def _cli(argv, **kw):
-    proc = subprocess.run([sys.executable, "-m", "hybrid.cli", *argv], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300, **kw)
-    return proc.returncode, proc.stdout, proc.stderr
 
 
 @pytest.mark.gloo
@@ -567,122 +561,7 @@ def test_save_keeps_a_users_copy_of_a_version_and_cleans_its_temp_files_and_a_fu
     assert loaded == [None]
 
 
-# --- 6. job files and flags: one check per key, ranges, no silent defaults -------------------------
-def _run(capsys, *argv):
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def _one_line(rc, out, err):
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    return rc == 2 and out == "" and len(lines) == 1 and lines[0].startswith("hybrid: error: ") \
-        and "Traceback" not in err
-
-
-BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
-    f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
-
-
-@pytest.mark.unit
-def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path, capsys):
-    job = tmp_path / "bomb.yaml"
-    job.write_text(BOMB)
-    assert len(BOMB) < 600
-    start = time.monotonic()
-    rc, out, err = _run(capsys, "plan", "gpt2", "--config", str(job), "--json")
-    assert _one_line(rc, out, err) and "alias" in err, err
-    from hybrid.jobfile import wrap_options
-    with pytest.raises(HybridError, match="YAML alias"):
-        wrap_options(str(job))
-    assert time.monotonic() - start < 2
-
-
-@pytest.mark.unit
-def test_a_strategy_file_alias_bomb_is_refused(tmp_path, capsys):
-    d = tmp_path / "strategies"
-    d.mkdir()
-    (d / "s.yaml").write_text("name: bomb\nfamily: ddp\n" + BOMB.replace("a:", "x_a:", 1))
-    rc, out, err = _run(capsys, "plan", "gpt2", "--strategies-dir", str(d), "--json")
-    assert _one_line(rc, out, err) and "alias" in err, err
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("text,match", [
-    ("nodes: .inf\n", "nodes must be an integer, got inf"),
-    ("gpu: [a100-80gb]\n", "gpu must be a string, got list"),
-    ("model: 7\n", "model must be a string, got int"),
-    ("strategies_dir: [[a, b]]\n", "strategies_dir must be a string, got list"),
-    ("seq_len: 0\n", "seq_len must be a positive integer, got 0"),
-    ("gpus_per_node: 0\n", "gpus_per_node must be a positive integer"),
-    ("efficiency: 1.0e-320\n", "efficiency must be at least 0.01"),
-    ("headroom: -1\n", "headroom must be at least 0"),
-    ("precision: ''\n", "precision is empty"),
-    ("model: " + "x" * 100000 + "\n", "model is 100000 characters long"),
-    ("nodez" + "z" * 1000 + ": 1\n", "unknown key 'nodezzz"),
-    ("nodes: " + "9" * 5000 + "\n", "not a job file hybrid reads"),
-    ("nodes: " + "9" * 20 + "\n", "nodes must be at most 1e+09"),
-    ("- " * 200 + "x\n", "levels of nesting"),
-], ids=lambda v: v[:20] if isinstance(v, str) else None)
-def test_job_file_values_one_line_short(tmp_path, capsys, text, match):
-    job = tmp_path / "job.yaml"
-    job.write_text(text)
-    rc, out, err = _run(capsys, "plan", "gpt2", "--config", str(job), "--json")
-    assert _one_line(rc, out, err) and match in err, err
-    assert len(err) < 600                       # the value is cut, never printed whole (the key list is ~280)
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("text,match", [("seq_len: 0\n", "seq_len must be a positive integer"),
-                                        ("nodes: 0\n", "nodes must be a positive integer"),
-                                        ("gpu: ''\n", "gpu is empty")])
-def test_auto_wrap_job_file_zero_is_an_error_not_a_default(tmp_path, text, match):
-    from hybrid.jobfile import wrap_options
-    job = tmp_path / "job.yaml"
-    job.write_text(text)
-    with pytest.raises(HybridError, match=match):
-        wrap_options(str(job))
-
-
-@pytest.mark.unit
-def test_auto_wrap_arguments_go_through_the_same_checks():
-    from hybrid.jobfile import check_arguments
-    for kw, match in (({"seq_len": 0}, "seq_len must be a positive integer"), ({"precision": ""}, "precision is empty"),
-                      ({"tp": 0}, "tp must be a positive integer"), ({"micro_batch": 1.5}, "must be an integer")):
-        with pytest.raises(HybridError, match=match):
-            check_arguments(kw, "auto_wrap")
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("argv,match", [
-    (["--gpus-per-node", "0"], "--gpus-per-node must be a positive integer, got 0"),
-    (["--gpu="], "--gpu is empty"),
-    (["--precision="], "--precision is empty"),
-    (["--activation-checkpointing="], "--activation-checkpointing is empty"),
-    (["--efficiency", "1e-320"], "--efficiency must be at least 0.01"),
-    (["--efficiency", "nan"], "--efficiency must be a finite number"),
-    (["--headroom", "inf"], "--headroom must be a finite number"),
-    (["--nodes", "2000000000"], "--nodes must be at most 1e+09"),
-    (["--tp", "0"], "--tp must be a positive integer"),
-    (["--strategy="], "--strategy is empty"),
-    (["--gpu-memory="], "--gpu-memory is empty"),
-])
-def test_zero_empty_and_out_of_range_flags_are_errors(capsys, argv, match):
-    rc, out, err = _run(capsys, "plan", "gpt2", *argv, "--json")
-    assert _one_line(rc, out, err) and match in err, err
-
-
-FACTORY = "import sys\ndef exits():\n    sys.exit(0)\ndef exits_on_import():\n    pass\n"
-
-
-@pytest.mark.unit
-def test_a_factory_raising_system_exit_is_a_clear_error(tmp_path):
-    (tmp_path / "exitfactories.py").write_text(FACTORY)
-    (tmp_path / "exitmodule.py").write_text("import sys\nsys.exit(0)\ndef f():\n    pass\n")
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
-    for spec, match in (("exitfactories:exits", "raised SystemExit"), ("exitmodule:f", "SystemExit")):
-        rc, out, err = _cli(["plan", spec, "--json"], env=env)
-        assert rc == 2 and out == "" and match in err and len(err.strip().splitlines()) == 1, (spec, rc, err)
+# --- 6. job files and flags: tests/test_safety_input.py (no torch) ---------------------------------
 
 
 @pytest.mark.gloo
@@ -731,45 +610,6 @@ def test_a_decoder_type_hybrid_does_not_write_is_one_line(ckpts, tmp_path):
     write_meta(c, meta)
     msg = export_error(c, str(tmp_path / "out"))
     assert msg and "'x'" in msg and not (tmp_path / "out").exists()
-
-
-@pytest.mark.unit
-def test_export_leaves_an_ignored_hangup_ignored():
-    """`nohup hybrid export ...`: the export's cleanup handlers never replace an ignored SIGHUP."""
-    import signal
-
-    from hybrid.export import _signals_unwind
-    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    try:
-        with _signals_unwind():
-            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
-            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
-        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
-    finally:
-        signal.signal(signal.SIGHUP, old)
-
-
-@pytest.mark.unit
-def test_a_job_file_past_the_size_limit_is_refused_whole(tmp_path):
-    """Counted in bytes: 2-byte characters must not let a truncated file through as valid YAML."""
-    from hybrid.catalogue import YAML_LIMITS
-    from hybrid.jobfile import load_job
-    job = tmp_path / "job.yaml"
-    pad = "é" * (YAML_LIMITS["bytes"] // 2 - 8)          # ~1 MiB of text in about half as many characters
-    job.write_text(f"model: gpt2\n# {pad}\nnodes: 0\n", encoding="utf-8")
-    with pytest.raises(HybridError, match="larger than"):
-        load_job(str(job))
-@pytest.mark.unit
-def test_params_json_never_says_fits_while_activations_are_unknown(capsys):
-    rc, out, _ = _run(capsys, "plan", "--params", "7.5e9", "--json")
-    rows = json.loads(out)["strategies"]
-    assert rc == 0 and rows and not any(r["fits"] for r in rows)
-    assert all(r["activations_known"] is False and r["verdict"] in ("states", "OOM", "n/a") for r in rows)
-    assert any("model states fit" in r["reason"] and "activations unknown" in r["reason"] for r in rows)
-    rc, out, _ = _run(capsys, "plan", "llama2-7b", "--nodes", "8", "--json")
-    doc = json.loads(out)
-    chosen = next(r for r in doc["strategies"] if r["name"] == doc["chosen"] and r["fits"])
-    assert chosen["activations_known"] is True
 
 
 RANK0_DIES = """
@@ -821,3 +661,32 @@ def test_ctrl_c_during_cli_export_is_one_line_and_leaves_nothing(ckpts, tmp_path
     assert proc.returncode == 130 and err.strip() == "hybrid: interrupted" and out == "", (proc.returncode, err[-2000:])
     left = os.listdir(parent)       # nothing, or (Ctrl-C after the final rename) the whole export
     assert left == [] or (left == ["out"] and (parent / "out" / "model.safetensors.index.json").exists()), left
+
+
+FACTORY = "import sys\ndef exits():\n    sys.exit(0)\ndef exits_on_import():\n    pass\n"
+
+
+@pytest.mark.torch                  # a factory builds a torch module
+def test_a_factory_raising_system_exit_is_a_clear_error(tmp_path):
+    (tmp_path / "exitfactories.py").write_text(FACTORY)
+    (tmp_path / "exitmodule.py").write_text("import sys\nsys.exit(0)\ndef f():\n    pass\n")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    for spec, match in (("exitfactories:exits", "raised SystemExit"), ("exitmodule:f", "SystemExit")):
+        rc, out, err = _cli(["plan", spec, "--json"], env=env)
+        assert rc == 2 and out == "" and match in err and len(err.strip().splitlines()) == 1, (spec, rc, err)
+
+
+@pytest.mark.torch                  # hybrid.export reads checkpoints with torch
+def test_export_leaves_an_ignored_hangup_ignored():
+    """`nohup hybrid export ...`: the export's cleanup handlers never replace an ignored SIGHUP."""
+    import signal
+
+    from hybrid.export import _signals_unwind
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with _signals_unwind():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, old)

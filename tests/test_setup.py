@@ -11,20 +11,6 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_deepspeed_builds_its_ops_in_this_environment(tmp_path):
-    """torch's default extension cache is per user, shared by every venv (an op another venv's torch
-    built is rebuilt); inside a writable venv we use <venv>/torch_extensions unless the user set one."""
-    from hybrid.backends.deepspeed import extension_cache
-    env, venv = {}, str(tmp_path)
-    assert extension_cache(env, prefix=venv, base_prefix="/usr") == f"{venv}/torch_extensions"
-    assert env == {"TORCH_EXTENSIONS_DIR": f"{venv}/torch_extensions"}
-    mine = {"TORCH_EXTENSIONS_DIR": "/scratch/ext"}
-    assert extension_cache(mine, prefix=venv, base_prefix="/usr") == "/scratch/ext"
-    assert extension_cache(none := {}, prefix="/usr", base_prefix="/usr") is None and none == {}
-    # a read-only environment (a shared install): torch's own default, where the build can write
-    assert extension_cache(ro := {}, prefix="/nonexistent/.venv", base_prefix="/usr") is None and ro == {}
-
-
 def test_setup_says_what_it_does():
     """Re-run where the set-up is complete (it then installs and builds nothing): every step is a line."""
     venv = ROOT / ".venv"

@@ -1,0 +1,150 @@
+"""Safety without torch (issue 27, the pure part): job files, flags and model specs a hostile or
+careless user hands the planner are refused in one line, and a plan answers at once on any world
+(tests/test_safety_files.py holds the checkpoint and export cases, on real ranks)."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hybrid.cli import main
+from hybrid.errors import HybridError
+
+pytestmark = [pytest.mark.safety, pytest.mark.unit]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cli(argv, **kw):
+    proc = subprocess.run([sys.executable, "-m", "hybrid.cli", *argv], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300, **kw)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def _run(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _one_line(rc, out, err):
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    return rc == 2 and out == "" and len(lines) == 1 and lines[0].startswith("hybrid: error: ") \
+        and "Traceback" not in err
+
+
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path, capsys):
+    job = tmp_path / "bomb.yaml"
+    job.write_text(BOMB)
+    assert len(BOMB) < 600
+    start = time.monotonic()
+    rc, out, err = _run(capsys, "plan", "gpt2", "--config", str(job), "--json")
+    assert _one_line(rc, out, err) and "alias" in err, err
+    from hybrid.jobfile import wrap_options
+    with pytest.raises(HybridError, match="YAML alias"):
+        wrap_options(str(job))
+    assert time.monotonic() - start < 2
+
+
+def test_a_strategy_file_alias_bomb_is_refused(tmp_path, capsys):
+    d = tmp_path / "strategies"
+    d.mkdir()
+    (d / "s.yaml").write_text("name: bomb\nfamily: ddp\n" + BOMB.replace("a:", "x_a:", 1))
+    rc, out, err = _run(capsys, "plan", "gpt2", "--strategies-dir", str(d), "--json")
+    assert _one_line(rc, out, err) and "alias" in err, err
+
+
+@pytest.mark.parametrize("text,match", [
+    ("nodes: .inf\n", "nodes must be an integer, got inf"),
+    ("gpu: [a100-80gb]\n", "gpu must be a string, got list"),
+    ("model: 7\n", "model must be a string, got int"),
+    ("strategies_dir: [[a, b]]\n", "strategies_dir must be a string, got list"),
+    ("seq_len: 0\n", "seq_len must be a positive integer, got 0"),
+    ("gpus_per_node: 0\n", "gpus_per_node must be a positive integer"),
+    ("efficiency: 1.0e-320\n", "efficiency must be at least 0.01"),
+    ("headroom: -1\n", "headroom must be at least 0"),
+    ("precision: ''\n", "precision is empty"),
+    ("model: " + "x" * 100000 + "\n", "model is 100000 characters long"),
+    ("nodez" + "z" * 1000 + ": 1\n", "unknown key 'nodezzz"),
+    ("nodes: " + "9" * 5000 + "\n", "not a job file hybrid reads"),
+    ("nodes: " + "9" * 20 + "\n", "nodes must be at most 1e+09"),
+    ("- " * 200 + "x\n", "levels of nesting"),
+], ids=lambda v: v[:20] if isinstance(v, str) else None)
+def test_job_file_values_one_line_short(tmp_path, capsys, text, match):
+    job = tmp_path / "job.yaml"
+    job.write_text(text)
+    rc, out, err = _run(capsys, "plan", "gpt2", "--config", str(job), "--json")
+    assert _one_line(rc, out, err) and match in err, err
+    assert len(err) < 600                       # the value is cut, never printed whole (the key list is ~280)
+
+
+@pytest.mark.parametrize("text,match", [("seq_len: 0\n", "seq_len must be a positive integer"),
+                                        ("nodes: 0\n", "nodes must be a positive integer"),
+                                        ("gpu: ''\n", "gpu is empty")])
+def test_auto_wrap_job_file_zero_is_an_error_not_a_default(tmp_path, text, match):
+    from hybrid.jobfile import wrap_options
+    job = tmp_path / "job.yaml"
+    job.write_text(text)
+    with pytest.raises(HybridError, match=match):
+        wrap_options(str(job))
+
+
+def test_auto_wrap_arguments_go_through_the_same_checks():
+    from hybrid.jobfile import check_arguments
+    for kw, match in (({"seq_len": 0}, "seq_len must be a positive integer"), ({"precision": ""}, "precision is empty"),
+                      ({"tp": 0}, "tp must be a positive integer"), ({"micro_batch": 1.5}, "must be an integer")):
+        with pytest.raises(HybridError, match=match):
+            check_arguments(kw, "auto_wrap")
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--gpus-per-node", "0"], "--gpus-per-node must be a positive integer, got 0"),
+    (["--gpu="], "--gpu is empty"),
+    (["--precision="], "--precision is empty"),
+    (["--activation-checkpointing="], "--activation-checkpointing is empty"),
+    (["--efficiency", "1e-320"], "--efficiency must be at least 0.01"),
+    (["--efficiency", "nan"], "--efficiency must be a finite number"),
+    (["--headroom", "inf"], "--headroom must be a finite number"),
+    (["--nodes", "2000000000"], "--nodes must be at most 1e+09"),
+    (["--tp", "0"], "--tp must be a positive integer"),
+    (["--strategy="], "--strategy is empty"),
+    (["--gpu-memory="], "--gpu-memory is empty"),
+])
+def test_zero_empty_and_out_of_range_flags_are_errors(capsys, argv, match):
+    rc, out, err = _run(capsys, "plan", "gpt2", *argv, "--json")
+    assert _one_line(rc, out, err) and match in err, err
+
+
+def test_a_job_file_past_the_size_limit_is_refused_whole(tmp_path):
+    """Counted in bytes: 2-byte characters must not let a truncated file through as valid YAML."""
+    from hybrid.catalogue import YAML_LIMITS
+    from hybrid.jobfile import load_job
+    job = tmp_path / "job.yaml"
+    pad = "é" * (YAML_LIMITS["bytes"] // 2 - 8)          # ~1 MiB of text in about half as many characters
+    job.write_text(f"model: gpt2\n# {pad}\nnodes: 0\n", encoding="utf-8")
+    with pytest.raises(HybridError, match="larger than"):
+        load_job(str(job))
+
+
+def test_params_json_never_says_fits_while_activations_are_unknown(capsys):
+    rc, out, _ = _run(capsys, "plan", "--params", "7.5e9", "--json")
+    rows = json.loads(out)["strategies"]
+    assert rc == 0 and rows and not any(r["fits"] for r in rows)
+    assert all(r["activations_known"] is False and r["verdict"] in ("states", "OOM", "n/a") for r in rows)
+    assert any("model states fit" in r["reason"] and "activations unknown" in r["reason"] for r in rows)
+    rc, out, _ = _run(capsys, "plan", "llama2-7b", "--nodes", "8", "--json")
+    doc = json.loads(out)
+    chosen = next(r for r in doc["strategies"] if r["name"] == doc["chosen"] and r["fits"])
+    assert chosen["activations_known"] is True
+
+
+def test_plan_on_a_huge_world_answers_in_under_a_second(capsys):
+    start = time.monotonic()
+    assert main(["plan", "gpt2", "--nodes", "1000000000", "--gpus-per-node", "1000", "--json"]) == 0
+    assert time.monotonic() - start < 1.0
+    assert json.loads(capsys.readouterr().out)["chosen"]
