@@ -43,6 +43,10 @@ class RunEstimator:
 
     def __call__(self, layout: Layout, spec: TrainSpec, rank: int = 0) -> MemoryBreakdown:
         s, n = layout.dp, layout.dims.dp_shard
+        shard = n if s.shard_is_free else None
+        if self.method == "measured":     # before the progress line: a refusal is the only stderr line
+            from .measured import check_host_memory
+            check_host_memory(self.source, s, spec, self.cluster, shard)
         if self.progress is not None:
             self.progress.begin(f"{layout.label} (shard {n})")
         if self.method == "traced":
@@ -50,10 +54,8 @@ class RunEstimator:
             result = traced_rank(self.source, layout, spec, self.cluster, rank, self.prefer_hf, self.strategies_dir)
             memory = result.memory
         else:
-            from .measured import check_host_memory, measured_estimate
+            from .measured import measured_estimate
             from .traced import IMPLEMENTATIONS
-            shard = n if s.shard_is_free else None
-            check_host_memory(self.source, s, spec, self.cluster, shard)
             result = measured_estimate(self.source, s, spec, self.cluster, shard, prefer_hf=self.prefer_hf)
             note = f"measured on {IMPLEMENTATIONS[result.implementation]} ({result.implementation})"
             memory = replace(result.memory, notes=result.memory.notes + (note,))
