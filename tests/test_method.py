@@ -65,3 +65,16 @@ def test_traced_pipeline_rank_runs_through_the_planners_estimator(capsys):
     assert row["parallel"]["pp"] == 2 and len(row["pipeline"]["stages"]) == 2
     assert any(n.startswith("traced pp rank ") for n in row["notes"]), row["notes"]
     assert "tracing fsdp+pp2 (shard 2)" in err
+
+
+@pytest.mark.gloo
+def test_measure_runs_through_the_planners_estimator(capsys):
+    """`hybrid measure` (estimate --method measured): the estimator runs the job on 2 CPU ranks and
+    notes what ran; the progress line shows the layout."""
+    code = main(["measure", "tiny-llama", "--strategy", "ddp", "--seq-len", "32", "--implementation", "hybrid",
+                 "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    row = json.loads(out)["strategies"][0]
+    assert row["per_gpu"]["total"] > 0 and "measured on hybrid's own implementation (hybrid)" in row["notes"]
+    assert "measuring ddp (shard 1)" in err
