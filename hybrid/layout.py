@@ -176,12 +176,12 @@ class Layout:
         """The model-parallel dimensions this layout splits (degree above 1), in DIMENSIONS' order."""
         return {dim: n for dim in DIMENSIONS if (n := getattr(self.dims, dim)) > 1}
 
-    def check_handoff(self, what: str, expresses: tuple[str, ...], label: str | None = None) -> None:
+    def check_handoff(self, what: str, expresses: tuple[str, ...]) -> None:
         """HybridError naming the first dimension this layout uses that a hand-off (`what`, e.g.
         "--emit deepspeed") cannot express, with torchtitan's key for it or pinning it to 1."""
         for dim, n in self.used().items():
             if dim not in expresses:
-                raise HybridError(f"{label or self.label}: {what} cannot express {DIMENSIONS[dim]} ({dim} {n}); use "
+                raise HybridError(f"{self.label}: {what} cannot express {DIMENSIONS[dim]} ({dim} {n}); use "
                                   f"--emit torchtitan (--parallelism.{TORCHTITAN_DEGREES[dim]}), or plan with "
                                   f"--{dim} 1")
 
