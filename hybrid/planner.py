@@ -182,9 +182,12 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
     context-parallel degree (cp_degrees) when the sequence is long (memory/cp.LONG_SEQ), an int
     pins it. With spec.global_batch each layout's micro-batch and accumulation are searched
     (hybrid/batch.py) unless `micro_batch` pins the micro-batch. ep None tries every expert-parallel
-    degree of an MoE model (ep_degrees), an int pins it (1: none)."""
+    degree of an MoE model (ep_degrees), an int pins it (1: none). `estimator` (memory/method.
+    RunEstimator) replaces the analytic memory of each layout its method runs (layout.METHOD_REACH:
+    unpinned degrees it cannot run are 1, pinned ones raise)."""
     check_job(profile, spec)
-    reach = method_degrees(method, {"tp": tp, "pp": pp, "cp": cp, "ep": ep})    # what traced/measured run
+    method = estimator.method if estimator is not None else method     # RunEstimator: traced or measured
+    reach = method_degrees(method, {"tp": tp, "pp": pp, "cp": cp, "ep": ep})    # the degrees that method runs
     tp, pp, cp, ep = reach["tp"], reach["pp"], reach["cp"], reach["ep"]
     tie = TIE
     if calibration is not None:
