@@ -215,6 +215,12 @@ def replica_group(mesh: DeviceMesh):
     return _flat(mesh, ("dp_replicate", "dp_shard", "cp")).get_group()
 
 
+def dim_size(mesh: DeviceMesh, name: str) -> int:
+    """The size of a root mesh dimension, read without slicing it out (a slice builds the
+    sub-mesh's rank tensors, which a traced estimate would count as the job's)."""
+    return mesh.size(mesh.mesh_dim_names.index(name))
+
+
 def ep_size(mesh) -> int:
     """The expert-parallel degree of a mesh built by build_mesh (1: every rank holds every expert)."""
     experts = getattr(mesh, "experts", None)

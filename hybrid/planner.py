@@ -26,7 +26,7 @@ from .errors import HybridError
 from .memory.analytic import NotApplicable, check_job
 from .memory.moe import check_ep, check_ep_layouts, ep_degrees
 from .memory.breakdown import MemoryBreakdown, fragmentation_floor, overhead_bytes
-from .memory.stages import rank_estimates
+from .memory.stages import rank_estimates, staged
 from .pipeline import (PipelineLayout, batch_schedules, check_stages_with_cp, pp_degrees, schedules_for,
                        stage_cluster, stage_degrees)
 from .profile import ModelProfile, tp_degrees
@@ -41,18 +41,18 @@ MAX_CP_TRIES = 8
 
 def judge(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster, estimator=None,
           efficiency: float | None = None) -> Candidate:
-    """Estimate one layout and say whether and why it fits. Every pipeline rank is estimated
-    (memory/stages.rank_estimates: one rank without stages); the busiest is the candidate's memory.
-    `estimator(layout, spec, rank)` (memory/method.RunEstimator: traced, measured) replaces the
-    analytic estimate of that rank; the analytic one still rules out layouts that cannot run the
-    job at all, before anything expensive runs. A bare Strategy stands for its layout on the
-    cluster (Layout.of)."""
+    """Estimate one layout and say whether and why it fits. Its stages are split (memory/stages.
+    staged) and every pipeline rank is estimated (rank_estimates: one rank without stages); the
+    busiest is the candidate's memory. `estimator(layout, spec, rank)` (memory/method.RunEstimator:
+    traced, measured) replaces the analytic estimate of that rank; the analytic one still rules out
+    layouts that cannot run the job at all, before anything expensive runs. A bare Strategy stands
+    for its layout on the cluster (Layout.of)."""
     layout = as_layout(layout, cluster, spec)
     spec = layout.train_spec(spec)
-    stages = ()
     try:
         layout.dp.family_obj.check(layout)
-        layout, stages, busiest = rank_estimates(layout, profile, spec, cluster)
+        layout = staged(layout, profile, spec, cluster)       # a rejected candidate keeps its stage split
+        stages, busiest = rank_estimates(layout, profile, spec, cluster)
         m = stages[busiest]
         floor = m.floor            # the model's shape and the allocator's, whatever the estimator
         if estimator is not None:

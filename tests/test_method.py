@@ -78,3 +78,15 @@ def test_measure_runs_through_the_planners_estimator(capsys):
     row = json.loads(out)["strategies"][0]
     assert row["per_gpu"]["total"] > 0 and "measured on hybrid's own implementation (hybrid)" in row["notes"]
     assert "measuring ddp (shard 1)" in err
+
+
+@pytest.mark.fakepg
+def test_traced_ddp_buffers_do_not_grow_with_the_world(capsys):
+    """DDP's traced buffers are its gradient buckets, whatever the world size: reading the mesh's cp
+    degree must not slice sub-meshes inside the tracker (their rank tensors grew with the world)."""
+    buffers = []
+    for per_node in (2, 8):
+        assert main(["estimate", "tiny-llama", "--strategy", "ddp", "--gpus-per-node", str(per_node), "--seq-len",
+                     "64", "--method", "traced", "--implementation", "hybrid", "--json"]) == 0
+        buffers.append(json.loads(capsys.readouterr().out)["strategies"][0]["per_gpu"]["buffers"])
+    assert buffers[0] == buffers[1] > 0, buffers

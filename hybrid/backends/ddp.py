@@ -148,12 +148,12 @@ def traced_apply(strategy, model, optimizer_factory, mesh, spec, runtime, option
     """DDP's step on fake tensors (_EmulatedDDP: its bucketed gradient buffer), with checkpointing
     and, over a cp mesh dimension, context parallelism's sequence split (backends/cp.py)."""
     from .cp import apply_context_parallel
-    from ..parallelize import layout_of_mesh
+    from ..mesh import dim_size
 
     apply_activation_checkpointing(model, spec.activation_checkpointing)
     ddp = _EmulatedDDP(model, strategy)
     engine = DDPEngine(model, ddp, optimizer_factory([p for p in model.parameters() if p.requires_grad]),
                        compute_dtype(spec), runtime.device.type)
-    if layout_of_mesh(strategy, mesh, spec).dims.cp > 1:
+    if dim_size(mesh, "cp") > 1:
         engine.cp = apply_context_parallel(model, mesh["cp"], spec)
     return engine

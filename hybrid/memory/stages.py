@@ -23,16 +23,23 @@ if TYPE_CHECKING:
     from .traced import Traced
 
 
-def rank_estimates(layout: Layout, profile: ModelProfile, spec: TrainSpec,
-                   cluster: Cluster) -> tuple[Layout, tuple[MemoryBreakdown, ...], int]:
-    """(the layout with its stage split, each pipeline rank's analytic estimate, the busiest
-    rank). Without stages: the layout, its one rank's estimate, rank 0."""
+def staged(layout: Layout, profile: ModelProfile, spec: TrainSpec, cluster: Cluster) -> Layout:
+    """The layout with its stage split (pipeline_layout) when it has pipeline ranks; as it is
+    without. NotApplicable where the blocks cannot be split so."""
     if layout.dims.pp == 1:
-        return layout, (estimate(layout, profile, spec, cluster),), 0
+        return layout
+    return layout.with_pipeline(pipeline_layout(layout, profile, spec, stage_cluster(cluster, layout.dims.pp)))
+
+
+def rank_estimates(layout: Layout, profile: ModelProfile, spec: TrainSpec,
+                   cluster: Cluster) -> tuple[tuple[MemoryBreakdown, ...], int]:
+    """(each pipeline rank's analytic estimate of a staged layout, the busiest rank); without
+    stages the one rank's estimate, rank 0."""
+    if layout.pipeline is None:
+        return (estimate(layout, profile, spec, cluster),), 0
     stage_cl = stage_cluster(cluster, layout.dims.pp)
-    layout = layout.with_pipeline(pipeline_layout(layout, profile, spec, stage_cl))
     per_rank = tuple(estimate(layout, profile, spec, stage_cl, r) for r in range(layout.dims.pp))
-    return layout, per_rank, max(range(len(per_rank)), key=lambda r: per_rank[r].total)
+    return per_rank, max(range(len(per_rank)), key=lambda r: per_rank[r].total)
 
 
 def traced_rank(source: ModelSource, layout: Layout, spec: TrainSpec, cluster: Cluster, rank: int = 0,
