@@ -155,7 +155,7 @@ class Layout:
     def label(self) -> str:
         """fsdp+cp2+tp4+pp2:interleaved+ac:full (the parts that are used)."""
         d = self.dims
-        pipe = "" if self.pipeline is None else f"+pp{d.pp}" + (
+        pipe = "" if self.schedule is None else f"+pp{d.pp}" + (      # split or not (a rejected one)
             "" if self.schedule == "1f1b" else f":{self.schedule}")
         return (self.name + ("" if d.cp == 1 else f"+cp{d.cp}") + ("" if d.ep == 1 else f"+ep{d.ep}")
                 + ("" if d.tp == 1 else f"+tp{d.tp}")

@@ -90,3 +90,23 @@ def test_traced_ddp_buffers_do_not_grow_with_the_world(capsys):
                      "64", "--method", "traced", "--implementation", "hybrid", "--json"]) == 0
         buffers.append(json.loads(capsys.readouterr().out)["strategies"][0]["per_gpu"]["buffers"])
     assert buffers[0] == buffers[1] > 0, buffers
+
+
+@pytest.mark.unit
+def test_a_rejected_pipeline_candidate_keeps_its_stage_split():
+    """A layout whose stage estimate is not applicable (host offload on CPU ranks) still shows its
+    pipeline: every label its +ppN, and where the split needs no estimate (interleaved: even chunks)
+    the JSON its pipeline entry, the split being made before any rank is estimated."""
+    from hybrid import Cluster
+    from hybrid.catalogue import load_catalogue
+    from hybrid.cluster import cpu_spec
+    from hybrid.planner import plan
+    from hybrid.profile import resolve_model
+    from hybrid.spec import TrainSpec
+
+    p = plan(resolve_model("llama3.2-1b").profile, TrainSpec(1, 256, gradient_accumulation=4),
+             Cluster.build(2, 2, cpu_spec(4)), load_catalogue(), strategies=["fsdp-offload"], pp=2)
+    rejected = [c for c in p.candidates if c.memory is None]
+    assert len(rejected) == len(p.candidates) and all("+pp2" in c.label for c in rejected), [c.label for c in rejected]
+    interleaved = [c for c in rejected if c.layout.schedule == "interleaved"]
+    assert interleaved and all(c.to_dict()["pipeline"]["virtual_stages"] == 2 for c in interleaved)
