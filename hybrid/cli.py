@@ -129,6 +129,8 @@ def _plan(args, strategies=None, search=False):
     # unpinned: plan searches (None), estimate and compare run 1; memory methods that run the job
     # run the degrees layout.METHOD_REACH says
     tp, pp, cp, ep = ((None if search else 1) if v is None else v for v in (args.tp, args.pp, args.cp, args.ep))
+    from .layout import method_degrees
+    method_degrees(args.method, {"tp": tp, "pp": pp, "cp": cp, "ep": ep})     # a degree it cannot run: first
     from .calibration import resolve
     return plan(src.profile, spec, cluster, cat, args.shard_size, strategies=strategies, tp=tp, pp=pp, ep=ep,
                 schedule=args.schedule, calibration=resolve(args.calibration), cp=cp,
@@ -202,11 +204,8 @@ def cmd_tune(args) -> int:
     for flag, v, low in (("--top", args.top, 1), ("--steps", args.steps, 1), ("--warmup", args.warmup, 1)):
         if not low <= v <= 10**4:
             raise HybridError(f"{flag} must be between {low} and 10000, got {v}")
-    if args.pp not in (None, 1):
-        raise HybridError(f"tune runs pp 1 layouts for now, got --pp {args.pp}; plan pipelines with `hybrid plan`")
-    if args.ep not in (None, 1):
-        raise HybridError(f"tune runs ep 1 layouts for now, got --ep {args.ep}; plan expert parallelism with "
-                          "`hybrid plan`")
+    from .layout import method_degrees
+    method_degrees("tune", {"tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep})
     _writable_file(args.save_calibration, "--save-calibration")
     resolve(args.calibration)                           # a bad file fails here, before any rank starts
     cuda = _cuda()

@@ -22,10 +22,10 @@ if TYPE_CHECKING:
     from .catalogue import Strategy
     from .cluster import Cluster
 
-DIMENSIONS = {"pp": "pipeline stages", "tp": "tensor parallelism", "cp": "context parallelism",
+DIMENSIONS = {"tp": "tensor parallelism", "pp": "pipeline stages", "cp": "context parallelism",
               "ep": "expert parallelism"}
-"""The model-parallel dimensions of ParallelDims beside data parallelism, in the tie-break's order,
-with what each is called in messages."""
+"""The model-parallel dimensions of ParallelDims beside data parallelism, in their flags' order
+(the order their checks run in), with what each is called in messages."""
 TORCHTITAN_DEGREES = {"tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree",
                       "cp": "context_parallel_degree", "ep": "expert_parallel_degree"}
 """torchtitan 0.3's ParallelismConfig key of each dimension (torchtitan/config/configs.py)."""
@@ -34,16 +34,20 @@ TORCHTITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interl
 
 METHOD_REACH = {"analytic": dict.fromkeys(DIMENSIONS, "search"),
                 "traced": {"pp": "pinned", "tp": "pp", "cp": "pinned", "ep": "pinned"},
-                "measured": {}}
-"""Which degrees of each dimension a memory method runs: "search" every valid one, "pinned" a given
-one, the name of another dimension: a given one when that one is given above 1 (traced tp runs
-with a traced pipeline stage); a dimension left out runs at 1 only."""
+                "measured": {},
+                "tune": {"tp": "search", "cp": "search"}}
+"""Which degrees of each dimension a memory method (and `hybrid tune`, which runs the layouts it
+measures) runs: "search" every valid one, "pinned" a given one, the name of another dimension: a
+given one when that one is given above 1 (traced tp runs with a traced pipeline stage); a
+dimension left out runs at 1 only."""
 
 
 def method_degrees(method: str, degrees: dict[str, int | None]) -> dict[str, int | None]:
     """The degrees a plan tries with this memory method: None (search every valid one) where the
     method searches the dimension, a given degree where it runs it, else 1. HybridError, naming
     the methods that run it, for a given degree this method cannot."""
+    if method not in METHOD_REACH:
+        raise HybridError(f"unknown memory method {method!r}; use analytic, traced or measured")
     reach, out = METHOD_REACH[method], {}
     for dim in DIMENSIONS:
         n, how = degrees.get(dim), reach.get(dim)
@@ -53,6 +57,9 @@ def method_degrees(method: str, degrees: dict[str, int | None]) -> dict[str, int
         elif n == 1 or runs:
             out[dim] = n
         else:
+            if method == "tune":
+                raise HybridError(f"tune runs {dim} 1 layouts for now, got --{dim} {n}; plan {DIMENSIONS[dim]} with "
+                                  "`hybrid plan`")
             others = " or ".join(m for m in ("traced", "analytic") if METHOD_REACH[m].get(dim) in ("search", "pinned"))
             needs = "".join(f" ({m}: with --{r[dim]})" for m, r in METHOD_REACH.items() if r.get(dim) in DIMENSIONS)
             raise HybridError(f"--method {method} runs {dim} 1 only{needs}; use --method {others} for --{dim} {n}")

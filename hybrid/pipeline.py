@@ -176,9 +176,15 @@ def pp_degrees(cluster) -> list[int]:
     return divisors(cluster.nodes) if cluster.nodes > 1 else divisors(cluster.gpus_per_node)
 
 
+def splits_sequences(pp: int | None) -> bool:
+    """Whether a plan at this pipeline degree (None: not pinned, so 1 among others) may split the
+    sequence over cp ranks: pipeline stages do not carry the sequence positions cp needs."""
+    return (pp or 1) == 1
+
+
 def check_stages_with_cp(pp: int | None, cp: int | None) -> None:
     """Pinned pipeline stages and context parallelism together: HybridError (the one rule)."""
-    if (cp or 1) > 1 and (pp or 1) > 1:
+    if (cp or 1) > 1 and not splits_sequences(pp):
         raise HybridError(f"--cp {cp} with --pp {pp}: pipeline stages do not carry the sequence positions context "
                           "parallelism needs; use --pp 1 with --cp, or --cp 1 with --pp")
 

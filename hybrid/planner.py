@@ -28,7 +28,7 @@ from .memory.moe import check_ep, check_ep_layouts, ep_degrees
 from .memory.breakdown import MemoryBreakdown, fragmentation_floor, overhead_bytes
 from .memory.stages import rank_estimates, staged
 from .pipeline import (PipelineLayout, batch_schedules, check_stages_with_cp, pp_degrees, schedules_for,
-                       stage_cluster, stage_degrees)
+                       splits_sequences, stage_cluster, stage_degrees)
 from .profile import ModelProfile, tp_degrees
 from .spec import TrainSpec
 from .units import fmt_bytes
@@ -318,7 +318,7 @@ def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[
             if c:
                 out.append(f"--tp {t} ({c.label}: {_size(c)})")
                 break
-    if pp in (None, 1) and profile.decoder is not None:   # would splitting the sequence fit?
+    if splits_sequences(pp) and profile.decoder is not None:   # would splitting the sequence fit?
         for k in [d for d in divisors(cluster.world_size) if d > pinned_cp][:MAX_CP_TRIES - 1]:
             c = spec.seq_len % (2 * k) == 0 and _fits_with(profile, spec, cluster, cat, names, True, efficiency,
                                                            tp, 1, k, micro_batch=micro_batch, ep=ep)

@@ -111,10 +111,12 @@ def test_estimators_do_not_import_the_auto_wrap_entry_point():
 PKG = Path(ROOT)
 REPO = PKG.parent
 
-DIMENSION_MODULES = {"layout.py", "shares.py", "cost.py", "parallel.py", "pipeline.py", "parallelize.py", "mesh.py",
-                     "memory/cp.py", "memory/moe.py", "memory/stages.py"}
+DIMENSION_MODULES = {"layout.py", "shares.py", "cost.py", "memory/analytic.py", "parallel.py", "pipeline.py",
+                     "parallelize.py", "mesh.py", "memory/cp.py", "memory/moe.py", "memory/stages.py"}
 """Where `tp > 1`, `cp == 1`, `pipeline is None` and the like belong: the Layout, the per-rank
-shares, the cost model, ParallelDims and its mesh, the pipeline's, cp's and ep's own arithmetic
+shares, the time and memory models that compose them (cost.py; memory/analytic.py, where a
+pipeline rank's moments differ: its backward ends in its first block, its in-flight micro-batches,
+its receive buffers), ParallelDims and its mesh, the pipeline's, cp's and ep's own arithmetic
 (memory/stages.py: each pipeline rank's estimate, analytic or traced), the runtime order.
 backends/ (the engines) and families/ (each family's rules on the dimensions, its
 Family.problems) are allowed too."""
@@ -157,8 +159,12 @@ def dimension_branches(tree) -> list[int]:
         if not isinstance(node, ast.Compare) or len(node.ops) != 1:
             continue
         left, right, op = node.left, node.comparators[0], node.ops[0]
-        if isinstance(op, (ast.Is, ast.IsNot)) and _name(left) == "pipeline" and \
+        if isinstance(op, (ast.Is, ast.IsNot)) and _name(left) in ("pipeline", "stage") and \
                 isinstance(right, ast.Constant) and right.value is None:
+            out.append(node.lineno)
+        elif isinstance(op, (ast.In, ast.NotIn)) and _dim(left) in DIMS and isinstance(right, (ast.Tuple, ast.List,
+                                                                                             ast.Set)) \
+                and any(isinstance(e, ast.Constant) and e.value == 1 for e in right.elts):
             out.append(node.lineno)
         elif isinstance(op, (ast.Gt, ast.GtE, ast.Lt, ast.LtE, ast.Eq, ast.NotEq)) and any(
                 _dim(a) in DIMS and isinstance(b, ast.Constant) and b.value == 1
@@ -291,5 +297,6 @@ def test_the_rules_catch_what_they_name():
 def test_the_dimension_branch_detector_sees_each_form():
     """The AST rule the two tests above rely on finds every way a module branches on a dimension."""
     code = ("if tp > 1: pass\nif d.cp == 1: pass\nif (pp or 1) > 1: pass\nif 1 < ep: pass\n"
-            "if layout.pipeline is None: pass\nif n > 1: pass\nif tp > 2: pass\n")
-    assert dimension_branches(ast.parse(code)) == [1, 2, 3, 4, 5]
+            "if layout.pipeline is None: pass\nif pp in (None, 1): pass\nif sh.stage is not None: pass\n"
+            "if n > 1: pass\nif tp > 2: pass\nif cp is None: pass\n")
+    assert dimension_branches(ast.parse(code)) == [1, 2, 3, 4, 5, 6, 7]

@@ -101,17 +101,19 @@ class Family:
         first of problems())."""
         for problem in self.problems(layout):
             raise problem
-        if layout.dims.ep > 1 and not self.supports_ep:
-            from ..memory.placement import NotApplicable
-            raise NotApplicable(f"{layout.dp.name}: expert parallelism (ep {layout.dims.ep}) runs under FSDP2 "
-                                "only; use an fsdp or hsdp strategy with ep, or ep 1", "ep")
+        problem = self.ep_problem(layout.dp, layout.dims.ep)
+        if problem is not None:
+            raise problem
 
-    def check_ep(self, s, ep: int) -> None:
-        """HybridError for an expert-parallel degree this family cannot run, asked before any
-        ParallelDims asks ep to divide the family's ranks (a ddp's dp_shard is 1)."""
+    def ep_problem(self, s, ep: int):
+        """Why this family cannot split experts `ep` ways (NotApplicable naming ep), or None; asked
+        with the degree alone before any ParallelDims asks ep to divide the family's ranks (a ddp's
+        dp_shard is 1)."""
         if ep > 1 and not self.supports_ep:
-            raise HybridError(f"ep {ep}: expert parallelism runs under FSDP2 only, not {s.name}; use an fsdp or hsdp "
-                              "strategy with ep, or ep 1")
+            from ..memory.placement import NotApplicable
+            return NotApplicable(f"ep {ep}: expert parallelism runs under FSDP2 only, not {s.name}; use an fsdp or "
+                                 "hsdp strategy with ep, or ep 1", "ep")
+        return None
 
     def problems(self, layout) -> list:
         """Every reason (NotApplicable, naming its dimension) this family cannot run the layout's

@@ -129,7 +129,9 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
                           "distributed job (e.g. from the CLI)")
     check_job(source.profile, spec)
     n = strategy.shard_size(cluster, shard_size, tp, cp)
-    strategy.family_obj.check_ep(strategy, ep)
+    problem = strategy.family_obj.ep_problem(strategy, ep)
+    if problem is not None:
+        raise problem
     dims = ParallelDims(dp_shard=n, cp=cp, tp=tp, ep=ep)
     strategy.family_obj.check(Layout(dims, strategy))
     prefer_hf = runs_transformers(dims, prefer_hf)
