@@ -17,7 +17,7 @@ VPY=.venv/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 # DeepSpeed JIT-builds its ops into TORCH_EXTENSIONS_DIR, by default one per-user directory every
 # environment shares (a build by another venv's torch is rebuilt); this environment keeps its own,
-# as hybrid's DeepSpeed backend sets it at run time (hybrid/backends/deepspeed.py extension_cache).
+# as hybrid's DeepSpeed backend sets it at run time (hybrid/runtime/backends/deepspeed.py extension_cache).
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}"
 
 # Never reinstall a torch that is present; never let a range pull a multi-GB CUDA build.

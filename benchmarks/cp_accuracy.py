@@ -3,7 +3,7 @@ tokens on 8-64 H100s (live tensors, overhead excluded).
 
     .venv/bin/python benchmarks/cp_accuracy.py          # writes benchmarks/results/cp_accuracy.md
 
-The traced side runs the runtime's context-parallel code (hybrid/backends/cp.py: the rank's two
+The traced side runs the runtime's context-parallel code (hybrid/runtime/backends/cp.py: the rank's two
 chunks, the K/V all-gather per layer, the loss over the whole sequence) on fake tensors with a fake
 process group of the real world size. Llama 3 8B's config allows 8K positions and Llama 3.1 8B's
 128K; the 1M rows take the same shapes with 1M positions (as long-context fine-tunes of it set
@@ -18,14 +18,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hybrid.catalogue import load_catalogue
-from hybrid.cluster import Cluster
-from hybrid.layout import Layout
-from hybrid.memory.analytic import estimate
-from hybrid.memory.traced import traced_estimate
-from hybrid.presets import get_preset
-from hybrid.profile import ModelSource, _decoder_builder, profile_decoder
-from hybrid.spec import TrainSpec
+from hybrid.families.catalogue import load_catalogue
+from hybrid.config.cluster import Cluster
+from hybrid.layout.layout import Layout
+from hybrid.estimation.memory.analytic import estimate
+from hybrid.measure.traced import traced_estimate
+from hybrid.model.presets import get_preset
+from hybrid.model.profile import profile_decoder
+from hybrid.model.sources import ModelSource, _decoder_builder
+from hybrid.config.spec import TrainSpec
 from hybrid.units import GiB
 
 OUT = Path(__file__).parent / "results" / "cp_accuracy.md"

@@ -19,21 +19,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hybrid.catalogue import load_catalogue
-from hybrid.cluster import Cluster
-from hybrid.memory.analytic import estimate
-from hybrid.memory.measured import measured_estimate
-from hybrid.memory.traced import traced_estimate
-from hybrid.profile import resolve_model
-from hybrid.spec import TrainSpec
+from hybrid.families.catalogue import load_catalogue
+from hybrid.config.cluster import Cluster
+from hybrid.estimation.memory.analytic import estimate
+from hybrid.measure.measured import measured_estimate
+from hybrid.measure.traced import traced_estimate
+from hybrid.model.sources import resolve_model
+from hybrid.config.spec import TrainSpec
 from hybrid.units import GiB, MiB
 
 OUT = Path(__file__).parent / "results" / "estimator_accuracy.md"
 LARGE = {"gpt2": dict(micro_batch=4, seq_len=1024), "llama2-7b": dict(micro_batch=1, seq_len=4096),
-         "mistral-7b": dict(micro_batch=1, seq_len=4096), "hybrid.models:convnet": dict(micro_batch=32, seq_len=1)}
+         "mistral-7b": dict(micro_batch=1, seq_len=4096),
+         "hybrid.model.convnet:convnet": dict(micro_batch=32, seq_len=1)}
 # FSDP2's bf16 params with BatchNorm's fp32 running stats do not run on CPU: the ConvNet is fp32
 SMALL = {"gpt2": dict(micro_batch=2, seq_len=256),
-         "hybrid.models:small_convnet": dict(micro_batch=8, seq_len=1, precision="fp32")}
+         "hybrid.model.convnet:small_convnet": dict(micro_batch=8, seq_len=1, precision="fp32")}
 
 
 def full_scale(models, strategies, ckpts, worlds):

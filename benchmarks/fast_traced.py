@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/fast_traced.py      # writes benchmarks/results/fast_traced.md (~3 min)
 
 For each job: `--method traced` as the CLI runs it (3- and 4-block models traced, extrapolated to
-the model's blocks: hybrid/memory/traced.py), the full trace of every block, and torch's
+the model's blocks: hybrid/measure/traced.py), the full trace of every block, and torch's
 FSDPMemTracker on the same job (the same FSDP2 wrapping and two steps: fsdp_memtracker.py) with
 the time each takes in this process, after a warm-up trace so that no side pays for imports.
 The jobs: transformers Llama-2-7B HSDP 8 x 8 at seq 4096 without checkpointing (the issue's
@@ -23,11 +23,11 @@ OUT = Path(__file__).parent / "results" / "fast_traced.md"
 def main():
     from fsdp_memtracker import fsdp_memtracker_peak, timed
 
-    from hybrid.catalogue import load_catalogue
-    from hybrid.cluster import Cluster
-    from hybrid.memory.traced import FAST_BLOCKS, traced_estimate
-    from hybrid.profile import resolve_model
-    from hybrid.spec import TrainSpec
+    from hybrid.families.catalogue import load_catalogue
+    from hybrid.config.cluster import Cluster
+    from hybrid.measure.traced import FAST_BLOCKS, traced_estimate
+    from hybrid.model.sources import resolve_model
+    from hybrid.config.spec import TrainSpec
 
     cat, cluster = load_catalogue(), Cluster.build(8, 8, "h100-80gb")
     traced_estimate(resolve_model("tiny-llama"), cat["fsdp"], TrainSpec(1, 64), cluster)       # warm-up

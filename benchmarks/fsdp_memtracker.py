@@ -31,10 +31,10 @@ def fsdp_memtracker_peak(src, strategy, spec, cluster, shard, keep_output=False)
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from hybrid.models import prepare_for_training
-    from hybrid.memory.traced import _real_mesh_arithmetic, _unpacked_batches, make_batch, optimizer_factory
-    from hybrid.mesh import Runtime, build_mesh
-    from hybrid.parallel import ParallelDims
+    from hybrid.model.decoder import prepare_for_training
+    from hybrid.measure.traced import _real_mesh_arithmetic, _unpacked_batches, make_batch, optimizer_factory
+    from hybrid.runtime.mesh import Runtime, build_mesh
+    from hybrid.layout.dims import ParallelDims
 
     world = cluster.world_size
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
@@ -75,11 +75,11 @@ def timed(fn):
 
 
 def main():
-    from hybrid.catalogue import load_catalogue
-    from hybrid.cluster import Cluster
-    from hybrid.memory.traced import traced_estimate
-    from hybrid.profile import resolve_model
-    from hybrid.spec import TrainSpec
+    from hybrid.families.catalogue import load_catalogue
+    from hybrid.config.cluster import Cluster
+    from hybrid.measure.traced import traced_estimate
+    from hybrid.model.sources import resolve_model
+    from hybrid.config.spec import TrainSpec
 
     src, cluster = resolve_model("llama2-7b"), Cluster.build(8, 8, "h100-80gb")
     strategy, spec, shard = load_catalogue()["hsdp"], TrainSpec(1, 4096), 8

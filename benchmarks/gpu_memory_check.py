@@ -26,8 +26,8 @@ def run_case(preset, strategy, ckpt, micro_batch, seq, steps):
     import torch
 
     from hybrid import auto_wrap
-    from hybrid.data import synthetic_corpus
-    from hybrid.profile import resolve_model
+    from hybrid.runtime.data import synthetic_corpus
+    from hybrid.model.sources import resolve_model
     src = resolve_model(preset)
     model, impl = src.build(device="meta", prefer_hf=True)
     cuda = torch.cuda.is_available()
@@ -57,13 +57,13 @@ def run_case(preset, strategy, ckpt, micro_batch, seq, steps):
 def measure(preset, mb, seq, steps, cases=CASES, cluster=None):
     """[(strategy, ckpt, analytic, traced, measured)] for each case: the estimates first, then one
     real run on this process's device (a rank launched by run_ranks)."""
-    from hybrid.catalogue import load_catalogue
-    from hybrid.cluster import detect
-    from hybrid.launch import run_ranks
-    from hybrid.memory.analytic import estimate
-    from hybrid.memory.traced import traced_estimate
-    from hybrid.profile import resolve_model
-    from hybrid.spec import TrainSpec
+    from hybrid.families.catalogue import load_catalogue
+    from hybrid.config.cluster import detect
+    from hybrid.runtime.launch import run_ranks
+    from hybrid.estimation.memory.analytic import estimate
+    from hybrid.measure.traced import traced_estimate
+    from hybrid.model.sources import resolve_model
+    from hybrid.config.spec import TrainSpec
     from hybrid.units import GiB
 
     cat = load_catalogue()
@@ -90,7 +90,7 @@ def main():
     args = ap.parse_args()
     import torch
 
-    from hybrid.profile import resolve_model
+    from hybrid.model.sources import resolve_model
     from hybrid.units import GiB
 
     if not torch.cuda.is_available() and not args.dry_run:

@@ -1,4 +1,4 @@
-"""How long `hybrid.launch.run_ranks` takes to start 2 local ranks and collect a result, with the
+"""How long `hybrid.runtime.launch.run_ranks` takes to start 2 local ranks and collect a result, with the
 fork server (the default where the platform has it) against spawn (a fresh interpreter that imports
 torch again per rank). The gloo tier of the tests launches ranks about a hundred times.
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hybrid import launch  # noqa: E402
+from hybrid.runtime import launch  # noqa: E402
 
 LAUNCHES = 5
 

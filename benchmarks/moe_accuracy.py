@@ -5,7 +5,7 @@ over a fake process group of the real world size), per GPU, live tensors (overhe
 
 Cells: Mixtral-8x7B, Qwen3-30B-A3B and OLMoE-1B-7B with FSDP over 8 x 8 h100-80gb at seq 4096,
 without and with full checkpointing, at ep 1, 2 and 8; bf16-mixed, AdamW, micro-batch 1. At ep > 1
-the trace runs hybrid/backends/ep.py on fake ranks: tokens spread evenly over the experts, what a
+the trace runs hybrid/runtime/backends/ep.py on fake ranks: tokens spread evenly over the experts, what a
 rank receives scaled by the default --moe-imbalance (a fake process group carries no counts).
 """
 from __future__ import annotations
@@ -16,13 +16,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hybrid.catalogue import load_catalogue
-from hybrid.cluster import Cluster
-from hybrid.layout import Layout
-from hybrid.memory.analytic import estimate
-from hybrid.memory.traced import traced_estimate
-from hybrid.profile import resolve_model
-from hybrid.spec import TrainSpec
+from hybrid.families.catalogue import load_catalogue
+from hybrid.config.cluster import Cluster
+from hybrid.layout.layout import Layout
+from hybrid.estimation.memory.analytic import estimate
+from hybrid.measure.traced import traced_estimate
+from hybrid.model.sources import resolve_model
+from hybrid.config.spec import TrainSpec
 from hybrid.units import GiB
 
 OUT = Path(__file__).parent / "results" / "moe_accuracy.md"

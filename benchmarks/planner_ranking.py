@@ -5,7 +5,7 @@
 On 4 CPU ranks (gloo, two simulated nodes of 2): (1) probe all-reduce / all-gather /
 reduce-scatter at a few sizes and fit bandwidth and latency; (2) time the model's forward+backward
 on every rank at once with no communication to calibrate compute; (3) time real training steps
-of each strategy; (4) predict them with hybrid.cost using the fitted numbers and compare the
+of each strategy; (4) predict them with hybrid.estimation.cost.step using the fitted numbers and compare the
 rankings (Kendall tau). Writes benchmarks/results/planner_ranking.md.
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from hybrid.launch import run_ranks
-from hybrid.presets import DecoderConfig
+from hybrid.runtime.launch import run_ranks
+from hybrid.model.presets import DecoderConfig
 
 CFG = DecoderConfig("llama", 4096, 384, 4, 6, 1024, 256, kv_heads=6, tied=True)
 MB, SEQ, WORLD, PER_NODE = 2, 128, 4, 2
@@ -46,10 +46,10 @@ def probe_and_train(steps):
     import torch.distributed as dist
 
     from hybrid import auto_wrap
-    from hybrid.mesh import init_distributed
-    from hybrid.models import build_decoder
-    from hybrid.profile import profile_module
-    from hybrid.cost import model_flops_per_token
+    from hybrid.runtime.mesh import init_distributed
+    from hybrid.model.decoder import build_decoder
+    from hybrid.model.profile import profile_module
+    from hybrid.estimation.cost.step import model_flops_per_token
     init_distributed()
     world = dist.get_world_size()
     # (1) collectives: bytes moved per rank vs seconds
@@ -116,12 +116,12 @@ def main():
                                                              local_world=PER_NODE)[0]
     latency, bw = fit_link(probes)
 
-    import hybrid.cost as cost
-    from hybrid.layout import Layout
-    from hybrid.catalogue import load_catalogue
-    from hybrid.cluster import Cluster, GPUSpec
-    from hybrid.profile import profile_decoder
-    from hybrid.spec import TrainSpec
+    import hybrid.estimation.cost.step as cost
+    from hybrid.layout.layout import Layout
+    from hybrid.families.catalogue import load_catalogue
+    from hybrid.config.cluster import Cluster, GPUSpec
+    from hybrid.model.profile import profile_decoder
+    from hybrid.config.spec import TrainSpec
     cost.LATENCY_INTRA = cost.LATENCY_INTER = latency / 2   # one fitted start-up cost, log2(4) = 2 steps
     # fp32 runs at half the bf16 peak in the cost model: the measured fp32 rate is that half
     gpu = GPUSpec("cpu-gloo", 8 * 1024**3, 2 * flops / compute_s, bw, bw, cuda_context_bytes=0, is_cuda=False,

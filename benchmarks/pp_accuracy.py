@@ -7,7 +7,7 @@ The traced side cuts the stage from our decoder on fake tensors, wraps it as the
 (FSDP2 over the stage's ranks, tensor parallelism with sequence parallelism inside the node) on a
 fake process group of the whole world, and runs the rank's micro-batches in the schedule's order
 through torch.distributed.pipelining's own PipelineStage backward and step-end reduction
-(hybrid/memory/traced.py: traced_stage_estimate). Each rank is traced in a fresh process.
+(hybrid/measure/traced.py: traced_stage_estimate). Each rank is traced in a fresh process.
 
 Cells: llama3-70b at pp 4 x tp 8 on 16 x 8 h100-80gb, seq 8192, 8 micro-batches (1f1b), fsdp with
 full and selective checkpointing; llama2-7b at pp 2 on 2 x 8, seq 4096, 4 micro-batches, fsdp.
@@ -26,24 +26,24 @@ CELLS = [("llama3-70b", 16, 8192, 8, 4, 8, "fsdp", "full"), ("llama3-70b", 16, 8
 
 
 def one_rank(cell, rank, queue):
-    from hybrid.catalogue import load_catalogue
-    from hybrid.cluster import Cluster
-    from hybrid.layout import Layout
-    from hybrid.memory.analytic import estimate
-    from hybrid.memory.traced import traced_stage_estimate
-    from hybrid.pipeline import stage_cluster
-    from hybrid.memory.stages import pipeline_layout
-    from hybrid.profile import resolve_model
-    from hybrid.spec import TrainSpec
+    from hybrid.families.catalogue import load_catalogue
+    from hybrid.config.cluster import Cluster
+    from hybrid.layout.layout import Layout
+    from hybrid.estimation.memory.analytic import estimate
+    from hybrid.measure.traced import traced_stage_estimate
+    from hybrid.layout.pipeline import stage_cluster
+    from hybrid.planning.stages import stage_split
+    from hybrid.model.sources import resolve_model
+    from hybrid.config.spec import TrainSpec
     model, nodes, seq, tp, pp, m, name, ckpt = cell
     src, cl, s = resolve_model(model), Cluster.build(nodes, 8, "h100-80gb"), load_catalogue()[name]
     spec = TrainSpec(1, seq, activation_checkpointing=ckpt, gradient_accumulation=m)
     scl = stage_cluster(cl, pp)
     layout = Layout.of(s, cl, spec, tp=tp, pp=pp, schedule="1f1b")
-    lay = pipeline_layout(layout, src.profile, spec, scl)
-    a = estimate(layout.with_pipeline(lay), src.profile, spec, scl, rank)
-    t = traced_stage_estimate(src, s, spec, cl, None, tp, lay, rank)
-    queue.put((lay.describe(), lay.in_flight(rank), a.tensors, t.memory.tensors, t.seconds))
+    split = stage_split(layout, src.profile, spec, scl)
+    a = estimate(layout.with_pipeline(split), src.profile, spec, scl, rank)
+    t = traced_stage_estimate(src, s, spec, cl, None, tp, split, rank)
+    queue.put((split.describe(), split.in_flight(rank), a.tensors, t.memory.tensors, t.seconds))
 
 
 def main():

@@ -4,8 +4,8 @@ cost model, and print predicted vs published with the error.
     .venv/bin/python benchmarks/public_runs.py              # table -> benchmarks/results/public_runs.md (~5 s)
     .venv/bin/python benchmarks/public_runs.py --calibrate  # also fit the per-GPU efficiency and the
                                                             # expandable-segments headroom, and say
-                                                            # what hybrid/cluster.py and
-                                                            # hybrid/memory/breakdown.py hold
+                                                            # what hybrid/config/cluster.py and
+                                                            # hybrid/estimation/memory/breakdown.py hold
 
 Memory: allocated (torch.cuda.max_memory_allocated) is the estimate's live tensors; reserved
 (max_memory_reserved) adds the allocator headroom for the run's allocator setting. A run `fits`
@@ -28,14 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import yaml  # noqa: E402
 
-from hybrid.catalogue import load_catalogue  # noqa: E402
-from hybrid.cluster import GB, Cluster, get_gpu  # noqa: E402
-from hybrid.cost import model_flops_per_token, step_cost  # noqa: E402
-from hybrid.layout import Layout  # noqa: E402
-from hybrid.planner import judge  # noqa: E402
-from hybrid.presets import DecoderConfig, from_hf_config, get_preset  # noqa: E402
-from hybrid.profile import profile_decoder  # noqa: E402
-from hybrid.spec import TrainSpec  # noqa: E402
+from hybrid.families.catalogue import load_catalogue  # noqa: E402
+from hybrid.config.cluster import GB, Cluster, get_gpu  # noqa: E402
+from hybrid.estimation.cost.step import model_flops_per_token, step_cost  # noqa: E402
+from hybrid.layout.layout import Layout  # noqa: E402
+from hybrid.planning.planner import judge  # noqa: E402
+from hybrid.model.presets import DecoderConfig, from_hf_config, get_preset  # noqa: E402
+from hybrid.model.profile import profile_decoder  # noqa: E402
+from hybrid.config.spec import TrainSpec  # noqa: E402
 from hybrid.units import GiB  # noqa: E402
 
 HERE = Path(__file__).parent
@@ -162,7 +162,7 @@ def leave_one_out_errors(points: list[Point] | None = None) -> list[float]:
 
 
 def model_error(points: list[Point] | None = None) -> float:
-    """The median |leave-one-out error| of tokens/s: hybrid/calibration.py's MODEL_ERROR."""
+    """The median |leave-one-out error| of tokens/s: hybrid/estimation/calibration.py's MODEL_ERROR."""
     return statistics.median(abs(e) for e in leave_one_out_errors(points))
 
 
@@ -246,7 +246,7 @@ def main(argv=None) -> int:
     if args.calibrate:
         lines += ["", "## Calibration", "",
                   "Efficiency that reproduces each point's tokens/s, and the median per GPU type (what "
-                  "hybrid/cluster.py holds):", ""]
+                  "hybrid/config/cluster.py holds):", ""]
         for gpu, ids in by_gpu.items():
             vals = [need[i] for i in ids]
             lines.append(f"- {gpu}: median {statistics.median(vals):.3f} "

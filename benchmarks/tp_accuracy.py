@@ -14,13 +14,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hybrid.catalogue import load_catalogue
-from hybrid.cluster import Cluster
-from hybrid.layout import Layout
-from hybrid.memory.analytic import estimate
-from hybrid.memory.traced import traced_estimate
-from hybrid.profile import resolve_model
-from hybrid.spec import TrainSpec
+from hybrid.families.catalogue import load_catalogue
+from hybrid.config.cluster import Cluster
+from hybrid.layout.layout import Layout
+from hybrid.estimation.memory.analytic import estimate
+from hybrid.measure.traced import traced_estimate
+from hybrid.model.sources import resolve_model
+from hybrid.config.spec import TrainSpec
 from hybrid.units import GiB
 
 OUT = Path(__file__).parent / "results" / "tp_accuracy.md"

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hybrid.cli import main  # noqa: E402
+from hybrid.cli.main import main  # noqa: E402
 
 HERE = Path(__file__).parent
 OUT = HERE / "results" / "tune_cpu.md"
@@ -83,11 +83,11 @@ def refit(path: str) -> str:
     with the fit on all of them, and with the fit on the others (leave one out)."""
     from dataclasses import replace
 
-    from hybrid.calibration import calibrate, load, predict
-    from hybrid.cluster import Cluster, cpu_spec
-    from hybrid.planner import plan
-    from hybrid.profile import resolve_model
-    from hybrid.spec import TrainSpec
+    from hybrid.estimation.calibration import calibrate, load, predict
+    from hybrid.config.cluster import Cluster, cpu_spec
+    from hybrid.planning.planner import plan
+    from hybrid.model.sources import resolve_model
+    from hybrid.config.spec import TrainSpec
 
     cal = load(path)
     job = cal.job

@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from hybrid.launch import run_ranks
-from hybrid.presets import DecoderConfig
+from hybrid.runtime.launch import run_ranks
+from hybrid.model.presets import DecoderConfig
 
 OUT = Path(__file__).parent / "results" / "wrap_overhead.md"
 CFG = DecoderConfig("llama", 2048, 256, 4, 8, 688, 256, kv_heads=4, tied=True)
@@ -52,8 +52,8 @@ def by_hand(family, model):
     import deepspeed
 
     from hybrid.families.deepspeed import ds_config
-    from hybrid.catalogue import get_strategy
-    from hybrid.spec import TrainSpec
+    from hybrid.families.catalogue import get_strategy
+    from hybrid.config.spec import TrainSpec
     # the same ZeRO-3 settings auto_wrap generates, so only the wrapper itself is compared
     cfg = ds_config(get_strategy("zero3"), TrainSpec(MB, SEQ, precision="fp32"), CFG.hidden,
                     dist.get_world_size(), dist.get_world_size(), cuda=False, gradient_accumulation=GA)
@@ -66,7 +66,7 @@ def bench(steps: int):
     import torch.distributed as dist
 
     from hybrid import auto_wrap
-    from hybrid.models import build_decoder
+    from hybrid.model.decoder import build_decoder
     rows = []
     for family, strategy in (("ddp", "ddp"), ("fsdp", "fsdp"), ("deepspeed", "zero3")):
         w = auto_wrap(build_decoder(CFG, seed=0), strategy=strategy, precision="fp32", micro_batch=MB,

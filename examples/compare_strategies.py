@@ -12,11 +12,11 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from hybrid.cluster import Cluster  # noqa: E402
-from hybrid.planner import plan  # noqa: E402
-from hybrid.profile import resolve_model  # noqa: E402
-from hybrid.report import format_compare, plot_compare  # noqa: E402
-from hybrid.spec import TrainSpec  # noqa: E402
+from hybrid.config.cluster import Cluster  # noqa: E402
+from hybrid.planning.planner import plan  # noqa: E402
+from hybrid.model.sources import resolve_model
+from hybrid.planning.report import format_compare, plot_compare  # noqa: E402
+from hybrid.config.spec import TrainSpec  # noqa: E402
 
 
 def main(argv=None):

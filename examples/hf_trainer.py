@@ -23,12 +23,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from hybrid.cluster import detect  # noqa: E402
-from hybrid.emit import emit  # noqa: E402
-from hybrid.mesh import shutdown  # noqa: E402
-from hybrid.planner import plan  # noqa: E402
-from hybrid.profile import resolve_model  # noqa: E402
-from hybrid.spec import TrainSpec  # noqa: E402
+from hybrid.config.cluster import detect  # noqa: E402
+from hybrid.handoff.emit import emit  # noqa: E402
+from hybrid.runtime.mesh import shutdown  # noqa: E402
+from hybrid.planning.planner import plan  # noqa: E402
+from hybrid.model.sources import resolve_model
+from hybrid.config.spec import TrainSpec  # noqa: E402
 
 TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -19,8 +19,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from hybrid.cluster import Cluster  # noqa: E402
-from hybrid.presets import DecoderConfig, get_preset  # noqa: E402
+from hybrid.config.cluster import Cluster  # noqa: E402
+from hybrid.model.presets import DecoderConfig, get_preset  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -47,10 +47,10 @@ def shape(args) -> DecoderConfig:
 
 
 def print_plan_and_exit(args, cfg) -> None:
-    from hybrid.planner import plan
-    from hybrid.profile import profile_decoder
-    from hybrid.report import format_plan
-    from hybrid.spec import TrainSpec
+    from hybrid.planning.planner import plan
+    from hybrid.model.profile import profile_decoder
+    from hybrid.planning.report import format_plan
+    from hybrid.config.spec import TrainSpec
     p = plan(profile_decoder(cfg, args.preset), TrainSpec(args.micro_batch, args.seq_len),
              Cluster.build(args.nodes, args.gpus_per_node, args.gpu), search_checkpointing=True)
     print(format_plan(p, summary=True))
@@ -69,8 +69,8 @@ def main(argv=None):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hybrid import auto_wrap
-    from hybrid.data import synthetic_corpus
-    from hybrid.mesh import shutdown
+    from hybrid.runtime.data import synthetic_corpus
+    from hybrid.runtime.mesh import shutdown
 
     hf = dict(cfg.hf_config())
     with torch.device("meta"):                       # nothing allocated: FSDP materialises shards only

@@ -30,10 +30,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from hybrid import auto_wrap  # noqa: E402
-from hybrid.data import synthetic_corpus  # noqa: E402
-from hybrid.mesh import shutdown  # noqa: E402
-from hybrid.models import build_decoder  # noqa: E402
-from hybrid.presets import DecoderConfig  # noqa: E402
+from hybrid.runtime.data import synthetic_corpus  # noqa: E402
+from hybrid.runtime.mesh import shutdown  # noqa: E402
+from hybrid.model.decoder import build_decoder  # noqa: E402
+from hybrid.model.presets import DecoderConfig  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from .catalogue import DEFAULT_STRATEGY, get_strategy, load_catalogue
-from .cluster import Cluster
+from .families.catalogue import DEFAULT_STRATEGY, get_strategy, load_catalogue
+from .config.cluster import Cluster
 from .errors import HybridError
-from .layout import Layout
-from .memory.analytic import estimate as _analytic
-from .memory.breakdown import MemoryBreakdown
-from .profile import ModelProfile, build_profile, resolve_model
-from .spec import TrainSpec, default_seq_len
+from .layout.layout import Layout
+from .estimation.memory.analytic import estimate as _analytic
+from .estimation.memory.breakdown import MemoryBreakdown
+from .model.profile import ModelProfile, build_profile
+from .model.sources import resolve_model
+from .config.spec import TrainSpec, check_precision, default_precision, default_seq_len
 
 TRAIN_KEYS = tuple(f.name for f in fields(TrainSpec))
 """The training arguments plan() and estimate() take as keywords (TrainSpec's fields; plan()
@@ -39,18 +40,6 @@ def profile_of(model) -> ModelProfile:
                       f"an nn.Module or a callable returning one; got {type(model).__name__}")
 
 
-def default_precision(cluster: Cluster) -> str:
-    """bf16-mixed where the GPU computes in bf16 (and on CPU ranks' plans), else fp16-mixed."""
-    return "bf16-mixed" if cluster.gpu.bf16 or not cluster.gpu.is_cuda else "fp16-mixed"
-
-
-def check_precision(precision: str, cluster: Cluster) -> None:
-    """bf16 precisions need a GPU that computes in bf16 (Ampere or newer)."""
-    if "bf16" in str(precision).lower() and cluster.gpu.is_cuda and not cluster.gpu.bf16:
-        raise HybridError(f"{cluster.gpu.name} has no bf16 (it needs Ampere or newer): use --precision fp16-mixed "
-                          "or fp32")
-
-
 def train_spec(profile: ModelProfile, cluster: Cluster, **train) -> TrainSpec:
     """TrainSpec from keyword arguments, with the CLI's defaults: the model's sequence length (at
     most 4096) and the GPU's precision."""
@@ -61,7 +50,7 @@ def train_spec(profile: ModelProfile, cluster: Cluster, **train) -> TrainSpec:
     train.setdefault("seq_len", default_seq_len(profile.max_positions))
     train.setdefault("precision", default_precision(cluster))
     check_precision(train["precision"], cluster)
-    from .float8 import check_float8
+    from .estimation.float8 import check_float8
     spec = TrainSpec(**train)
     check_float8(spec, cluster)
     return spec
@@ -75,8 +64,8 @@ def plan(model, cluster: Cluster | None = None, *, strategies: list[str] | None 
     `activation_checkpointing=` pins it; tp and pp are searched unless pinned. With
     `global_batch=` (sequences per step) or `global_batch_tokens=` every layout trains that batch
     at its own micro-batch and accumulation (searched; `micro_batch=` pins the micro-batch)."""
-    from .batch import global_batch_of
-    from .planner import plan as _plan
+    from .planning.batch import global_batch_of
+    from .planning.planner import plan as _plan
 
     cluster = cluster or Cluster.build()
     profile = profile_of(model)

@@ -10,20 +10,20 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .backends.base import LoopOptions, check_optimizer_factory
-from .catalogue import get_strategy, load_catalogue
-from .cluster import ALLOC_CONF_VARS, Cluster, detect
+from .runtime.backends.base import LoopOptions, check_optimizer_factory
+from .families.catalogue import get_strategy, load_catalogue
+from .config.cluster import ALLOC_CONF_VARS, Cluster, detect
 from .errors import HybridError
-from .mesh import build_mesh, init_distributed
-from .models import prepare_for_training
-from .layout import runtime_degrees
-from .parallelize import build_engine, check_model, parallelize
-from .planner import plan as make_plan
-from .profile import build_profile
-from .spec import TrainSpec, default_seq_len
+from .runtime.mesh import build_mesh, init_distributed
+from .model.decoder import prepare_for_training
+from .planning.reach import runtime_degrees
+from .runtime.parallelize import build_engine, check_model, parallelize
+from .planning.planner import plan as make_plan
+from .model.profile import build_profile
+from .config.spec import TrainSpec, default_precision, default_seq_len
 from .units import parse_bytes
 from .log import get_logger
-from .wrapped import Wrapped
+from .runtime.wrapped import Wrapped
 
 log = get_logger(__name__)
 
@@ -42,7 +42,7 @@ def optimizer_kind(factory) -> str:
 def enable_expandable_segments(environ=os.environ) -> bool:
     """On CUDA, run the caching allocator with expandable segments unless the user configured it:
     freed blocks of any size are then reused, so reserved memory stays near allocated (about 10%
-    above it instead of 28%: hybrid/memory/breakdown.py, calibrated on public runs; torchtitan's
+    above it instead of 28%: hybrid/estimation/memory/breakdown.py, calibrated on public runs; torchtitan's
     launcher sets the same). The variable is read when CUDA first allocates; if that already
     happened, the setting is applied to the live allocator. Returns whether it set it."""
     if any(v in environ for v in ALLOC_CONF_VARS) or not torch.cuda.is_available():
@@ -52,14 +52,6 @@ def enable_expandable_segments(environ=os.environ) -> bool:
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     log.info("CUDA allocator: expandable_segments:True (set PYTORCH_CUDA_ALLOC_CONF to choose otherwise)")
     return True
-
-
-def default_precision(runtime) -> str:
-    """bf16-mixed where the GPU has bf16, fp16-mixed (with loss scaling) on older GPUs (V100, T4),
-    fp32 on CPU ranks."""
-    if runtime.device.type == "cuda":
-        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "fp16-mixed"
-    return "fp32"
 
 
 def unwrap(model):
@@ -102,7 +94,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
               moe_imbalance: float | None = None) -> Wrapped:
     """Wrap `model` for data-parallel training on the current process group (started here from
     torchrun's variables if needed, nccl+cuda or gloo+cpu). The arguments that are job options are
-    the JobConfig's rows (hybrid/jobconfig.py): the CLI's flags of the same name, checked and
+    the JobConfig's rows (hybrid/config/options.py): the CLI's flags of the same name, checked and
     defaulted as they are.
 
     optimizer   callable(params) -> torch optimizer (default AdamW lr 3e-4)
@@ -133,7 +125,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     tune        measure before training (strategy "auto"): run the plan's best layouts (True: 3,
                 an int: that many, plus the plan's choice) for a few steps each on copies of this
                 model with this optimizer (synthetic token ids of the job's shape), then wrap with
-                the measured fastest (hybrid/tune.py)
+                the measured fastest (hybrid/tune/trials.py)
     calibration a calibration file (`hybrid tune --save-calibration`; default $HYBRID_CALIBRATION):
                 the cluster's measured speed figures replace the catalogue's in the plan
     moe_imbalance  MoE models with expert parallelism: the busiest rank's routed tokens over the mean
@@ -141,12 +133,12 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     cp          context-parallel degree: each sequence split over cp ranks (default: the planner
                 chooses with strategy "auto" when seq_len >= 16384, else 1); the cp ranks of a
                 group read the same whole sequences (shard data with w.dp_size / w.dp_rank) and
-                each runs its 2 of 2cp chunks (hybrid/backends/cp.py)
+                each runs its 2 of 2cp chunks (hybrid/runtime/backends/cp.py)
     compile     torch.compile every block (and our decoders' loss) as torchtitan does, after
                 checkpointing and before the data-parallel wrap (fsdp and ddp strategies)
     ep          expert-parallel degree for mixture-of-experts models (fsdp and hsdp strategies, tp 1):
                 each MoE layer's experts split over ep ranks taken from the dp_shard x cp ranks, tokens
-                sent to them by all-to-all (hybrid/backends/ep.py); default 1
+                sent to them by all-to-all (hybrid/runtime/backends/ep.py); default 1
     float8      torchao float8 training of the block linears (tensorwise; float8 all-gather under
                 FSDP2), behind compile=True, on H100/H200-class GPUs
     config      a job file (`hybrid plan --save-config`): its values fill every argument left at
@@ -155,12 +147,12 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     """
     if config is not None:
         return _with_job_file(config, locals())
-    from .jobconfig import WRAP_KEYS, or_default
-    from .jobfile import check_arguments
+    from .config.options import WRAP_KEYS, or_default
+    from .config.jobfile import check_arguments
     given = locals()
     check_arguments({k: given[k] for k in WRAP_KEYS}, "auto_wrap")       # the job options, checked as flags are
     if (global_batch is not None or global_batch_tokens is not None) and gradient_accumulation is not None:
-        from .batch import global_batch_of        # the conflict is known before any process group starts
+        from .planning.batch import global_batch_of        # the conflict is known before any process group starts
         global_batch_of(global_batch, global_batch_tokens, seq_len or 1, gradient_accumulation, cli=False)
     if not isinstance(model, nn.Module):
         raise HybridError(f"auto_wrap needs an nn.Module, got {type(model).__name__}")
@@ -181,21 +173,22 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     prepare_for_training(model)
     profile = build_profile(model)
     mp = profile.max_positions
-    from .batch import global_batch_of
+    from .planning.batch import global_batch_of
     seq_len = seq_len or default_seq_len(mp)
     gb = global_batch_of(global_batch, global_batch_tokens, seq_len, gradient_accumulation, cli=False)
     pin = micro_batch if gb is not None else None
+    here = cluster if runtime.device.type == "cuda" else detect()     # CPU ranks train in fp32 whatever is planned
     spec = TrainSpec(micro_batch=or_default("micro_batch", micro_batch), seq_len=seq_len,
-                     precision=precision or default_precision(runtime), optimizer=optimizer_kind(optimizer),
+                     precision=precision or default_precision(here), optimizer=optimizer_kind(optimizer),
                      activation_checkpointing=or_default("activation_checkpointing", activation_checkpointing),
                      attention=attention, global_batch=gb, compile=compile, float8=float8,
                      gradient_accumulation=or_default("gradient_accumulation", gradient_accumulation),
                      moe_imbalance=or_default("moe_imbalance", moe_imbalance))
-    from .float8 import check_float8
+    from .estimation.float8 import check_float8
     check_float8(spec, cluster)
     catalogue = load_catalogue(strategies_dir)
     search = activation_checkpointing is None
-    from .calibration import resolve
+    from .estimation.calibration import resolve
     cal = resolve(calibration)
     if tune is not False and strategy != "auto":
         raise HybridError(f"tune= measures the planner's candidates; strategy={strategy!r} forces one: "
@@ -209,7 +202,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
             raise HybridError(f"no strategy fits {profile.name} in {cluster.describe()}. Smallest changes that "
                               f"would: {fixes}. Run `hybrid plan` for every candidate and why it was rejected")
         if tune is not False:
-            from .tune import tune_for_wrap
+            from .tune.trials import tune_for_wrap
             the_plan = tune_for_wrap(the_plan, model, optimizer, runtime, cluster, tune, max_grad_norm)
     else:
         get_strategy(strategy, catalogue)
@@ -243,7 +236,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
 
 def _with_job_file(path: str, given: dict) -> Wrapped:
     """auto_wrap again with the job file's values for every argument still at its default."""
-    from .jobfile import wrap_options
+    from .config.jobfile import wrap_options
 
     kwargs, cluster, plan_only = wrap_options(path)
     defaults = {k: p.default for k, p in inspect.signature(auto_wrap).parameters.items()

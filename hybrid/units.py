@@ -68,9 +68,3 @@ def fmt_bytes(n: int | float | None) -> str:
     return f"{int(n)} B"
 
 
-def fmt_count(n: int) -> str:
-    """7241732096 -> '7.24B'."""
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f}{unit}"
-    return str(n)

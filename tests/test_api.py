@@ -6,7 +6,7 @@ import json
 import pytest
 
 import hybrid
-from hybrid.cli import main
+from hybrid.cli.main import main
 from hybrid.errors import HybridError
 
 
@@ -39,8 +39,8 @@ def test_plan_takes_a_config_json(tmp_path):
 
 @pytest.mark.torch       # builds a module on the meta device
 def test_estimate_takes_a_module_and_a_factory():
-    from hybrid.models import build_decoder
-    from hybrid.presets import get_preset
+    from hybrid.model.decoder import build_decoder
+    from hybrid.model.presets import get_preset
     cfg = get_preset("gpt2")
     cluster = hybrid.Cluster.build(1, 8, "a100-80gb")
     by_name = hybrid.estimate("gpt2", "ddp", cluster=cluster, micro_batch=2, seq_len=512)

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from hybrid.launch import free_port
+from hybrid.runtime.launch import free_port
 
 import pytest
 

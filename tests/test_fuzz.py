@@ -60,7 +60,7 @@ values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=
 def test_job_files_are_checked_or_one_line(job):
     import yaml
 
-    from hybrid.jobfile import OPTIONS, load_job
+    from hybrid.config.jobfile import OPTIONS, load_job
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "job.yaml")
         with open(path, "w") as f:
@@ -83,7 +83,7 @@ def test_job_files_are_checked_or_one_line(job):
                                                "!!python/object:os.system", "!!binary AAAA", "&x", "*x", ": :",
                                                "'", "\t", "---", "..."]), max_size=30).map("\n".join)))
 def test_any_job_file_text_is_read_or_one_line(text):
-    from hybrid.jobfile import load_job
+    from hybrid.config.jobfile import load_job
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "job.yaml")
         with open(path, "w", encoding="utf-8", errors="surrogatepass") as f:
@@ -111,7 +111,7 @@ arg_values = st.one_of(st.integers(-5, 10**10).map(str), st.floats(allow_nan=Tru
 @given(model=st.sampled_from([["gpt2"], ["llama2-7b"], ["--params", "7.5e9"], ["--params", "0"]]),
        pairs=st.lists(st.tuples(st.sampled_from(FLAGS), arg_values), max_size=4))
 def test_cli_arguments_answer_or_one_line(model, pairs):
-    from hybrid.cli import main
+    from hybrid.cli.main import main
     argv = ["plan", *model]
     for flag, value in pairs:
         argv.append(f"{flag}={value}")
@@ -140,8 +140,8 @@ def save_good(path, secret):
 
 @pytest.fixture(scope="module")
 def good(tmp_path_factory):
-    from hybrid.export import export
-    from hybrid.launch import run_ranks
+    from hybrid.ckpt.export import export
+    from hybrid.runtime.launch import run_ranks
     base = tmp_path_factory.mktemp("fuzz")
     run_ranks(1, save_good, str(base / "good"), str(base / "secret"))
     export(str(base / "good"), str(base / "reference"))
@@ -188,7 +188,7 @@ def apply(c, edits):
     """Apply the edits as an attacker would (refitting sizes and CRCs when `fix`)."""
     import torch
 
-    from hybrid.safeio import load_metadata
+    from hybrid.ckpt.safeio import load_metadata
     for kind, n, value, fix in edits:
         with open(os.path.join(c, "meta.json")) as f:
             meta = json.load(f)
@@ -266,7 +266,7 @@ def _tensors(path):
 def test_tampered_checkpoint_exports_exactly_or_is_one_line(good, edits):
     import torch
 
-    from hybrid.export import export
+    from hybrid.ckpt.export import export
     with tempfile.TemporaryDirectory(dir=good) as d:
         c, out = os.path.join(d, "c"), os.path.join(d, "out")
         shutil.copytree(good / "good", c)
@@ -336,7 +336,7 @@ def load_fuzz(good, secret, examples, long):
 
 @pytest.mark.gloo
 def test_tampered_checkpoint_loads_or_is_one_line_leaving_the_job(good):
-    from hybrid.launch import run_ranks
+    from hybrid.runtime.launch import run_ranks
     failures = run_ranks(1, load_fuzz, str(good / "good"), str(good / "secret"), LONG or 25, bool(LONG),
                          timeout_s=3600 if LONG else 300)[0]
     assert failures == []

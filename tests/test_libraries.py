@@ -3,13 +3,13 @@ estimators, modules built on the meta device, this machine's devices, and the en
 auto_wrap and DeepSpeed set (the torch tier: torch imported, no process group)."""
 import pytest
 
-from hybrid.cluster import Cluster, detect
+from hybrid.config.cluster import Cluster, detect
 from hybrid.errors import HybridError
-from hybrid.memory.analytic import estimate
-from hybrid.profile import resolve_model
-from hybrid.spec import TrainSpec
-from tests.test_analytic import CAT, PAPER
-from tests.test_calibration import ROOT, _tune_job
+from hybrid.estimation.memory.analytic import estimate
+from hybrid.model.sources import resolve_model
+from hybrid.config.spec import TrainSpec
+from tests.estimation.test_analytic import CAT, PAPER
+from tests.estimation.test_calibration import ROOT, _tune_job
 
 pytestmark = pytest.mark.torch
 
@@ -33,7 +33,7 @@ def test_deepspeed_own_estimators_agree():
 
 def test_public_estimate_takes_a_name_a_profile_or_a_module():
     import hybrid
-    from hybrid.models import build_decoder
+    from hybrid.model.decoder import build_decoder
     cl = Cluster.build(1, 8, "h100-80gb")
     by_name = hybrid.estimate("tiny-llama", "fsdp", cl, TrainSpec(2, 64))
     by_module = hybrid.estimate(build_decoder("tiny-llama", device="meta"), "fsdp", cl, TrainSpec(2, 64))
@@ -68,7 +68,7 @@ def test_offload_states_are_where_deepspeed_keeps_them(name):
 
 def test_host_counts_follow_the_libraries():
     from hybrid.families.deepspeed import bucket_sizes
-    from hybrid.overhead import ipg_buckets, param_tensors
+    from hybrid.families.host import ipg_buckets, param_tensors
     cands, prof, cl = _tune_job()
     model, _ = resolve_model(str(ROOT / "benchmarks" / "tune_decoder")).build(device="meta")
     real = [p.numel() for p in model.parameters()]            # a tied head appears once
@@ -81,7 +81,7 @@ def test_host_counts_follow_the_libraries():
     # counted by torch.profiler on 4 gloo ranks (one step, benchmarks/tune_cpu.py's job): ddp 1
     # bucket; fsdp 2 x 5 all-gathers + 5 reduce-scatters; zero3 52 all-gathers, 35 reduce-scatters
     # and the norm's all-reduce
-    from hybrid.calibration import host_counts
+    from hybrid.estimation.calibration import host_counts
     one = {(c.label, c.shard_size): c for c in cands}
     got = host_counts([one[("ddp", 1)], one[("fsdp", 4)], one[("zero3", 4)]], prof, cl, "collective_overhead")
     assert got == [1, 15, 88]
@@ -116,7 +116,7 @@ def test_auto_wrap_sets_expandable_segments_only_where_nobody_did(monkeypatch):
 def test_deepspeed_builds_its_ops_in_this_environment(tmp_path):
     """torch's default extension cache is per user, shared by every venv (an op another venv's torch
     built is rebuilt); inside a writable venv we use <venv>/torch_extensions unless the user set one."""
-    from hybrid.backends.deepspeed import extension_cache
+    from hybrid.runtime.backends.deepspeed import extension_cache
     env, venv = {}, str(tmp_path)
     assert extension_cache(env, prefix=venv, base_prefix="/usr") == f"{venv}/torch_extensions"
     assert env == {"TORCH_EXTENSIONS_DIR": f"{venv}/torch_extensions"}

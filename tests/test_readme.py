@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.cli import main
+from hybrid.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMAND = re.compile(r"`(hybrid (?:plan|estimate|compare) [^`]+)`")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hybrid.launch import free_port
+from hybrid.runtime.launch import free_port
 
 pytestmark = pytest.mark.gloo
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,7 +51,7 @@ def readme_loop() -> str:
 
 def test_the_readme_loop_prints_each_step_once_with_its_norm(tmp_path):
     script = tmp_path / "loop.py"
-    script.write_text(PRELUDE + readme_loop() + "\nimport hybrid.mesh\nhybrid.mesh.shutdown()\n")
+    script.write_text(PRELUDE + readme_loop() + "\nimport hybrid.runtime.mesh\nhybrid.runtime.mesh.shutdown()\n")
     logs = tmp_path / "logs"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--redirects", "1", "--log-dir", str(logs), str(script)]

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from hybrid.errors import HybridError
-from hybrid.launch import run_ranks
-from hybrid.models import build_decoder
-from tests.test_backends import TINY
-from tests.test_checkpoint import load_bad
+from hybrid.runtime.launch import run_ranks
+from hybrid.model.decoder import build_decoder
+from tests.runtime.test_backends import TINY
+from tests.ckpt.test_checkpoint import load_bad
 
 pytestmark = pytest.mark.safety
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -138,7 +138,7 @@ def leave_early(strategy):
     os.environ["HYBRID_TIMEOUT"] = "6"
     import torch.distributed as dist
 
-    from hybrid.mesh import shutdown
+    from hybrid.runtime.mesh import shutdown
     w = _wrap(strategy)
     _train(w, 1)
     if dist.get_rank() == 1:
@@ -290,9 +290,9 @@ import torch, sys
 sys.path.insert(0, {ROOT!r})
 from hybrid import auto_wrap
 from hybrid.errors import HybridError
-from hybrid.models import build_decoder
-from tests.test_backends import TINY
-from tests.test_checkpoint import load_bad
+from hybrid.model.decoder import build_decoder
+from tests.runtime.test_backends import TINY
+from tests.ckpt.test_checkpoint import load_bad
 w = auto_wrap(build_decoder(TINY, seed=0), strategy="zero2", precision="fp32", micro_batch=1, seq_len=16, verbose=False)
 ids = torch.randint(0, 512, (1, 16))
 msgs = []

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from hybrid.errors import HybridError
-from hybrid.launch import run_ranks
-from hybrid.models import build_decoder
-from tests.test_backends import TINY
+from hybrid.runtime.launch import run_ranks
+from hybrid.model.decoder import build_decoder
+from tests.runtime.test_backends import TINY
 from tests.test_safety import _train
 from tests.test_safety_input import _cli
 
@@ -73,7 +73,7 @@ def refit(path, rel):
 
 
 def dcp_md(path):
-    from hybrid.safeio import load_metadata
+    from hybrid.ckpt.safeio import load_metadata
     meta = meta_of(path)
     with open(os.path.join(path, meta["data"], "dcp", ".metadata"), "rb") as f:
         return load_metadata(f.read(), ".metadata")
@@ -94,7 +94,7 @@ def copy(ckpts, tmp_path, name="c"):
 
 def export_error(ckpt, out):
     """export's one-line error, or None when it exported."""
-    from hybrid.export import export
+    from hybrid.ckpt.export import export
     try:
         export(ckpt, out)
     except HybridError as e:
@@ -299,7 +299,7 @@ def test_export_never_into_or_over_the_checkpoint(ckpts, tmp_path):
 
 
 def export_error_overwrite(ckpt, out):
-    from hybrid.export import export
+    from hybrid.ckpt.export import export
     try:
         export(ckpt, out, overwrite=True)
     except HybridError as e:
@@ -323,7 +323,7 @@ def test_export_files_follow_the_umask(ckpts, tmp_path):
 EXPORT_THEN_SIGTERM = """
 import os, signal, sys, threading, time
 sys.path.insert(0, {root!r})
-from hybrid.export import export
+from hybrid.ckpt.export import export
 parent, out = {parent!r}, {out!r}
 def killer():
     while not [d for d in os.listdir(parent) if d.startswith(".out.")]:
@@ -356,7 +356,7 @@ EXPORT_FULL_DISK = """
 import os, resource, signal, sys
 sys.path.insert(0, {root!r})
 from hybrid.errors import HybridError
-from hybrid.export import export
+from hybrid.ckpt.export import export
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)      # writes past the limit fail with EFBIG, as on a full disk
 resource.setrlimit(resource.RLIMIT_FSIZE, (65536, resource.RLIM_INFINITY))
 try:
@@ -616,7 +616,7 @@ RANK0_DIES = """
 import os, sys
 sys.path.insert(0, {root!r})
 from hybrid.errors import HybridError
-from hybrid.launch import run_ranks
+from hybrid.runtime.launch import run_ranks
 from tests.test_safety_files import rank0_dies_first
 if __name__ == "__main__":
     try:
@@ -676,12 +676,12 @@ def test_a_factory_raising_system_exit_is_a_clear_error(tmp_path):
         assert rc == 2 and out == "" and match in err and len(err.strip().splitlines()) == 1, (spec, rc, err)
 
 
-@pytest.mark.torch                  # hybrid.export reads checkpoints with torch
+@pytest.mark.torch                  # hybrid.ckpt.export reads checkpoints with torch
 def test_export_leaves_an_ignored_hangup_ignored():
     """`nohup hybrid export ...`: the export's cleanup handlers never replace an ignored SIGHUP."""
     import signal
 
-    from hybrid.export import _signals_unwind
+    from hybrid.ckpt.export import _signals_unwind
     old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         with _signals_unwind():

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hybrid.cli import main
+from hybrid.cli.main import main
 from hybrid.errors import HybridError
 
 pytestmark = [pytest.mark.safety, pytest.mark.unit]
@@ -45,7 +45,7 @@ def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path, capsys):
     start = time.monotonic()
     rc, out, err = _run(capsys, "plan", "gpt2", "--config", str(job), "--json")
     assert _one_line(rc, out, err) and "alias" in err, err
-    from hybrid.jobfile import wrap_options
+    from hybrid.config.jobfile import wrap_options
     with pytest.raises(HybridError, match="YAML alias"):
         wrap_options(str(job))
     assert time.monotonic() - start < 2
@@ -87,7 +87,7 @@ def test_job_file_values_one_line_short(tmp_path, capsys, text, match):
                                         ("nodes: 0\n", "nodes must be a positive integer"),
                                         ("gpu: ''\n", "gpu is empty")])
 def test_auto_wrap_job_file_zero_is_an_error_not_a_default(tmp_path, text, match):
-    from hybrid.jobfile import wrap_options
+    from hybrid.config.jobfile import wrap_options
     job = tmp_path / "job.yaml"
     job.write_text(text)
     with pytest.raises(HybridError, match=match):
@@ -95,7 +95,7 @@ def test_auto_wrap_job_file_zero_is_an_error_not_a_default(tmp_path, text, match
 
 
 def test_auto_wrap_arguments_go_through_the_same_checks():
-    from hybrid.jobfile import check_arguments
+    from hybrid.config.jobfile import check_arguments
     for kw, match in (({"seq_len": 0}, "seq_len must be a positive integer"), ({"precision": ""}, "precision is empty"),
                       ({"tp": 0}, "tp must be a positive integer"), ({"micro_batch": 1.5}, "must be an integer")):
         with pytest.raises(HybridError, match=match):
@@ -122,8 +122,8 @@ def test_zero_empty_and_out_of_range_flags_are_errors(capsys, argv, match):
 
 def test_a_job_file_past_the_size_limit_is_refused_whole(tmp_path):
     """Counted in bytes: 2-byte characters must not let a truncated file through as valid YAML."""
-    from hybrid.catalogue import YAML_LIMITS
-    from hybrid.jobfile import load_job
+    from hybrid.config.files import YAML_LIMITS
+    from hybrid.config.jobfile import load_job
     job = tmp_path / "job.yaml"
     pad = "é" * (YAML_LIMITS["bytes"] // 2 - 8)          # ~1 MiB of text in about half as many characters
     job.write_text(f"model: gpt2\n# {pad}\nnodes: 0\n", encoding="utf-8")

@@ -74,7 +74,7 @@ BAD_BODY = '''import pytest
 
 
 def helper():
-    from hybrid.models import build_decoder
+    from hybrid.model.decoder import build_decoder
     return build_decoder
 
 
@@ -99,5 +99,5 @@ def test_the_check_names_a_unit_test_that_imports_torch(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode != 0, out[-3000:]
     assert "test_bad_top.py" in out and "No module named 'torch' (blocked by --no-torch)" in out, out[-3000:]
-    assert "test_bad_body.py::test_body: helper imports hybrid.models" in out, out[-3000:]
+    assert "test_bad_body.py::test_body: helper imports hybrid.model.decoder" in out, out[-3000:]
     assert "test_torch_tier_may" not in out, out[-3000:]

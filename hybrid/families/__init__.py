@@ -1,10 +1,11 @@
 """The family registry: one object per backend family (ddp, fsdp, deepspeed), registered once.
 
 Each owns its typed config (catalogue knobs and rules), check(layout), the placement of its bytes,
-its communication, its runtime module (check, place, wrap, engine: hybrid/parallelize.py calls
-them in the one order; traced_apply), what a traced run replaces, and its config emission. The planner, the
-estimators, the CLI and the emitters ask the registry; nothing branches on a family's name. A new
-family is one module here (plus its backend and YAML presets) and one line below.
+its communication and host work, its runtime module (check, place, wrap, engine:
+hybrid/runtime/parallelize.py calls them in the one order; traced_apply), what a traced run
+replaces, and its hand-off module (hybrid/handoff/). The planner, the estimators, the CLI and the
+emitters ask the registry; nothing branches on a family's name. A new family is one module here
+(plus its backend, its hand-off and YAML presets) and one line below.
 """
 from __future__ import annotations
 

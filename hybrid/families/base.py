@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from ..errors import HybridError
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,7 @@ class Family:
         with the degree alone before any ParallelDims asks ep to divide the family's ranks (a ddp's
         dp_shard is 1)."""
         if ep > 1 and not self.supports_ep:
-            from ..memory.placement import NotApplicable
+            from .placement import NotApplicable
             return NotApplicable(f"ep {ep}: expert parallelism runs under FSDP2 only, not {s.name}; use an fsdp or "
                                  "hsdp strategy with ep, or ep 1", "ep")
         return None
@@ -124,7 +123,7 @@ class Family:
         """NotApplicable when the family cannot run this job at all on this kind of device (the one
         place each such rule lives: the planner asks it of the cluster, the backends of the device)."""
         if s.offload and not cuda:
-            from ..memory.placement import NotApplicable
+            from .placement import NotApplicable
             raise NotApplicable(f"{s.name} offloads GPU memory to the host, which needs CUDA; CPU ranks run in "
                                 "host memory already (use the same strategy without offload)")
 
@@ -135,31 +134,16 @@ class Family:
         raise NotImplementedError
 
     def host(self, s, profile, spec, cluster, n: int, stage=None):
-        """The step's collective calls and per-tensor host operations (hybrid/overhead.py), as
+        """The step's collective calls and per-tensor host operations (hybrid/families/host.py), as
         this family's library issues them; what their seconds are is a calibration's to fit."""
         raise NotImplementedError
 
     torchtitan: bool = True
     """Whether torchtitan runs this family (--emit torchtitan)."""
 
-    def torchtitan_reshard(self, s) -> str:
-        """torchtitan's --parallelism.fsdp_reshard_after_forward for this preset."""
-        return "default"
-
-    def torchtitan_offload(self, s) -> bool:
-        """Whether torchtitan's --training.enable_cpu_offload is on for this preset."""
-        return False
-
     supports_ep: bool = False
     """Whether the family shards a MoE layer's experts over ep ranks (ep > 1) as a unit of their own
-    over the expert_shard ranks (memory/moe.py, backends/ep.py; torchtitan's layout)."""
-
-    def torchtitan_check(self, c) -> None:
-        """HybridError when torchtitan cannot run this family's layout: context parallelism needs
-        FSDP2's dp_shard_cp mesh."""
-        if c.parallel.cp > 1:
-            raise HybridError(f"{c.label}: torchtitan's context parallelism shards parameters with FSDP2 over "
-                              "dp_shard x cp (its dp_shard_cp mesh); emit an fsdp or hsdp layout with cp")
+    over the expert_shard ranks (estimation/memory/moe.py, runtime/backends/ep.py; torchtitan's layout)."""
 
     def sharded_optimizer(self, s) -> bool:
         """Whether the optimizer step runs on 1/N of the parameters."""
@@ -176,30 +160,8 @@ class Family:
     def runtime(self):
         return importlib.import_module(self.runtime_module)
 
-    def emit(self, candidate, plan, profile, target: str = "engine") -> str:
-        raise HybridError(f"{self.name} strategies have no config to emit")
+    handoff_module: str = ""
+    """The module whose HANDOFF writes this family's configs for other tools (hybrid/handoff/)."""
 
-    def emit_notes(self, candidate, target: str = "engine") -> list[str]:
-        """What to set beside the emitted config (stderr lines), for `target`."""
-        return []
-
-    def accelerate(self, candidate, layer_class: str | None) -> tuple[dict, list[str]]:
-        """This family's keys of an Accelerate config file (distributed_type and its plugin
-        section) and notes for the file's header; layer_class is the block class to wrap."""
-        raise HybridError(f"{self.name} strategies have no Accelerate equivalent")
-
-
-def user_checkpointing(c) -> list[str]:
-    """The Accelerate header note where the user applies checkpointing (Accelerate does so only
-    under FSDP)."""
-    if c.spec.activation_checkpointing == "none":
-        return []
-    return ["activation checkpointing: call model.gradient_checkpointing_enable() (transformers) or wrap "
-            "the blocks yourself; Accelerate applies it only under FSDP"]
-
-
-def provenance(p, c) -> dict:
-    """Where an emitted config came from (the plan and candidate), for the file's `_hybrid` key."""
-    return {"model": p.model.name, "cluster": p.cluster.describe(), "strategy": c.name,
-            "shard_size": c.shard_size, "parallel": c.parallel.to_dict(), "per_gpu_bytes": c.memory.total,
-            "fits": c.fits, "step_time_s": round(c.cost.seconds, 4), "memory_method": p.method}
+    def handoff(self):
+        return importlib.import_module(self.handoff_module).HANDOFF

@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass
 
 from ..errors import HybridError
-from ..memory.placement import Placement, optimizer_elements, scratch_elements
-from .base import Comm, Family, FamilyConfig, user_checkpointing
+from .placement import Placement, draft, optimizer_elements, scratch_elements
+from .base import Comm, Family, FamilyConfig
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,8 @@ class DDPConfig(FamilyConfig):
 class DDPFamily(Family):
     name = "ddp"
     config = DDPConfig
-    runtime_module = "hybrid.backends.ddp"
+    runtime_module = "hybrid.runtime.backends.ddp"
+    handoff_module = "hybrid.handoff.ddp"
 
     def validate(self, s, where):
         if s.shard not in ("none", "1"):
@@ -42,7 +43,7 @@ class DDPFamily(Family):
     def problems(self, layout):
         s, d = layout.dp, layout.dims
         if d.cp > 1 and d.tp > 1:
-            from ..memory.placement import NotApplicable
+            from .placement import NotApplicable
             return [NotApplicable(f"{s.name} with tp and cp: replicas of tensor-parallel groups run through FSDP2's "
                                   "replication, which has no cp dimension here; use an fsdp strategy with tp and cp",
                                   "cp")]
@@ -51,17 +52,17 @@ class DDPFamily(Family):
     def placement(self, s, p, spec, n, cl, stage=None) -> Placement:
         b = spec.bytes
         grads = p.trainable_params * b.grad
-        lay = Placement(params=p.params * b.param, optimizer=optimizer_elements(p, spec) * b.state,
+        place = draft(params=p.params * b.param, optimizer=optimizer_elements(p, spec) * b.state,
                      scratch=scratch_elements(p, spec) * b.state,
                      autocast=spec.precision in ("bf16-mixed", "fp16-mixed"), grads_end=grads)
         if s.config.gradient_as_bucket_view:
-            lay.grads_start = grads          # grads are views into buckets allocated at DDP init
+            place.grads_start = grads          # grads are views into buckets allocated at DDP init
         else:
             if spec.gradient_accumulation > 1:
-                lay.grads_start = grads      # .grad accumulates across the window (no_sync)
-            lay.buffers_start = lay.buffers_mid = lay.buffers_end = lay.buffers_step = grads
-            lay.notes.append("DDP buckets hold a second gradient copy (gradient_as_bucket_view=False)")
-        return lay
+                place.grads_start = grads      # .grad accumulates across the window (no_sync)
+            place.buffers_start = place.buffers_mid = place.buffers_end = place.buffers_step = grads
+            place.notes.append("DDP buckets hold a second gradient copy (gradient_as_bucket_view=False)")
+        return Placement.of(place)
 
 
 
@@ -74,22 +75,12 @@ class DDPFamily(Family):
         return Comm(sync_bwd=sync, sync_tail=sync / buckets, copied_sync=copied)
 
     def host(self, s, p, spec, cl, n, stage=None):
-        from ..overhead import Host, param_tensors
+        from .host import Host, param_tensors
         # one all-reduce per bucket at the window's end (as comm counts them); the optimizer steps
         # each local tensor in a loop: torch's foreach kernels take CUDA tensors only
-        # (torch/optim/optimizer.py:161-172, _default_to_fused_or_foreach)
+        # (torch 2.6-2.13 torch/optim/optimizer.py _default_to_fused_or_foreach)
         grad_bytes = p.trainable_params * spec.bytes.grad
         buckets = max(1, math.ceil(grad_bytes / (s.config.bucket_cap_mb * 1e6))) if cl.world_size > 1 else 0
         return Host(calls=buckets, tensors=len(param_tensors(p, stage)))
-
-    def accelerate(self, c, layer_class):
-        if c.parallel.cp > 1:
-            raise HybridError(f"{c.label}: Accelerate runs context parallelism only under FSDP2 (parallelism_config "
-                              "cp_size); emit an fsdp layout (--strategy fsdp or hsdp) or pin --cp 1")
-        if c.parallel.tp > 1:
-            raise HybridError(f"{c.label}: Accelerate runs tensor parallelism only under FSDP2; emit an fsdp layout "
-                              "(--strategy fsdp or hsdp) or pin --tp 1")
-        return {"distributed_type": "MULTI_GPU"}, user_checkpointing(c)
-
 
 FAMILY = DDPFamily()

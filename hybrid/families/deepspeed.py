@@ -1,15 +1,14 @@
 """DeepSpeed ZeRO stage 1/2/3 (with offload and ZeRO++ hpZ): memory layout, communication, config."""
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 
 from ..errors import HybridError
-from ..links import HOST_STEP_RATE, PCIE_BW
-from ..parallel import validate_shard_size
-from ..memory.placement import FP32, Placement, NotApplicable, optimizer_elements, scratch_elements
-from .base import Comm, Family, HostOffloadConfig, provenance, user_checkpointing
+from ..config.cluster import HOST_STEP_RATE, PCIE_BW
+from ..layout.dims import validate_shard_size
+from .placement import FP32, Placement, draft, NotApplicable, optimizer_elements, scratch_elements
+from .base import Comm, Family, HostOffloadConfig
 
 SUB_GROUP_SIZE = 1_000_000_000
 """DeepSpeed ZeRO-3 `sub_group_size` default: elements stepped (and fp32 grads made) at a time."""
@@ -138,7 +137,8 @@ class DeepSpeedConfig(HostOffloadConfig):
 class DeepSpeedFamily(Family):
     name = "deepspeed"
     config = DeepSpeedConfig
-    runtime_module = "hybrid.backends.deepspeed"
+    runtime_module = "hybrid.runtime.backends.deepspeed"
+    handoff_module = "hybrid.handoff.deepspeed"
     emits = "deepspeed"
     keeps_master_copy = True
     torchtitan = False
@@ -191,22 +191,22 @@ class DeepSpeedFamily(Family):
         opt = (P * FP32 + optimizer_elements(p, spec) * FP32) / n
         fp32_grad = P * FP32 / n                # single_partition_of_fp32_groups[i].grad at the step
         scratch = scratch_elements(p, spec) * FP32 / n
-        lay = Placement()
+        place = draft()
         if s.config.stage in (1, 2):
-            lay.params = p.params * c           # the module's bf16 params, whole on every rank
+            place.params = p.params * c           # the module's bf16 params, whole on every rank
             # stage 1 keeps full bf16 grads until the step; stage 2 reduces them into a 1/N partition
-            lay.grads_end = P * c if s.config.stage == 1 else P * c / n
+            place.grads_end = P * c if s.config.stage == 1 else P * c / n
             if spec.gradient_accumulation > 1:
                 # stage 1 accumulates whole 16-bit grads over the window; stage 2 accumulates its
                 # fp32 partition (averaged_gradients) between micro-batches
-                lay.grads_start = P * c if s.config.stage == 1 else P * FP32 / n
+                place.grads_start = P * c if s.config.stage == 1 else P * FP32 / n
             # the IPG reduce bucket; updated partitions are all-gathered in place into the flat params
-            lay.buffers_start = lay.buffers_mid = lay.buffers_end = c * reduce_bucket
+            place.buffers_start = place.buffers_mid = place.buffers_end = c * reduce_bucket
         else:
             small = persistent_params(p, persist)
-            lay.params = c * (p.params / n + small * (1 - 1 / n))
+            place.params = c * (p.params / n + small * (1 - 1 / n))
             # stage3.py allocates grad_partitions_flat_buffer (1/N, 16-bit) once, at init
-            lay.grads_start = lay.grads_end = P * c / n
+            place.grads_start = place.grads_end = P * c / n
             # ... and makes the fp32 grad one sub-group (sub_group_size, default 1e9) at a time
             fp32_grad = FP32 * min(SUB_GROUP_SIZE, P / n)
             scratch = FP32 * min(SUB_GROUP_SIZE, scratch_elements(p, spec) / n)
@@ -216,41 +216,35 @@ class DeepSpeedFamily(Family):
             # at the forward/backward turn the last blocks (fetched again after 2 x the params in
             # between) and the head are kept; everything is capped by max_live_parameters.
             kept = min(p.params, s.config.max_live_parameters, largest + s.config.max_reuse_distance / 2 + prefetch)
-            lay.buffers_start = c * (kept + reduce_bucket)
-            lay.buffers_mid = c * (min(s.config.max_live_parameters, kept + unit) + reduce_bucket)
-            lay.buffers_end = c * (min(p.params, s.config.max_live_parameters, largest + prefetch) + reduce_bucket)
+            place.buffers_start = c * (kept + reduce_bucket)
+            place.buffers_mid = c * (min(s.config.max_live_parameters, kept + unit) + reduce_bucket)
+            place.buffers_end = c * (min(p.params, s.config.max_live_parameters, largest + prefetch) + reduce_bucket)
             hpz = s.config.hpz_size(cl)
             if hpz:
-                lay.params += c * p.params / hpz   # ZeRO++ hpZ secondary partition (bf16, node-local)
-                lay.notes.append(f"hpZ keeps a secondary bf16 partition over {hpz} ranks")
+                place.params += c * p.params / hpz   # ZeRO++ hpZ secondary partition (bf16, node-local)
+                place.notes.append(f"hpZ keeps a secondary bf16 partition over {hpz} ranks")
         if s.config.offload_optimizer:
-            lay.cpu += opt + fp32_grad + scratch
+            place.cpu += opt + fp32_grad + scratch
             if s.config.stage == 3:
-                # stage3.py: self.device is the CPU under offload_optimizer (l.333), so the
-                # gradient partitions (grad_partitions_flat_buffer, l.791-795) are pinned host memory
-                lay.cpu += lay.grads_end
+                # the gradient partitions are pinned host memory (docs/estimation.md, ZeRO offload)
+                place.cpu += place.grads_end
             else:
-                # stage_1_and_2.py: under cpu_offload (self.device 'cpu', l.278) the fp32 gradient
-                # partition is pinned host memory (initialize_optimizer_states, l.936-940) and
-                # copy_grads_in_partition copies each reduced gradient straight into it and returns
-                # (l.2161-2178) before the GPU partition grads_in_partition is ever allocated
-                # (l.2184-2194); accumulation keeps 16-bit copies of this rank's parameters on the
-                # host (accumulated_grads_in_cpu, l.1821-1853); the GPU keeps one 16-bit staging
-                # buffer of the largest parameter (temp_grad_buffer_for_gpu_offload, l.659)
+                # the fp32 gradient partition on the host, one staging buffer on the GPU
+                # (docs/estimation.md, ZeRO offload)
                 if spec.gradient_accumulation > 1:
-                    lay.cpu += c * P / n
+                    place.cpu += c * P / n
                 staging = c * (p.largest_param or 0)
-                lay.buffers_start += staging
-                lay.buffers_mid += staging
-                lay.buffers_end += staging
-            lay.grads_start = lay.grads_end = 0
-            lay.notes.append("optimizer states, fp32 master and the gradient partitions in host memory")
+                place.buffers_start += staging
+                place.buffers_mid += staging
+                place.buffers_end += staging
+            place.grads_start = place.grads_end = 0
+            place.notes.append("optimizer states, fp32 master and the gradient partitions in host memory")
         else:
-            lay.optimizer, lay.grads_step, lay.scratch = opt, fp32_grad, scratch
+            place.optimizer, place.grads_step, place.scratch = opt, fp32_grad, scratch
         if s.config.offload_params:
-            lay.cpu += lay.params
-            lay.params = 0
-        return lay
+            place.cpu += place.params
+            place.params = 0
+        return Placement.of(place)
 
 
 
@@ -283,15 +277,8 @@ class DeepSpeedFamily(Family):
                     copied_micro=2 * 2 * c * P + 2 * c * P)   # two gathers' copy-out, one bucket copy
 
     def host(self, s, p, spec, cl, n, stage=None):
-        from ..overhead import Host, ipg_buckets, param_tensors
-        # gradients reduced in buckets of reduce_bucket_size elements (ipg_buckets); the step's
-        # gradient norm is always all-reduced (stage_1_and_2.py:3039 scaled_global_norm, 1945);
-        # stage 1/2 all-gather the updated flat partitions (one call per allgather_bucket_size,
-        # all_gather_dp_groups); each parameter's gradient hook runs in Python every backward
-        # (reduce_ready_partitions_and_remove_grads); the optimizer steps one flat fp32 partition.
-        # Stage 3 all-gathers each parameter tensor on its first use in a micro-batch (counted by
-        # torch.profiler: 52 gathers for 52 tensors) and keeps it for backward; its bookkeeping per
-        # parameter runs at fetch and release in forward and backward (partitioned_param_coordinator)
+        from .host import Host, ipg_buckets, param_tensors
+        # the calls and per-tensor work DeepSpeed issues (docs/estimation.md, host work per step)
         ga, W = spec.gradient_accumulation, cl.world_size
         tensors = param_tensors(p, stage)
         T = len(tensors)
@@ -310,60 +297,5 @@ class DeepSpeedFamily(Family):
     def traced_note(self, s):
         return (f"{s.name}: traced as its FSDP2 equivalent, with DeepSpeed's partitions and buckets "
                 "in place of the traced state")
-
-    def emit_notes(self, c, target="engine"):
-        """With --for trainer: what to set in TrainingArguments beside deepspeed="ds.json"."""
-        if target != "trainer":
-            return []
-        kw = [f"per_device_train_batch_size={c.spec.micro_batch}",
-              f"gradient_accumulation_steps={c.spec.gradient_accumulation}"]
-        if c.spec.precision == "bf16-mixed":
-            kw.append("bf16=True")
-        elif c.spec.precision == "fp16-mixed":
-            kw.append("fp16=True")
-        if c.spec.compile:
-            kw.append("torch_compile=True")
-        if c.spec.activation_checkpointing != "none":
-            # transformers 5 renamed the field (the old name still works, with a FutureWarning)
-            kw.append("gradient_checkpointing=True (transformers >= 5: activation_checkpointing=True)")
-        return ["hybrid: with --for trainer, set TrainingArguments(deepspeed=\"ds.json\", " + ", ".join(kw) + ")"]
-
-    def emit(self, c, plan, profile, target="engine"):
-        """The DeepSpeed JSON config of the candidate. target "engine": concrete values for
-        deepspeed.initialize; "trainer": the HF Trainer's form, "auto" wherever the Trainer fills
-        the value from its TrainingArguments (batch sizes, accumulation, clipping, precision), and
-        16-bit weights gathered on save (so Trainer.save_model writes a usable model)."""
-        cfg = ds_config(c.strategy, c.spec, profile.decoder.hidden if profile.decoder else None,
-                        plan.cluster.world_size, plan.cluster.gpus_per_node, cuda=plan.cluster.gpu.is_cuda,
-                        gradient_accumulation=c.spec.gradient_accumulation)
-        if target == "trainer":
-            for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps",
-                        "gradient_clipping"):
-                cfg[key] = "auto"
-            cfg["bf16"] = {"enabled": "auto"}
-            cfg["fp16"] = {**cfg.get("fp16", {}), "enabled": "auto"}
-            if c.strategy.config.stage == 3:
-                cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
-        elif c.spec.activation_checkpointing != "none":
-            cfg["activation_checkpointing"] = {"partition_activations": False,
-                                               "contiguous_memory_optimization": False}
-        cfg["_hybrid"] = provenance(plan, c)
-        return json.dumps(cfg, indent=2)
-
-    def accelerate(self, c, layer_class):
-        s = c.strategy
-        if s.config.hpz:
-            raise HybridError(f"{s.name}: Accelerate's DeepSpeed plugin fields cannot set hpZ; write the JSON with "
-                              f"`--emit deepspeed --for trainer -o ds.json` and point Accelerate's "
-                              f"deepspeed_config_file at it")
-        keys = {"distributed_type": "DEEPSPEED",
-                "deepspeed_config": {"zero_stage": s.config.stage,
-                                     "gradient_accumulation_steps": c.spec.gradient_accumulation,
-                                     "offload_optimizer_device": "cpu" if s.config.offload_optimizer else "none",
-                                     "offload_param_device": "cpu" if s.config.offload_params else "none",
-                                     "zero3_init_flag": s.config.stage == 3,
-                                     "zero3_save_16bit_model": s.config.stage == 3}}
-        return keys, user_checkpointing(c)
-
 
 FAMILY = DeepSpeedFamily()

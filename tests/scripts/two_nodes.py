@@ -1,4 +1,4 @@
-"""Launched by two `torchrun --nnodes 2 --nproc-per-node 2` on localhost (tests/test_mesh.py):
+"""Launched by two `torchrun --nnodes 2 --nproc-per-node 2` on localhost (tests/runtime/test_mesh.py):
 checks from inside each rank that hsdp's shard group is node-local, then trains one step."""
 import json
 import os
@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from hybrid import auto_wrap
-from hybrid.mesh import shard_group_ranks, shutdown
-from hybrid.models import build_decoder
+from hybrid.runtime.mesh import shard_group_ranks, shutdown
+from hybrid.model.decoder import build_decoder
 
 out_dir = sys.argv[1]
 w = auto_wrap(build_decoder("tiny-llama"), strategy="hsdp", precision="fp32", micro_batch=2, seq_len=16,

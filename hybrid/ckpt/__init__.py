@@ -1,0 +1,1 @@
+"""Checkpoints: saving and resuming across layouts, confined reading, export (torch)."""

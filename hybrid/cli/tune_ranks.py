@@ -1,0 +1,86 @@
+"""`hybrid tune` on one rank: the command's options in, the trials (hybrid/tune/trials.py) run, the
+report out. Apart from tune/trials.py so that auto_wrap(tune=...) does not import the command's
+pieces, nor these auto_wrap's."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import HybridError
+from ..tune.trials import format_tune, tokens_per_s_per_gpu, tune
+
+
+def run_cli(opts: dict):
+    """`hybrid tune` on one rank (under torchrun, or a rank spawned by the command): plan, run the
+    trials, and on rank 0 return (text, JSON dict) and write the calibration; None elsewhere.
+    `opts`: the command's options, with `spec` (the TrainSpec) and `progress` (the bar) added."""
+    import argparse
+
+    from ..auto import prepare_for_training
+    from ..estimation.calibration import resolve, save
+    from ..families.catalogue import load_catalogue
+    from ..config.cluster import detect
+    from ..measure.traced import optimizer_factory
+    from ..runtime.mesh import init_distributed
+    from ..planning.planner import plan as make_plan
+    from ..model.sources import resolve_model
+
+    args = argparse.Namespace(**opts)
+    try:                                 # its config warnings about synthetic presets, once per trial
+        import transformers
+        transformers.logging.set_verbosity_error()
+    except ImportError:
+        pass
+    runtime = init_distributed()
+    src, spec = resolve_model(args.model), args.spec
+    cluster = detect(args.gpu_memory)
+    if args.gpu is not None and cluster.gpu.name != args.gpu:
+        raise HybridError(f"tune measures the accelerators it runs on ({cluster.gpu.name}), not --gpu {args.gpu}: "
+                          "drop --gpu, or plan for it with `hybrid plan`")
+    cat = load_catalogue(args.strategies_dir)
+    names = [s.strip() for s in args.strategies.split(",")] if args.strategies else None
+    p = make_plan(src.profile, spec, cluster, cat, args.shard_size, strategies=names,
+                  tp=args.tp if args.tp is not None else None, pp=args.pp if args.pp is not None else 1,
+                  schedule=args.schedule, search_checkpointing=args.activation_checkpointing is None,
+                  efficiency=args.efficiency, calibration=resolve(args.calibration),
+                  cp=getattr(args, "cp", None), micro_batch=args.micro_batch if spec.global_batch is not None else None)
+    dtype = torch.bfloat16 if spec.precision == "bf16" else None
+
+    def make_model():
+        model, _ = src.build(device=runtime.device, attention=spec.attention, prefer_hf=args.implementation != "hybrid",
+                             dtype=dtype)
+        prepare_for_training(model)
+        return model
+
+    job = {"model": src.ref, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node,
+           "micro_batch": spec.micro_batch, "seq_len": spec.seq_len, "precision": spec.precision,
+           "gradient_accumulation": spec.gradient_accumulation, "steps": args.steps, "warmup": args.warmup}
+    r = tune(p, make_model, optimizer_factory(spec), runtime, cluster, args.top, args.steps, args.warmup,
+             progress=args.progress, job=job)
+    if runtime.rank != 0:
+        return None
+    if args.save_calibration and r.calibration is not None:
+        save(r.calibration, args.save_calibration)
+    return format_tune(r), to_dict(r)
+
+
+def to_dict(r) -> dict:
+    p = r.plan
+    out = {"model": p.model.name, "world_size": p.cluster.world_size, "gpu": p.cluster.gpu.name,
+           "steps": r.steps, "warmup": r.warmup, "plan_chosen": p.chosen.label if p.chosen else None,
+           "chosen": r.chosen.label if r.chosen else None,
+           "chosen_candidate": ({"name": r.chosen.name, "shard_size": r.chosen.shard_size,
+                                 "parallel": r.chosen.parallel.to_dict(),
+                                 "activation_checkpointing": r.chosen.spec.activation_checkpointing}
+                                if r.chosen else None),
+           "trials": [], "calibration": r.calibration.to_dict() if r.calibration else None}
+    for t in r.trials:
+        c = p.candidates[t.index]
+        out["trials"].append({
+            "layout": c.label, "name": c.name, "shard_size": c.shard_size, "status": t.status, "detail": t.detail,
+            "predicted_fits": c.fits, "predicted_step_s": c.cost.seconds if c.cost else None,
+            "predicted_tokens_per_s_per_gpu": c.cost.tokens_per_s_per_gpu if c.cost else None,
+            "predicted_allocated_bytes": c.memory.allocated if c.memory else None,
+            "measured_step_s": t.seconds,
+            "measured_tokens_per_s_per_gpu": tokens_per_s_per_gpu(c, t.seconds) if t.seconds else None,
+            "measured_allocated_bytes": t.allocated, "measured_reserved_bytes": t.reserved})
+    return out

@@ -1,0 +1,193 @@
+"""What is being trained: batch shape, precision, optimizer, checkpointing (pure, no torch)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from ..errors import HybridError
+
+Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16"]
+Optimizer = Literal["adamw", "sgd", "adafactor"]
+Checkpointing = Literal["none", "selective", "op", "full"]
+"""Plus "layer:N" (full recomputation of every N-th block), checked by checkpointing()."""
+Attention = Literal["sdpa", "eager"]
+
+_ALIASES = {"flash": "sdpa", "bf16_mixed": "bf16-mixed", "mixed": "bf16-mixed", "adam": "adamw",
+            "fp16_mixed": "fp16-mixed", "16-mixed": "fp16-mixed",
+            "off": "none", "false": "none", "true": "full"}
+
+
+def choice(kind: str, value: str, allowed) -> str:
+    """Normalise a user string to one of `allowed` once, at the boundary."""
+    options = get_args(allowed) if not isinstance(allowed, (tuple, list)) else allowed
+    v = str(value).strip().lower()
+    v = _ALIASES.get(v, v)
+    if v not in options:
+        raise HybridError(f"unknown {kind} {value!r}. Available: {', '.join(options)}")
+    return v
+
+
+def checkpointing(value) -> str:
+    """none | selective | op | full | layer:N (N a positive integer), normalised."""
+    v = str(value).strip().lower()
+    if v.startswith("layer:"):
+        n = v.split(":", 1)[1]
+        if not n.isdigit() or int(n) < 1:
+            raise HybridError(f"activation checkpointing {value!r}: layer:N needs a positive integer N (full "
+                              "recomputation of every N-th block), e.g. layer:2")
+        return f"layer:{int(n)}"
+    try:
+        return choice("activation checkpointing", v, Checkpointing)
+    except HybridError:
+        raise HybridError(f"unknown activation checkpointing {value!r}. Available: none, selective, op, full, "
+                          "layer:N") from None
+
+
+def layer_every(mode: str) -> int | None:
+    """N of a layer:N checkpointing mode, else None."""
+    return int(mode.split(":", 1)[1]) if mode.startswith("layer:") else None
+
+
+MOE_IMBALANCE = 1.25
+"""Tokens the busiest expert-parallel rank receives over the mean (tokens x top_k / ep per rank
+of an ep group): the headroom MoE training recipes give their experts. Switch Transformer
+(Fedus et al. 2021, arXiv 2101.03961, sec. 2.2 and Table 1) trains with expert capacity factors
+1.0-1.25 under its load-balancing loss, 1.25 dropping few tokens; dropless training (torchtitan,
+Megatron-LM with no capacity factor, DeepEP) has no cap, and early in training a rank can receive
+more (deepseek-ai/DeepEP issue #99: out of memory in the first steps): raise --moe-imbalance
+for a cold start, up to ep (every token to one rank's experts)."""
+
+DEFAULT_SEQ_LEN = 4096
+"""Sequence length when none is given: the model's maximum positions, at most this (the common
+pre-training length of 7B-70B recipes), 2048 when the model does not say."""
+
+
+def default_precision(cluster) -> str:
+    """The precision a job trains in unless told: bf16-mixed where the GPU computes in bf16,
+    fp16-mixed (with loss scaling) on older CUDA GPUs (V100, T4), fp32 on CPU ranks (what auto_wrap
+    runs there). One rule for plan, estimate, auto_wrap and tune."""
+    if not cluster.gpu.is_cuda:
+        return "fp32"
+    return "bf16-mixed" if cluster.gpu.bf16 else "fp16-mixed"
+
+
+def check_precision(precision: str, cluster) -> None:
+    """bf16 precisions need a GPU that computes in bf16 (Ampere or newer)."""
+    if "bf16" in str(precision).lower() and cluster.gpu.is_cuda and not cluster.gpu.bf16:
+        raise HybridError(f"{cluster.gpu.name} has no bf16 (it needs Ampere or newer): use --precision fp16-mixed "
+                          "or fp32")
+
+
+def default_seq_len(max_positions: int | None) -> int:
+    return min(max_positions or 2048, DEFAULT_SEQ_LEN)
+
+
+@dataclass(frozen=True)
+class DtypeBytes:
+    """Bytes per element of each kind of tensor under a precision mode."""
+
+    param: int
+    """Parameter storage the optimizer updates (fp32 master in bf16-mixed)."""
+    compute: int
+    """Weights and activations inside forward/backward."""
+    grad: int
+    """Gradients as the optimizer sees them."""
+    state: int
+    """Each optimizer state element (torch keeps states in the parameter's dtype)."""
+
+
+_DTYPE_BYTES = {
+    "fp32": DtypeBytes(param=4, compute=4, grad=4, state=4),
+    "bf16-mixed": DtypeBytes(param=4, compute=2, grad=4, state=4),
+    "fp16-mixed": DtypeBytes(param=4, compute=2, grad=4, state=4),
+    "bf16": DtypeBytes(param=2, compute=2, grad=2, state=2),
+}
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """One training step's shape and numerics, per rank."""
+
+    micro_batch: int = 1
+    """Sequences per rank per forward (the micro-batch). Must be >= 1."""
+    seq_len: int = 2048
+    """Tokens per sequence. Must be >= 1 and at most the model's maximum positions."""
+    precision: Precision = "bf16-mixed"
+    """fp32; bf16-mixed (bf16 compute, fp32 master weights, grads and optimizer state);
+    fp16-mixed (the same in fp16, with dynamic loss scaling: GPUs without bf16); or bf16
+    (everything in bf16, optimizer state included)."""
+    optimizer: Optimizer = "adamw"
+    """adamw (2 states per parameter), sgd with momentum (1 state), adafactor (factored second
+    moment: one row and one column vector per matrix, no first moment)."""
+    activation_checkpointing: Checkpointing = "none"
+    """none; selective (keep matmul/attention outputs, recompute the rest); op (torchtitan's per-op
+    policy: keep every second matmul output, counted per block from the first, and the attention
+    output); full (keep only each block's input and recompute the block in backward); layer:N
+    (full recomputation of every N-th block, blocks 0, N, 2N...; the others keep everything)."""
+    attention: Attention = "sdpa"
+    """sdpa (fused/flash kernels: no s x s score matrix kept) or eager (softmax scores kept)."""
+    gradient_accumulation: int = 1
+    """Micro-batches per optimizer step; the global batch is micro_batch x this x data-parallel
+    ranks. 1 = no accumulation."""
+    global_batch: int | None = None
+    """Sequences per optimizer step over all data-parallel ranks. None: micro_batch x
+    gradient_accumulation x the layout's data-parallel ranks, as given. Set: the planner chooses
+    each layout's micro-batch and accumulation so that their product with its data-parallel ranks
+    is this (hybrid/planning/batch.py); micro_batch and gradient_accumulation are then that layout's."""
+    compile: bool = False
+    """torch.compile each block (and the loss) as torchtitan does (hybrid/runtime/compile.py): the
+    blocks keep what AOTAutograd's partitioner saves (hybrid/measure/compiled.py), and fusion
+    removes most of eager's memory-bound elementwise traffic (hybrid/estimation/cost/step.py). False: eager."""
+    float8: bool = False
+    """torchao's float8 training of the blocks' linears (tensorwise scaling, float8 all-gather
+    under FSDP2), behind compile, as torchtitan's float8 converter (hybrid/runtime/float8.py): their
+    matmuls at the float8 peak, plus the casts. Needs compile and a GPU with float8 tensor
+    cores (H100/H200). False: the compute dtype."""
+    moe_imbalance: float = MOE_IMBALANCE
+    """Mixture-of-experts models with expert parallelism (ep > 1): tokens the busiest rank's
+    experts receive over the mean, >= 1 (MOE_IMBALANCE: the published default). Scales the routed
+    activations, the all-to-all buffers and the busiest rank's expert compute; 1 = perfectly
+    balanced routing. Unused for dense models and at ep 1 (a rank computes its own tokens)."""
+
+    def __post_init__(self):
+        for attr in ("micro_batch", "seq_len", "gradient_accumulation", "global_batch"):
+            v = getattr(self, attr)
+            if v is None and attr == "global_batch":
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise HybridError(f"{attr.replace('_', '-')} must be a positive integer, got {v!r}")
+        if isinstance(self.moe_imbalance, bool) or not isinstance(self.moe_imbalance, (int, float)) \
+                or not 1.0 <= self.moe_imbalance <= 1e6:
+            raise HybridError(f"moe-imbalance must be a number >= 1 (the busiest expert-parallel rank's tokens over "
+                              f"the mean; 1 = balanced), got {self.moe_imbalance!r}")
+        for attr in ("compile", "float8"):
+            if not isinstance(getattr(self, attr), bool):
+                raise HybridError(f"{attr} must be True or False, got {getattr(self, attr)!r}")
+        if self.float8 and not self.compile:
+            raise HybridError("float8 runs behind torch.compile, as torchtitan runs it (its casts fuse into the "
+                              "compiled blocks): add --compile (compile=True)")
+        object.__setattr__(self, "precision", choice("precision", self.precision, Precision))
+        object.__setattr__(self, "optimizer", choice("optimizer", self.optimizer, Optimizer))
+        object.__setattr__(self, "activation_checkpointing", checkpointing(self.activation_checkpointing))
+        object.__setattr__(self, "attention", choice("attention", self.attention, Attention))
+
+    @property
+    def mixed(self) -> bool:
+        """Low-precision compute over fp32 master weights (bf16-mixed or fp16-mixed)."""
+        return self.precision in ("bf16-mixed", "fp16-mixed")
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+    @property
+    def bytes(self) -> DtypeBytes:
+        return _DTYPE_BYTES[self.precision]
+
+    def to_dict(self) -> dict:
+        return {"micro_batch": self.micro_batch, "seq_len": self.seq_len, "precision": self.precision,
+                "optimizer": self.optimizer, "activation_checkpointing": self.activation_checkpointing,
+                "attention": self.attention, "gradient_accumulation": self.gradient_accumulation,
+                **({"global_batch": self.global_batch} if self.global_batch is not None else {}),
+                **({"compile": True} if self.compile else {}), **({"float8": True} if self.float8 else {}),
+                **({"moe_imbalance": self.moe_imbalance} if self.moe_imbalance != MOE_IMBALANCE else {})}

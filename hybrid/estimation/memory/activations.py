@@ -1,0 +1,235 @@
+"""Saved-activation and logits/loss bytes of one micro-batch for a decoder-only transformer.
+
+Counted tensor by tensor from what autograd keeps for our `models.Decoder` and the Hugging Face
+Llama/Mistral/GPT-2 implementations (see tests/estimation/test_activations.py, which checks each formula
+against the tensors a saved-tensors hook sees). The structure follows Korthikanti et al. 2022
+(arXiv 2205.05198, sec. 4.1), whose s*b*h*(34 + 5*a*s/h) is the GPT-3 case with dropout; ours has
+no dropout, RMSNorm upcasts to fp32, and SwiGLU keeps four f-wide tensors instead of two.
+
+Two compute regimes:
+- native: weights are held in the compute dtype (FSDP2 MixedPrecisionPolicy, DeepSpeed bf16, pure
+  bf16, fp32); every activation is in that dtype, c bytes.
+- autocast: fp32 weights under torch.autocast(bf16) (DDP bf16-mixed); the residual stream and
+  norms stay fp32, each matmul input is cast to bf16 once per consumer, and autocast caches a bf16
+  copy of every weight until backward has used it.
+All results are bytes per micro-batch (b sequences of s tokens).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...model.presets import DecoderConfig
+from ...config.spec import TrainSpec, layer_every
+
+# fp32 bytes: RMSNorm's upcast copy, softmax/log-softmax outputs, logsumexp, norm statistics.
+F32 = 4
+
+
+@dataclass(frozen=True)
+class ActivationTerms:
+    per_layer: int
+    """Bytes each block keeps from forward to its backward (after checkpointing)."""
+    recompute: int
+    """Extra bytes while one checkpointed block is recomputed in backward (0 without checkpointing)."""
+    head_forward: int
+    """Final norm, logits and log-softmax output alive at the end of forward."""
+    head_backward: int
+    """Peak of the loss backward: head_forward plus the fp32 gradients of the log-softmax."""
+    autocast_cache: int
+    """bf16 weight copies autocast holds from forward into backward (autocast regime only)."""
+    layers: int
+
+
+def _qk_norm(d: DecoderConfig, c: int) -> float:
+    """Bytes per token the query/key RMSNorms keep: each one's fp32 input (the upcast; in fp32 the
+    input itself), its rsqrt per normalised group and its output cast back to c bytes (measured
+    with saved-tensors hooks on transformers' Qwen3-MoE and OLMoE: tests/estimation/test_moe.py)."""
+    if d.qk_norm is None:
+        return 0
+    groups = d.heads + d.n_kv_heads if d.qk_norm == "head" else 2
+    return (F32 + c) * (d.q_dim + d.kv_dim) + F32 * groups
+
+
+def _moe_mlp(d: DecoderConfig, c: int) -> float:
+    """Bytes per token an MoE block's experts and router keep (transformers' grouped_mm experts:
+    tokens sorted by expert, one grouped matmul per projection). Per routed (token, expert) pair:
+    the gathered input and the down projection's output (h each), the gate_up output (2m), its
+    SiLU and the product (m each), the fp32 routing weight and four int64 index vectors; per
+    token the fp32 router softmax over all experts, and where the top-k weights are renormalised
+    (Mixtral, Qwen3-MoE) their fp32 copy and sum. Measured in tests/estimation/test_moe.py."""
+    renorm = d.hf_model_type != "olmoe"
+    return d.top_k * moe_pair(d, c) + F32 * d.experts + (F32 * (d.top_k + 1) if renorm else 0)
+
+
+def moe_pair(d: DecoderConfig, c: int) -> float:
+    """Bytes one routed (token, expert) pair keeps (see _moe_mlp): what expert parallelism moves
+    to the rank that holds the expert, and what routing imbalance multiplies (estimation/memory/moe.py)."""
+    return c * (2 * d.hidden + 4 * d.moe_ffn) + F32 + 4 * 8
+
+
+def _layer_full(d: DecoderConfig, spec: TrainSpec, c: int, autocast: bool) -> float:
+    """Bytes per token one block saves with no checkpointing."""
+    h, kv, f, a, s = d.hidden, d.kv_dim, d.ffn, d.heads, spec.seq_len
+    q = d.q_dim
+    llama = d.style == "llama"
+    if autocast:
+        c = 2
+        # RMSNorm: fp32 input + rsqrt + fp32 normalised; LayerNorm: fp32 input + mean + rstd.
+        norm = (2 * F32 * h + F32) if llama else (F32 * h + 2 * F32)
+        # each consumer of a norm output casts it to bf16 once (q, k, v | fused qkv; gate, up | fc;
+        # an MoE block's router: its experts' grouped matmuls are not on autocast's list)
+        casts = c * h * ((3 + (1 if d.moe else 2)) if llama else (1 + 1))
+        norms = 2 * norm + casts
+    else:
+        # RMSNorm: fp32 upcast + rsqrt + cast back + weighted output; LayerNorm: input, output, stats.
+        norm = (F32 * h + F32 + 2 * c * h) if llama else (2 * c * h + 2 * F32)
+        norms = 2 * norm
+    masked = d.sliding_window is not None and s >= d.sliding_window
+    if spec.attention == "sdpa" and not masked:
+        attn = 2 * c * q + 2 * c * kv + F32 * a          # q, k, v, output; logsumexp per head
+    elif spec.attention == "sdpa":
+        # a mask rules out the mask-free flash path: k and v expanded to every head, and SDPA
+        # turns the boolean (b, 1, s, s) mask into a float bias it keeps for backward, per layer
+        attn = 4 * c * q + F32 * a + c * s
+    else:
+        # q, k and v (expanded to every head), output copy; per head s x s: Llama's softmax in fp32
+        # and its cast back, GPT-2's in the compute dtype
+        softmax = (F32 + (c if c < F32 else 0)) if llama else c
+        attn = 4 * c * q + softmax * a * s
+    attn += _qk_norm(d, c)
+    if d.moe:                  # experts outside autocast's list run in the weights' fp32
+        return norms + attn + _moe_mlp(d, F32 if autocast else c)
+    # llama: gate, silu, up, product; gpt2: fc and gelu output, plus tanh, 0.5x and 1+tanh when
+    # GELU is written out (gelu_new)
+    mlp = 4 * c * f if llama else (5 if d.gelu == "new" else 2) * c * f
+    return norms + attn + mlp
+
+
+def _layer_selective(d: DecoderConfig, c: int, autocast: bool) -> float:
+    """Bytes per token with selective checkpointing: block input + matmul and attention outputs."""
+    h, kv, f, a, q = d.hidden, d.kv_dim, d.ffn, d.heads, d.q_dim
+    mm = 2 if autocast else c
+    block_input = (F32 if autocast else c) * h
+    # an MoE block's experts run grouped matmuls, which the policy recomputes; its router is an mm
+    mlp = d.experts if d.moe else ((2 * f + h) if d.style == "llama" else (f + h))
+    linears = mm * (q + 2 * kv + h) + mm * mlp
+    return block_input + linears + mm * q + F32 * a       # + attention output and logsumexp
+
+
+def _layer_op(d: DecoderConfig, c: int, autocast: bool) -> float:
+    """Bytes per token under torchtitan's per-op policy: the block input, the outputs of the 1st,
+    3rd, 5th... aten.mm of the block (llama: q, v, gate, down; gpt2's biased linears run addmm,
+    which the policy does not keep) and the attention output with its logsumexp."""
+    h, kv, f, a, q = d.hidden, d.kv_dim, d.ffn, d.heads, d.q_dim
+    mm = 2 if autocast else c
+    block_input = (F32 if autocast else c) * h
+    if d.moe:                  # mm order q, k, v, o, router: q, v and the router's logits kept
+        kept = q + kv + d.experts
+    else:
+        kept = (q + kv + f + h) if d.style == "llama" else 0
+    return block_input + mm * kept + mm * q + F32 * a
+
+
+def _layer_compiled(d: DecoderConfig, spec: TrainSpec, c: int, mode: str) -> float:
+    """Bytes per token one torch.compile'd block keeps: what AOTAutograd's min-cut partitioner
+    (inductor's) hands the backward, read from the traced graph (hybrid/measure/compiled.py;
+    tests/runtime/test_compile.py holds the two equal). The norms' normalised outputs and the pointwise
+    ops between matmuls are recomputed inside the fused backward, not kept.
+    none   llama: block input, both norm outputs, q and k after rotary, v, the attention output
+           (its reshape is a view: flash kernels lay it out as b, s, heads, d), the o projection output
+           (the residual sum is rebuilt from
+           it), gate, up and their product, rsqrt per norm, logsumexp per head; gpt2: the same
+           with the post-attention residual sum, LayerNorm mean and rstd, and gelu_new's tanh
+    selective  the block input and the matmul outputs backward needs (not the down/second MLP
+           projection: nothing reads it) with attention's output and logsumexp
+    op     (llama) the block input and the kept matmul outputs backward needs (q, v, gate: the
+           down projection's is dropped) with attention's output and logsumexp
+    full   the block input."""
+    h, kv, f, a = d.hidden, d.kv_dim, d.ffn, d.heads
+    llama = d.style == "llama"
+    if mode == "full":
+        return c * h
+    if mode == "selective":
+        return c * (4 * h + 2 * kv + (2 * f if llama else f)) + F32 * a
+    if mode == "op":
+        return c * (3 * h + kv + f) + F32 * a
+    if llama:
+        return c * (6 * h + 2 * kv + 3 * f) + F32 * (a + 2)
+    return c * (6 * h + 2 * kv + 3 * f) + 4 * c + F32 * a
+
+
+def compiled_supported(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> str | None:
+    """Why a compiled block's memory is not modelled for this job (None when it is)."""
+    if autocast:
+        return ("compiled blocks under autocast (ddp with bf16-mixed) are not modelled; use fsdp (bf16 compute "
+                "over fp32 masters), or --precision bf16 / fp32")
+    if spec.attention != "sdpa" or (d.sliding_window is not None and spec.seq_len >= d.sliding_window):
+        return "compiled blocks are modelled with SDPA's mask-free flash attention; use --attention sdpa"
+    if d.style == "gpt2" and d.gelu != "new":
+        return "compiled gpt2 blocks are modelled with gelu_new"
+    if spec.activation_checkpointing not in ("none", "selective", "full") and not (
+            spec.activation_checkpointing == "op" and d.style == "llama"):
+        return "compiled blocks are modelled with none, selective or full checkpointing (and op for llama)"
+    return None
+
+
+def checkpointed_blocks(layers: int, every: int) -> int:
+    """Blocks layer:N recomputes: indices 0, N, 2N... (torchtitan's ac_freq)."""
+    return -(-layers // every)
+
+
+def activation_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> ActivationTerms:
+    c = spec.bytes.compute
+    T = spec.micro_batch * spec.seq_len
+    full = _layer_full(d, spec, c, autocast) * T
+    ckpt = spec.activation_checkpointing
+    if getattr(spec, "compile", False):
+        why = compiled_supported(d, spec, autocast)
+        if why is not None:
+            from ...errors import NotApplicable
+            raise NotApplicable(why)
+        # a recomputed compiled block keeps, while its backward runs, what an uncheckpointed one does
+        full = _layer_compiled(d, spec, c, "none") * T
+        per_layer = _layer_compiled(d, spec, c, ckpt) * T
+        recompute = {"none": 0.0, "full": full}.get(ckpt, full - per_layer)
+    elif ckpt == "none":
+        per_layer, recompute = full, 0.0
+    elif ckpt == "full":
+        per_layer = (F32 if autocast else c) * d.hidden * T   # the block input
+        recompute = full
+    elif ckpt == "selective":
+        per_layer = _layer_selective(d, c, autocast) * T
+        recompute = full - per_layer
+    elif ckpt == "op":
+        per_layer = _layer_op(d, c, autocast) * T
+        recompute = full - per_layer
+    else:                                   # layer:N: the blocks' average
+        k = checkpointed_blocks(d.layers, layer_every(ckpt))
+        kept = (F32 if autocast else c) * d.hidden * T
+        per_layer = (k * kept + (d.layers - k) * full) / d.layers
+        recompute = full
+    logits = (2 if autocast else c) * d.vocab * T
+    # log_softmax keeps its fp32 output; the fp32 upcast of bf16 logits is transient.
+    head_fwd = logits + F32 * d.vocab * T + (2 * F32 * d.hidden if d.style == "llama" else c * d.hidden) * T
+    # loss backward: grad of the log-softmax output and grad of its input, both fp32 (b*s*vocab).
+    head_bwd = head_fwd + 2 * F32 * d.vocab * T
+    cache = 0
+    if autocast:
+        # every matmul weight (an MoE block's router; its experts run outside autocast's list)
+        matrices = d.layers * sum(m[0] * m[1] for m in d.block_matrices() if len(m) == 2)
+        cache = 2 * (matrices + d.vocab * d.hidden)           # every matmul weight + LM head
+    return ActivationTerms(per_layer=int(per_layer), recompute=int(recompute), head_forward=int(head_fwd),
+                           head_backward=int(head_bwd), autocast_cache=int(cache), layers=d.layers)
+
+
+def largest_transient(d: DecoderConfig, spec: TrainSpec, autocast: bool, tp: int = 1) -> int:
+    """The largest tensor a block makes in forward and frees before the next block (the cause of
+    the default allocator's fragmentation floor, memory/breakdown.fragmentation_floor): one
+    f-wide MLP intermediate, or with eager attention the per-head s x s scores (fp32 softmax);
+    split tp ways under tensor parallelism."""
+    c = 2 if autocast else spec.bytes.compute
+    T = spec.micro_batch * spec.seq_len
+    # an MoE block's experts: one m-wide intermediate per routed (token, expert) pair
+    mlp = c * (d.moe_ffn * d.top_k if d.moe else d.ffn) * T
+    scores = F32 * d.heads * spec.seq_len * T if spec.attention == "eager" else 0
+    return int(max(mlp, scores) / tp)

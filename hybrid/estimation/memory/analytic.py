@@ -1,0 +1,177 @@
+"""Closed-form per-GPU memory of one training step, for every strategy family.
+
+The step is modelled as four moments and the peak is the largest:
+  loss      the loss gradient is being formed: all activations, logits and their fp32 gradients
+            alive, no parameter gradients yet (torch's zero_grad sets them to None);
+  blocks    the last block is in backward (recomputed first, with checkpointing), its params
+            gathered and its unsharded grads made;
+  grads     backward has finished: every gradient alive, activations gone;
+  step      optimizer step: states + its scratch (torch's foreach AdamW keeps one temporary the
+            size of the parameters it updates).
+Family layouts (what each library allocates) are each family's `layout` (hybrid/families/); each
+constant cites its source.
+"""
+from __future__ import annotations
+
+from ...families.catalogue import Strategy
+from ...config.cluster import Cluster
+from ...errors import HybridError
+from ...layout.layout import Layout, as_layout
+from ...model.profile import ModelProfile
+from ..shares import Share, share_activations, shares, whole_embedding_gradient
+from ...config.spec import TrainSpec
+from .activations import ActivationTerms, activation_terms, largest_transient
+from .breakdown import MemoryBreakdown, fragmentation_floor, overhead_bytes
+from ...families.placement import FP32, NotApplicable, reduce_bytes
+from .moe import ExpertParallel, expert_parallel
+
+__all__ = ["NotApplicable", "check_job", "estimate", "placement_of"]
+
+def check_job(profile: ModelProfile, spec: TrainSpec) -> None:
+    """Input rules that hold whatever the strategy."""
+    if profile.trainable_params == 0:
+        raise HybridError(f"model {profile.name} has no trainable parameters "
+                          "(all requires_grad=False): nothing to optimise or shard")
+    mp = profile.max_positions
+    if mp is not None and spec.seq_len > mp:
+        raise HybridError(f"seq-len {spec.seq_len} is longer than {profile.name}'s maximum positions "
+                          f"{mp}; use --seq-len {mp} or less")
+
+
+def placement_of(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster, n: int, stage=None):
+    """The family's placement of this job (NotApplicable when it cannot run it at all); `stage`
+    (shares.StageShare): the profile is one pipeline rank's."""
+    if spec.precision in ("bf16", "bf16-mixed") and cluster.gpu.is_cuda and not cluster.gpu.bf16:
+        raise NotApplicable(f"{cluster.gpu.name} has no bf16 (Ampere or newer needed); use fp16-mixed or fp32")
+    family = strategy.family_obj
+    family.check_device(strategy, spec, cluster.gpu.is_cuda)
+    return family.placement(strategy, profile, spec, n, cluster, stage=stage)
+
+
+def estimate(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
+             rank: int = 0) -> MemoryBreakdown:
+    """Per-GPU memory of one rank (`rank` of the pipeline, 0 without one): its share of the model
+    and the sequence (shares.shares), the family's placement of it, its activations, and the
+    largest of the step's four moments. A bare Strategy stands for its layout on the cluster
+    (Layout.of) at the spec's checkpointing."""
+    check_job(profile, spec)
+    layout = as_layout(layout, cluster, spec)
+    spec = layout.train_spec(spec)
+    layout.check(profile)
+    sh = shares(profile, layout, spec, rank)
+    dims = layout.dims
+    moe = expert_parallel(layout.dp, sh.profile, sh.spec, cluster, dims.dp_shard, dims.cp, dims.ep, placement_of,
+                          staged=sh.stage is not None)
+    place = moe.placement if moe else placement_of(layout.dp, sh.profile, sh.spec, cluster, dims.dp_shard * dims.cp,
+                                                 sh.stage)
+    act, notes = activations(sh, place.autocast)
+    if moe:
+        act = moe.activations(act, sh.spec, sh.profile.decoder.layers)
+    moments = step_moments(sh, place, act, moe)
+    phase, parts = max(moments.items(), key=lambda kv: sum(kv[1].values()))
+    tensors = place.params + place.optimizer + sum(parts.values())
+    transient = largest_transient(profile.decoder, sh.spec, place.autocast, sh.tp) if profile.decoder else 0
+    return MemoryBreakdown(
+        params=int(place.params), grads=int(parts["grads"]), optimizer=int(place.optimizer),
+        activations=(None if profile.decoder is None and profile.activation_bytes_per_sample is None
+                     else int(parts["activations"])),
+        temporaries=int(parts["temporaries"]), buffers=int(parts["buffers"]),
+        overhead=int(overhead_bytes(cluster, tensors, transient)), context=cluster.gpu.cuda_context_bytes,
+        floor=fragmentation_floor(cluster, transient), cpu=int(place.cpu), phase=phase,
+        notes=tuple(list(place.notes) + notes),
+        model_states=int(place.params + place.optimizer + place.grads_end + place.grads_step))
+
+
+def activations(sh: Share, autocast: bool) -> tuple[ActivationTerms, list[str]]:
+    """The rank's activation terms: a decoder's per layer and head (estimation/memory/activations.py), each
+    split tp ways with sequence parallelism and vocab-parallel logits (Korthikanti et al. arXiv
+    2205.05198) except the two all-gathered block inputs the column-wise matmuls keep whole (what
+    DTensor's ColwiseParallel saves for backward); S / cp long plus the gathered K and V with
+    context parallelism (estimation/memory/cp.py); a pipeline rank's in-flight micro-batches' for its blocks.
+    Another model's probed bytes per sample; nothing for a bare parameter count."""
+    profile, spec = sh.profile, sh.spec
+    notes = []
+    if profile.decoder is None and spec.compile:
+        raise NotApplicable("compile's memory is modelled for decoder blocks (a preset or a decoder config.json); "
+                            "this model has no known decoder shape")
+    if profile.decoder is None:
+        if profile.activation_bytes_per_sample is None:
+            return ActivationTerms(0, 0, 0, 0, 0, 0), ["activations unknown: the model is a bare parameter count "
+                                                       "(model states only)"]
+        # probed in fp32; convolution and norm outputs follow the compute dtype (bf16 under
+        # autocast too, where no fp32 residual stream exists)
+        scale = spec.bytes.compute / FP32
+        per_batch = int(profile.activation_bytes_per_sample * spec.micro_batch * scale)
+        if spec.activation_checkpointing != "none":
+            notes.append("activation checkpointing is not modelled for non-transformer models (use --method traced)")
+        return ActivationTerms(per_batch, 0, 0, 0, 0, 1), notes
+    return share_activations(sh, activation_terms(profile.decoder, spec, autocast), autocast, notes)
+
+
+def step_moments(sh: Share, place, act: ActivationTerms,
+                 moe: ExpertParallel | None = None) -> dict[str, dict[str, float]]:
+    """Grads, activations, temporaries and buffers at each of the step's four moments."""
+    profile, spec, st = sh.profile, sh.spec, sh.stage
+    acts = act.layers * act.per_layer
+    unit = moe.unit if moe else (profile.block_params if profile.num_blocks else profile.largest_layer_params)
+    unit_grads = (2 if place.autocast else spec.bytes.compute) * unit
+    moments = {
+        "loss": dict(grads=place.grads_start, activations=acts,
+                     temporaries=act.head_backward + act.autocast_cache, buffers=place.buffers_start),
+        # the block being differentiated: recomputed activations and its weight gradients as
+        # autograd makes them (compute dtype), before they are reduced or accumulated; with
+        # experts as a unit of their own, the largest of its moments (estimation/memory/moe.py)
+        "blocks": max((dict(grads=place.grads_start, activations=acts,
+                            temporaries=(act.recompute - min(freed, act.recompute) + act.autocast_cache
+                                         + (2 if place.autocast else spec.bytes.compute) * u
+                                         + (moe.a2a_buffers if moe else 0)),
+                            buffers=buf)
+                       for buf, u, freed in (moe.block_moments if moe and moe.block_moments
+                                             else [(place.buffers_mid, unit, 0)])),
+                      key=lambda parts: sum(parts.values())),
+        "grads": dict(grads=place.grads_end, activations=0, temporaries=0, buffers=place.buffers_end),
+        "step": dict(grads=place.grads_end + place.grads_step, activations=0, temporaries=place.scratch,
+                     buffers=place.buffers_step),
+    }
+    if st is None and act.layers > 1 and profile.num_blocks:
+        # ... or the first block, differentiated last: every other block's gradient has been
+        # reduced into its shard by then (FSDP2's post_backward per unit; the root's at the end),
+        # while only this block's activations are left (with checkpointing its kept input was
+        # the smaller of the two: fp32 gradient shards grow faster than block inputs shrink)
+        done = (place.grads_end - place.grads_start) * (act.layers - 1) * profile.block_params / profile.params
+        end = dict(moments["blocks"], grads=place.grads_start + done, activations=act.per_layer)
+        if sum(end.values()) > sum(moments["blocks"].values()):
+            moments["blocks"] = end
+    if sh.loss_outside_forward:     # the root's parameters are gathered again after the loss backward
+        moments["loss"]["buffers"] -= place.regathered
+    ends = [act.recompute + unit_grads] if st is not None else []     # a stage's backward ends in its first block
+    full = whole_embedding_gradient(sh)
+    if full:
+        # where FSDP accumulates unsharded gradients, its reduce-dtype copy is whole too and stays
+        # until the step (grads count only the shard's)
+        ends.append(full * spec.bytes.compute)
+        if spec.gradient_accumulation > 1 or st is not None:
+            extra = full * reduce_bytes(spec) * (1 - 1 / sh.tp)
+            for name in ("loss", "blocks", "grads"):
+                moments[name]["grads"] += extra
+    moments["grads"]["temporaries"] += max(ends, default=0)
+    if st is not None:
+        # ... while its other in-flight micro-batches keep their activations (1F1B: in-flight - 1
+        # of them), with every gradient (and, under FSDP, every block's parameters gathered since
+        # that backward) present
+        moments["grads"]["activations"] = act.per_layer * (st.in_flight_layers - st.blocks)
+    recv = receive_buffers(sh)
+    for parts in moments.values():
+        parts["buffers"] += recv
+    return moments
+
+
+def receive_buffers(sh: Share) -> int:
+    """torch.distributed.pipelining allocates, once, a receive buffer per micro-batch for the
+    stage's input activation (all but the first stage) and for its output's gradient (all but the
+    last): b x s x h each in the compute dtype (a tp rank's sequence-parallel share)."""
+    st, spec = sh.stage, sh.spec
+    if st is None:
+        return 0
+    count = spec.gradient_accumulation * ((not st.first) + (not st.last))
+    return int(count * spec.bytes.compute * spec.tokens * st.boundary_elements / sh.tp)

@@ -1,0 +1,186 @@
+"""What one rank of a layout holds and computes (pure, no torch), composed in one place and one
+order: its pipeline stage's blocks, then its share of each sequence (context parallel), then of
+each matrix (tensor parallel). The memory estimate and the cost model both start here."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, replace
+
+from ..errors import HybridError
+from .memory.activations import ActivationTerms
+from ..model.profile import ModelProfile
+from ..config.spec import TrainSpec
+
+
+@dataclass(frozen=True)
+class StageShare:
+    """What one pipeline rank holds: its blocks, whether it has the embedding (first stage) and
+    the final norm + head + loss (last stage), and how many block activations it keeps in flight."""
+
+    rank: int
+    pp: int
+    blocks: int
+    first: bool
+    last: bool
+    in_flight_layers: int
+    """Block activations held at the rank's peak: in-flight micro-batches x its blocks."""
+    in_flight: int
+    """Micro-batches (interleaved: chunk-micro-batches) in flight."""
+    boundary_elements: int = 0
+    """Elements per token of one stage boundary's activation (the hidden size): the receive
+    buffers torch.distributed.pipelining allocates per micro-batch."""
+
+
+def stage_share(profile: ModelProfile, pipeline, rank: int) -> ModelProfile:
+    """The profile of pipeline rank `rank` under `pipeline` (hybrid.layout.pipeline.StageSplit): its
+    blocks' parameters, the embedding on the first rank, the final norm and head on the last (a
+    tied head is a second copy there, kept in step by an all-reduce of its gradient)."""
+    d = profile.decoder
+    if d is None:
+        raise HybridError(f"pipeline parallelism splits a transformer's blocks; {profile.name} has no known "
+                          "decoder shape: use pp 1")
+    st = stage_of(profile, pipeline, rank)
+    embed = d.vocab * d.hidden + (d.max_positions * d.hidden if d.style == "gpt2" else 0)
+    head = d.vocab * d.hidden
+    norm = max(profile.root_params - embed - (0 if d.tied else head), 0)
+    root = (embed if st.first else 0) + ((norm + head) if st.last else 0)
+    params = st.blocks * profile.block_params + root
+    frac = params / profile.params
+    return dataclasses.replace(
+        profile, name=f"{profile.name} [pp rank {rank}]", params=params,
+        trainable_params=round(profile.trainable_params * frac), param_bytes=round(profile.param_bytes * frac),
+        dtype_bytes=tuple((k, round(v * frac)) for k, v in profile.dtype_bytes), num_blocks=st.blocks,
+        root_params=root,
+        factored_state=None if profile.factored_state is None else round(profile.factored_state * frac),
+        tied_groups=(), decoder=dataclasses.replace(d, layers=st.blocks))
+
+
+def stage_of(profile: ModelProfile, pipeline, rank: int) -> StageShare:
+    """Where pipeline rank `rank` sits: its blocks, first or last, what it keeps in flight."""
+    stages = pipeline.rank_stages(rank)
+    blocks = sum(pipeline.blocks[i] for i in stages)
+    return StageShare(rank, pipeline.pp, blocks, 0 in stages, pipeline.stages - 1 in stages,
+                      pipeline.in_flight_layers(rank), pipeline.in_flight(rank),
+                      profile.decoder.hidden if profile.decoder else 0)
+
+
+@dataclass(frozen=True)
+class Share:
+    """One rank's share of the job under a layout."""
+
+    whole: ModelProfile
+    """The model."""
+    whole_spec: TrainSpec
+    """The job, whole sequences."""
+    stage: StageShare | None
+    """The rank's pipeline position; None without stages."""
+    held: ModelProfile
+    """What its pipeline stage holds (the whole model without stages)."""
+    profile: ModelProfile
+    """... of which its tensor-parallel share: what the rank stores."""
+    spec: TrainSpec
+    """The job on this rank: each sequence S / cp long (local_spec)."""
+    tp: int
+    cp: int
+
+    @property
+    def has_head(self) -> bool:
+        """The rank computes the logits and the loss (the last stage, or every rank without stages)."""
+        return self.stage is None or self.stage.last
+
+    @property
+    def has_embedding(self) -> bool:
+        return self.stage is None or self.stage.first
+
+    @property
+    def loss_outside_forward(self) -> bool:
+        """The loss is scored outside the model's forward (context parallelism, runtime/backends/cp.py)."""
+        return self.cp > 1
+
+
+def shares(profile: ModelProfile, layout, spec: TrainSpec, rank: int = 0) -> Share:
+    """Rank `rank` of the pipeline (0 without one) under `layout`: pipeline stage, then cp, then tp."""
+    stage, held = None, profile
+    if layout.pipeline is not None:
+        stage, held = stage_of(profile, layout.pipeline, rank), stage_share(profile, layout.pipeline, rank)
+    tp, cp = layout.dims.tp, layout.dims.cp
+    return Share(whole=profile, whole_spec=spec, stage=stage, held=held, profile=tp_share(held, tp, stage),
+                 spec=local_spec(spec, cp), tp=tp, cp=cp)
+
+
+def tp_share(profile: ModelProfile, tp: int, stage=None) -> ModelProfile:
+    """The profile one tensor-parallel rank holds: every block matrix, the embedding and the head
+    split tp ways (Megatron-LM's layout, as runtime/backends/tp.py applies it); norms replicated. `stage`
+    (shares.StageShare): the profile is a pipeline rank's, holding the embedding and/or head."""
+    if tp == 1:
+        return profile
+    d = profile.decoder
+    if d is None:
+        raise HybridError(f"tensor parallelism needs a transformer's dimensions; {profile.name} has none: use tp 1")
+    import dataclasses
+    matrices = sum(m[0] * m[1] for m in d.block_matrices() if len(m) == 2)
+    if stage is None:
+        head = d.vocab * d.hidden * (1 if d.tied else 2)      # embedding and (untied) head
+    else:                                                      # a pipeline rank's embedding and/or head
+        head = d.vocab * d.hidden * (stage.first + stage.last)
+    sharded = d.layers * matrices + head
+    cut = sharded - sharded // tp
+    frac = (profile.params - cut) / profile.params
+    return dataclasses.replace(
+        profile, params=profile.params - cut, trainable_params=round(profile.trainable_params * frac),
+        param_bytes=round(profile.param_bytes * frac),
+        dtype_bytes=tuple((k, round(v * frac)) for k, v in profile.dtype_bytes),
+        block_params=profile.block_params - matrices + matrices // tp,
+        root_params=profile.root_params - head + head // tp,
+        largest_layer_params=max(1, profile.largest_layer_params // tp),
+        largest_param=max(1, profile.largest_param // tp),
+        factored_state=None if profile.factored_state is None else profile.factored_state // tp)
+
+
+def local_spec(spec: TrainSpec, cp: int) -> TrainSpec:
+    """The spec one cp rank's blocks see: S / cp tokens per sequence, causal SDPA attention (the
+    CP attention is SDPA whatever the model's own attention setting)."""
+    if cp == 1:
+        return spec
+    return replace(spec, seq_len=spec.seq_len // cp, attention="sdpa")
+
+
+def share_activations(sh: Share, act: ActivationTerms, autocast: bool, notes: list[str]):
+    """A decoder's activation terms (estimation/memory/activations.py) as this rank keeps them: split tp ways
+    with sequence parallelism and vocab-parallel logits (Korthikanti et al. arXiv 2205.05198)
+    except the two all-gathered block inputs the column-wise matmuls keep whole (what DTensor's
+    ColwiseParallel saves for backward); S / cp long plus the gathered K and V with context
+    parallelism (estimation/memory/cp.py); a pipeline rank's in-flight micro-batches' for its blocks.
+    Returns (the terms, notes)."""
+    from .memory.cp import with_gathered_kv
+    spec, tp, cp = sh.spec, sh.tp, sh.cp
+    if tp > 1:
+        # the attention and MLP inputs are all-gathered, and the column-wise matmuls keep them
+        # whole: in every stored block, or only in the recomputed one under full checkpointing
+        gathered = 2 * spec.bytes.compute * sh.whole.decoder.hidden * spec.tokens * (1 - 1 / tp)
+        stored, redone = (0, gathered) if spec.activation_checkpointing == "full" else (gathered, 0)
+        act = ActivationTerms(per_layer=int(act.per_layer / tp + stored), recompute=int(act.recompute / tp + redone),
+                              head_forward=int(act.head_forward / tp), head_backward=int(act.head_backward / tp),
+                              autocast_cache=int(act.autocast_cache / tp), layers=act.layers)
+        notes.append(f"tensor parallel {tp}: matrices, embedding and head split {tp} ways; sequence-parallel "
+                     "activations; vocab-parallel logits")
+    if cp > 1:
+        act = with_gathered_kv(act, sh.whole.decoder, sh.whole_spec, cp, tp, autocast)
+        notes.append(f"context parallel {cp}: each rank holds {sh.whole_spec.seq_len // cp} tokens of each "
+                     "sequence and keeps every layer's gathered K/V (or recomputes them with checkpointing)")
+    if sh.stage is not None:
+        # a pipeline rank keeps the activations of its in-flight micro-batches (per the schedule,
+        # hybrid/layout/pipeline.py) for its blocks only; the logits and loss only on the last stage
+        act = ActivationTerms(per_layer=act.per_layer, recompute=act.recompute,
+                              head_forward=act.head_forward if sh.has_head else 0,
+                              head_backward=act.head_backward if sh.has_head else 0,
+                              autocast_cache=act.autocast_cache, layers=sh.stage.in_flight_layers)
+    return act, notes
+
+
+def whole_embedding_gradient(sh: Share) -> int:
+    """Elements of the whole vocab x hidden gradient a tensor-parallel rank holding the embedding
+    makes in its backward: DTensor's embedding backward (vocab-sharded weight, replicated ids)
+    makes the whole gradient, not the shard (seen in the traced runs). 0 otherwise."""
+    d = sh.whole.decoder
+    return d.vocab * d.hidden if sh.tp > 1 and d is not None and sh.has_embedding else 0

@@ -1,0 +1,1 @@
+"""The chosen layout as other tools' configs: DeepSpeed, FSDP, torchtitan, Accelerate (pure)."""

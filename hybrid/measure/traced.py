@@ -1,0 +1,364 @@
+"""Traced estimate: one rank of the real job, simulated on this CPU with no memory allocated.
+
+A fake process group of the job's world size, FakeTensorMode (shapes and dtypes only), the real
+wrapping (FSDP2 on the job's 1D/2D mesh with its mixed precision and checkpointing; DDP's buckets
+emulated because its C++ reducer reads data; DeepSpeed as its FSDP2 equivalent plus its own state
+layout), and two real training steps on a batch of the job's shape. The peak of live tensors and
+what it is made of come from measure/tracker.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+from ..families.catalogue import Strategy
+from ..config.cluster import Cluster
+from ..errors import HybridError
+from ..layout.layout import Layout
+from ..layout.dims import ParallelDims
+from ..model.sources import ModelSource
+from ..estimation.shares import tp_share
+from ..config.spec import TrainSpec
+from ..estimation.memory.analytic import check_job, placement_of
+from ..estimation.memory.breakdown import MemoryBreakdown
+
+
+@dataclass(frozen=True)
+class Traced:
+    memory: MemoryBreakdown
+    implementation: str
+    """Which code was traced: 'transformers' (the HF model of the preset), 'hybrid' (ours), 'factory'."""
+    seconds: float
+
+
+def optimizer_factory(spec: TrainSpec):
+    """The optimizer the estimate assumes, with CUDA's defaults (foreach) even on this CPU."""
+    import torch
+
+    if spec.optimizer == "sgd":
+        return lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, foreach=True)
+    if spec.optimizer == "adafactor":
+        return lambda ps: torch.optim.Adafactor(ps, lr=1e-3, foreach=True)
+    return lambda ps: torch.optim.AdamW(ps, lr=3e-4, foreach=True)
+
+
+def make_batch(model, spec: TrainSpec, vocab: int | None):
+    import torch
+
+    if hasattr(model, "example_inputs"):
+        return model.example_inputs(spec.micro_batch)
+    if vocab is None:
+        raise HybridError("a traced estimate needs the model's input: give a decoder (preset, config.json) "
+                          "or a model with an example_inputs(micro_batch) method")
+    ids = torch.randint(0, vocab, (spec.micro_batch, spec.seq_len))
+    return {"input_ids": ids, "labels": ids}
+
+
+@contextlib.contextmanager
+def _unpacked_batches():
+    """transformers decides from the position ids' *values* whether sequences are packed, and so
+    whether SDPA may run its causal flash path without a mask (and with GQA kept). Fake tensors
+    have no values, so it would materialise a mask a real unpacked batch never gets; answer for it."""
+    try:
+        import transformers.masking_utils as mu
+    except ImportError:
+        yield
+        return
+    original = mu.find_packed_sequence_indices
+    mu.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        mu.find_packed_sequence_indices = original
+
+
+@contextlib.contextmanager
+def _real_mesh_arithmetic():
+    """FSDP over tensor parallelism joins the dp and tp meshes (DeviceMesh._concatenate), which
+    computes rank lists with tensor ops; under FakeTensorMode those would be fake (no values).
+    Mesh bookkeeping is integers, not model memory: run it on real tensors."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+    original = DeviceMesh.__dict__.get("_concatenate")
+    if original is None:
+        yield
+        return
+    func = original.__func__ if isinstance(original, staticmethod) else original
+
+    def concatenate(*args, **kwargs):
+        with unset_fake_temporarily():
+            return func(*args, **kwargs)
+    DeviceMesh._concatenate = staticmethod(concatenate) if isinstance(original, staticmethod) else concatenate
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = original
+
+
+def check_traceable(source: ModelSource) -> None:
+    if source.build is None:
+        raise HybridError(f"{source.profile.name} is a bare parameter count: there is nothing to trace. "
+                          "Use --method analytic, or give a preset / config.json / factory")
+
+
+FAST_BLOCKS = (3, 4)
+"""Block counts traced by the fast path: two traces of the same job on models of 3 and 4 blocks,
+extrapolated moment by moment to the model's own count (extrapolate). Three is the fewest with a
+middle block: the first and last blocks of a phase differ from the others (FSDP2's first backward
+block has no earlier reduce-scatter in flight, its last nothing to prefetch)."""
+
+
+def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cluster,
+                    shard_size: int | None = None, prefer_hf: bool = True, steps: int = 2, tp: int = 1,
+                    fast: bool = True, cp: int = 1, ep: int = 1) -> Traced:
+    """One rank of the job traced on fake tensors. `fast`: a stack of identical blocks (a preset or
+    a decoder config.json) is traced with FAST_BLOCKS blocks and extrapolated to its own count,
+    which gives the full trace's peak (benchmarks/fast_traced.py) in a fraction of the time; other
+    models, strategies whose state the trace replaces (DeepSpeed, host offload) and layer:N
+    checkpointing are traced whole. cp > 1 runs the context-parallel code (runtime/backends/cp.py) on the
+    rank's chunks of a whole-sequence batch; ep > 1 the expert-parallel code (runtime/backends/ep.py) with
+    the dispatch shapes of spec.moe_imbalance (a fake process group carries no routing counts)."""
+    import torch.distributed as dist
+
+    from ..runtime.parallelize import runs_transformers
+
+    check_traceable(source)
+    if dist.is_initialized():
+        raise HybridError("a traced estimate starts its own fake process group; run it outside a "
+                          "distributed job (e.g. from the CLI)")
+    check_job(source.profile, spec)
+    n = strategy.shard_size(cluster, shard_size, tp, cp)
+    problem = strategy.family_obj.ep_problem(strategy, ep)
+    if problem is not None:
+        raise problem
+    dims = ParallelDims(dp_shard=n, cp=cp, tp=tp, ep=ep)
+    strategy.family_obj.check(Layout(dims, strategy))
+    prefer_hf = runs_transformers(dims, prefer_hf)
+    placement_of(strategy, source.profile, spec, cluster, n * cp)   # NotApplicable, before tracing
+    start = time.perf_counter()
+    layers = source.decoder_cfg.layers if source.decoder_cfg is not None else 0
+    # every block alike: not with layer:N checkpointing, whose 3- and 4-block models mix kinds of block
+    alike = not spec.activation_checkpointing.startswith("layer:")
+    if fast and alike and layers > FAST_BLOCKS[-1] and not strategy.family_obj.traced_replaces(strategy):
+        runs = [_trace(source.with_layers(k), strategy, spec, cluster, n, prefer_hf, 1, tp, prime=True, cp=cp, ep=ep)
+                for k in FAST_BLOCKS]
+        parts, phase = extrapolate([t.moments() for t, _ in runs], FAST_BLOCKS, layers)
+        memory = MemoryBreakdown.from_tensors(parts, cluster, phase=phase, notes=(
+            f"traced with {' and '.join(map(str, FAST_BLOCKS))} blocks, extrapolated to {layers}",))
+        return Traced(memory, runs[0][1], time.perf_counter() - start)
+    tracker, impl = _trace(source, strategy, spec, cluster, n, prefer_hf, steps, tp, cp=cp, ep=ep)
+    memory = _account(tracker, strategy, source, spec, cluster, n, tp)
+    return Traced(memory, impl, time.perf_counter() - start)
+
+
+def extrapolate(moments: list[dict], blocks: tuple[int, int], layers: int) -> tuple[dict[str, int], str]:
+    """The peak of a `layers`-block model from the moments (MemoryTracker.moments) of two traces
+    with `blocks` blocks: each moment's bytes, category by category, are a + L x b, so two counts
+    fix them; the peak is the largest moment at L = layers. The middle blocks' moment is the
+    largest over blocks 1 .. L-2 of a + L x b + j x c, at j = 1 or L - 2 by the sign of c: also
+    a + L x b' for every L >= 3."""
+    (k1, m1), (k2, m2) = zip(blocks, moments)
+    best, best_key = None, None
+    for key in m1.keys() & m2.keys():
+        p1, p2 = m1[key][1], m2[key][1]
+        parts = {c: max(0, round(p1[c] + (p2[c] - p1[c]) * (layers - k1) / (k2 - k1))) for c in p1}
+        if best is None or sum(parts.values()) > sum(best.values()):
+            best, best_key = parts, key
+    return best, best_key[0]
+
+
+def _trace(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cluster, n: int,
+           prefer_hf: bool, steps: int, tp: int, prime: bool = False, cp: int = 1, ep: int = 1):
+    """(the tracker after `steps` training steps of one rank, which implementation was traced).
+    `prime`: create the optimizer state first without a training step (driver.prime_optimizer),
+    so that one step is the steady state."""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ..model.decoder import prepare_for_training
+    from ..runtime.mesh import TRACED, Runtime, build_mesh
+    from .driver import prime_optimizer, tracked_steps
+    from .tracker import MemoryTracker
+
+    dist.init_process_group(TRACED, store=FakeStore(), rank=0, world_size=cluster.world_size)
+    try:
+        runtime = Runtime(torch.device("cpu"), TRACED, cluster.world_size, 0, cluster.gpus_per_node)
+        from ..layout.dims import ParallelDims
+        dims = ParallelDims(dp_replicate=cluster.world_size // tp // cp // n, dp_shard=n, cp=cp, tp=tp, ep=ep)
+        mesh = build_mesh(dims, runtime, cluster.gpus_per_node)     # outside fake mode: real ints
+        backend = strategy.family_obj.runtime()
+        dtype = torch.bfloat16 if spec.precision == "bf16" else None
+        with FakeTensorMode(allow_non_fake_inputs=True), _unpacked_batches(), _real_mesh_arithmetic():
+            tracker = MemoryTracker()
+            with tracker:
+                model, impl = source.build(device="cpu", attention=spec.attention, prefer_hf=prefer_hf,
+                                           dtype=dtype)
+                prepare_for_training(model)
+                engine = backend.traced_apply(strategy, model, optimizer_factory(spec), mesh, spec, runtime)
+                tracker.relabel(list(model.parameters()), "params")
+                tracker.reset_peak()               # building the full model is not part of a step
+                batch = make_batch(model, spec, source.profile.decoder.vocab if source.profile.decoder else None)
+                if prime:
+                    prime_optimizer(engine, tracker)
+                tracked_steps(engine, batch, tracker, steps)
+    finally:
+        dist.destroy_process_group()
+    return tracker, impl
+
+
+def _account(tracker, strategy: Strategy, source: ModelSource, spec: TrainSpec, cluster: Cluster,
+             n: int, tp: int = 1) -> MemoryBreakdown:
+    """The tracer's bytes; where the traced proxy holds its state differently from the real
+    strategy (host offload; DeepSpeed's partitions and buckets), that state is replaced along the
+    whole timeline by the real strategy's layout and the peak is taken again."""
+    notes, cpu = [], 0
+    replaced = strategy.family_obj.traced_replaces(strategy)
+    if replaced:
+        place = placement_of(strategy, tp_share(source.profile, tp), spec, cluster, n)
+
+        def layout(phase: str, progress: float) -> dict:
+            if phase == "step":
+                out = dict(grads=place.grads_end + place.grads_step, buffers=place.buffers_step)
+            elif phase == "blocks":          # gradients arrive block by block
+                out = dict(grads=place.grads_start + progress * (place.grads_end - place.grads_start),
+                           buffers=place.buffers_mid)
+            else:                            # forward, head, loss
+                out = dict(grads=place.grads_start, buffers=place.buffers_start)
+            out.update(params=place.params, optimizer=place.optimizer)
+            return {k: v for k, v in out.items() if k in replaced}
+
+        _, parts, phase = tracker.peak_replacing(replaced, layout)
+        cpu = place.cpu
+        notes.append(strategy.family_obj.traced_note(strategy))
+    else:
+        parts, phase = tracker.peak_breakdown(), tracker.peak_phase
+    return MemoryBreakdown.from_tensors(parts, cluster, cpu=int(cpu), phase=phase, notes=tuple(notes))
+
+
+def traced_stage_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cluster,
+                          shard_size: int | None, tp: int, layout, pp_rank: int, steps: int = 2) -> Traced:
+    """One pipeline rank of the real job on fake tensors: its stage cut from the model and
+    wrapped as the runtime wraps it (runtime/backends/pipeline.py: the family's wrap_stage over the
+    stage's ranks of a fake process group of the whole world), its micro-batches run in the
+    schedule's order (pipeline.rank_actions) with the backward and the step-end reduction of
+    torch.distributed.pipelining's own PipelineStage, the received activations and gradients in
+    per-micro-batch receive buffers as that library allocates them. gpipe and 1f1b."""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.pipelining import PipelineStage
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ..model.decoder import prepare_for_training
+    from ..runtime.backends.fsdp import gathered_params
+    from ..runtime.backends.base import optimizer_tensors
+    from ..runtime.mesh import TRACED, Runtime, build_mesh
+    from ..model.decoder import causal_lm_loss
+    from ..runtime.stages import pipeline_stage
+    from ..layout.dims import ParallelDims
+    from ..layout.pipeline import rank_actions, stage_cluster
+    from ..runtime.parallelize import layout_of_mesh, parallelize_piece
+    from ..estimation.shares import stage_of, stage_share
+    from .tracker import MemoryTracker
+
+    check_traceable(source)
+    if dist.is_initialized():
+        raise HybridError("a traced estimate starts its own fake process group; run it outside a "
+                          "distributed job (e.g. from the CLI)")
+    if layout.virtual != 1:
+        raise HybridError("a traced pipeline estimate runs gpipe and 1f1b; use --method analytic for interleaved")
+    stage_cl = stage_cluster(cluster, layout.pp)
+    n = strategy.shard_size(stage_cl, shard_size, tp)
+    placement_of(strategy, stage_share(source.profile, layout, pp_rank), spec, stage_cl, n,        # NotApplicable
+                 stage_of(source.profile, layout, pp_rank))                                        # first
+    d = source.profile.decoder
+    m, world = layout.micro_batches, cluster.world_size
+    start = time.perf_counter()
+    dist.init_process_group(TRACED, store=FakeStore(), rank=pp_rank * (world // layout.pp), world_size=world)
+    try:
+        runtime = Runtime(torch.device("cpu"), TRACED, world, dist.get_rank(), cluster.gpus_per_node)
+        dims = ParallelDims(dp_replicate=stage_cl.world_size // tp // n, dp_shard=n, tp=tp, pp=layout.pp)
+        mesh = build_mesh(dims, runtime, cluster.gpus_per_node)
+        dtype = torch.bfloat16 if spec.precision == "bf16" else None
+        index = layout.rank_stages(pp_rank)[0]
+        first, last = index == 0, index == layout.stages - 1
+        with FakeTensorMode(allow_non_fake_inputs=True), _unpacked_batches(), _real_mesh_arithmetic():
+            # the whole model on fake tensors, outside the tracker: only what the stage's wrapping
+            # allocates (its sharded parameters) and the steps count
+            model, impl = source.build(device="cpu", attention=spec.attention, prefer_hf=False, dtype=dtype)
+            prepare_for_training(model)
+            lo, hi = layout.stage_range(index)
+            chunk = pipeline_stage(model, lo, hi, first, last)
+            del model
+            tracker = MemoryTracker()
+            with tracker:
+                chunk, tp_state, _ = parallelize_piece(chunk, layout_of_mesh(strategy, mesh, spec), mesh, spec, runtime,
+                                                       staged=True)
+                tp_context = tp_state.context if tp_state is not None else contextlib.nullcontext
+                stage = PipelineStage(chunk, index, layout.stages, torch.device("cpu"), group=mesh["pp"].get_group())
+                optimizer = optimizer_factory(spec)([p for p in chunk.parameters() if p.requires_grad])
+                tracker.relabel(list(chunk.parameters()), "params")
+                tracker.reset_peak()
+                act = spec.bytes.compute
+                low = {2: torch.bfloat16, 4: torch.float32}[act]
+                boundary = (spec.micro_batch, spec.seq_len // tp, d.hidden)      # a tp rank's sequence shard
+                recv = [torch.empty(boundary, dtype=low) for _ in range(m)] if not first else []
+                grads_in = [torch.empty(boundary, dtype=low) for _ in range(m)] if not last else []
+                tracker.relabel(recv + grads_in, "buffers")
+                ids = torch.randint(0, d.vocab, (spec.micro_batch, spec.seq_len))
+                for _ in range(steps):
+                    live = {}
+                    for kind, mb in rank_actions(layout.schedule, layout.pp, m, pp_rank):
+                        if kind == "F":
+                            tracker.phase = "forward"
+                            x = ids if first else recv[mb].detach().requires_grad_(True)
+                            with tp_context():
+                                out = chunk(x)
+                                if last:
+                                    tracker.phase = "loss"
+                                    out = causal_lm_loss(out, ids)
+                            live[mb] = (x, out)
+                        else:
+                            tracker.phase = "blocks"
+                            x, out = live.pop(mb)
+                            with tp_context():
+                                stage.backward_maybe_with_nosync(
+                                    "full", {"stage_output": out, "output_grads": None if last else grads_in[mb],
+                                             "input_values": [] if first else [x]}, last_backward=mb == m - 1)
+                            del x, out
+                    stage.perform_reduce_grad(m)
+                    params = list(chunk.parameters())
+                    tracker.relabel([p.grad for p in params if p.grad is not None], "grads")
+                    tracker.phase = "step"
+                    optimizer.step()
+                    tracker.relabel(optimizer_tensors(optimizer, params), "optimizer")
+                    tracker.relabel(gathered_params(chunk), "buffers")
+                    optimizer.zero_grad(set_to_none=True)
+    finally:
+        dist.destroy_process_group()
+    memory = MemoryBreakdown.from_tensors(tracker.peak_breakdown(), cluster, phase=tracker.peak_phase)
+    return Traced(memory, impl, time.perf_counter() - start)
+
+
+def traced_stage_in_process(ref: str, strategy_name: str, strategies_dir, spec: TrainSpec, cluster: Cluster,
+                            shard_size, tp: int, layout, rank: int) -> Traced:
+    """traced_stage_estimate from picklable arguments (for a fresh process per rank)."""
+    from ..families.catalogue import load_catalogue
+    from ..model.sources import resolve_model
+    return traced_stage_estimate(resolve_model(ref), load_catalogue(tuple(strategies_dir or ())).get(strategy_name),
+                                 spec, cluster, shard_size, tp, layout, rank)
+
+
+IMPLEMENTATIONS = {"transformers": "the transformers model", "hybrid": "hybrid's own implementation",
+                   "factory": "the factory's model"}
+"""What a traced or measured estimate ran, in its note."""
+
+
+def traced_runs(layout) -> bool:
+    """Whether the trace runs this layout: pipeline stages only under a family that runs them, and
+    not the interleaved schedule (two chunks per rank: traced_stage_estimate runs one)."""
+    return layout.schedule != "interleaved" and not any(x.dim == "pp" for x in layout.dp.family_obj.problems(layout))
+

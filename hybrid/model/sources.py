@@ -1,0 +1,187 @@
+"""Where a model comes from: a preset, a config.json (or its folder), a `package.module:factory`, or a
+bare parameter count, resolved to a ModelSource (its profile, and how to build it)."""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from ..errors import HybridError, short
+from .presets import PRESETS, DecoderConfig, from_hf_config
+from .profile import ModelProfile, build_profile, profile_decoder, profile_module, profile_params
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved MODEL argument: its profile and, when it can be built, how."""
+
+    profile: ModelProfile
+    build: Callable[..., Any] | None = None
+    """build(device='meta', attention='sdpa', prefer_hf=False, dtype=None) -> (module, implementation)."""
+    ref: str | None = None
+    """The MODEL string it was resolved from (to resolve it again in another process)."""
+    decoder_cfg: DecoderConfig | None = None
+    """The decoder shape `build` builds from, when it builds from one (presets, decoder config.json):
+    then the same model with fewer blocks can be built (`with_layers`)."""
+
+    def with_layers(self, layers: int) -> "ModelSource":
+        """The same model with `layers` blocks (everything else identical)."""
+        cfg = replace(self.decoder_cfg, layers=layers)
+        return ModelSource(profile_decoder(cfg, f"{self.profile.name} ({layers} blocks)", self.profile.source),
+                           _decoder_builder(cfg), None, cfg)
+
+
+def resolve_model(spec: str | None = None, params: str | int | None = None) -> ModelSource:
+    """MODEL as the CLI takes it: a preset name, a HF config.json (or a folder holding one),
+    `package.module:factory`, or `params=7.5e9` for a bare count."""
+    if params is not None:
+        return ModelSource(profile_params(params, name=spec))
+    if not spec:
+        raise HybridError("no model given: name a preset, a config.json, package.module:factory, "
+                          f"or pass --params. Presets: {', '.join(PRESETS)}")
+    if spec.lower() in PRESETS:
+        cfg = PRESETS[spec.lower()]
+        return ModelSource(profile_decoder(cfg, spec.lower()), _decoder_builder(cfg), spec, cfg)
+    path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
+    if path.endswith(".json"):
+        return _from_config_json(path)
+    if ":" in spec:
+        return _from_factory(spec)
+    raise HybridError(f"unknown model {spec!r}. Give a preset ({', '.join(PRESETS)}), a HF "
+                      "config.json path, package.module:factory, or --params N")
+
+
+def _decoder_builder(cfg: DecoderConfig):
+    def build(device="meta", attention="sdpa", prefer_hf=False, dtype=None):
+        if (prefer_hf or cfg.moe or cfg.qk_norm or cfg.head_size) and cfg.hf_model_type:
+            try:
+                from .decoder import build_hf
+                return build_hf(cfg, device=device, attention=attention, dtype=dtype), "transformers"
+            except ImportError:
+                if cfg.moe or cfg.qk_norm or cfg.head_size:
+                    raise HybridError(f"{cfg.hf_model_type} models are built with transformers: "
+                                      "pip install 'hybrid[hf]'") from None
+        from .decoder import build_decoder
+        return build_decoder(cfg, device=device, attention=attention, dtype=dtype), "hybrid"
+    return build
+
+
+_HF_POSITIVE = {"llama": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size"),
+                 "mistral": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                             "intermediate_size"),
+                 "gpt2": (),
+                 "mixtral": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                             "intermediate_size", "num_local_experts", "num_experts_per_tok"),
+                 "olmoe": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size", "num_experts", "num_experts_per_tok"),
+                 "qwen3_moe": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                               "moe_intermediate_size", "num_experts", "num_experts_per_tok")}
+
+
+def _check_hf_config(cfg, path: str) -> None:
+    """The keys our closed forms read, present and positive integers (one line per problem)."""
+    if not isinstance(cfg, dict):
+        raise HybridError(f"model config {path!r} must be a JSON object (a transformers config.json), "
+                          f"got a JSON {type(cfg).__name__}")
+    mt = cfg.get("model_type")
+    if not isinstance(mt, str) or not mt:
+        raise HybridError(f"model config {path!r} has no \"model_type\"; a transformers config.json names its "
+                          "architecture there (e.g. \"llama\")")
+    keys = list(_HF_POSITIVE.get(mt, ())) + [k for k in ("n_embd", "n_layer", "n_head", "n_positions",
+                                                         "num_key_value_heads", "max_position_embeddings")
+                                             if k in cfg and cfg[k] is not None]
+    for key in keys:
+        v = cfg.get(key)
+        if v is None:
+            raise HybridError(f"model config {path!r} ({mt}) is missing {key!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise HybridError(f"model config {path!r}: {key} must be a positive integer, got {v!r}")
+    heads = cfg.get("num_attention_heads") or cfg.get("n_head")
+    hidden = cfg.get("hidden_size") or cfg.get("n_embd")
+    if heads and hidden and hidden % heads:
+        raise HybridError(f"model config {path!r}: hidden size {hidden} is not divisible by {heads} attention heads")
+
+
+def _from_config_json(path: str) -> ModelSource:
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        raise HybridError(f"model config {path!r} does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HybridError(f"model config {path!r} is not valid JSON: {str(e)[:200]}") from None
+    except OSError as e:
+        raise HybridError(f"cannot read model config {path!r}: {e.strerror or e}") from None
+    _check_hf_config(cfg, path)
+    name = cfg.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path))) or path
+    dec = from_hf_config(cfg)
+    if dec is not None:
+        return ModelSource(profile_decoder(dec, name, source="hf-config"), _decoder_builder(dec), path, dec)
+
+    def build(device="meta", attention="sdpa", prefer_hf=True, dtype=None):
+        import torch
+
+        from .decoder import default_dtype
+        try:
+            from transformers import AutoConfig, AutoModelForCausalLM
+        except ImportError:
+            raise HybridError(f"model_type {cfg.get('model_type')!r} in {path} needs transformers: "
+                              "pip install 'hybrid[hf]'") from None
+        c = dict(cfg)
+        with torch.device(device), default_dtype(dtype):
+            return AutoModelForCausalLM.from_config(
+                AutoConfig.for_model(c.pop("model_type"), **c), attn_implementation=attention), "transformers"
+
+    try:
+        model, _ = build()
+    except HybridError:
+        raise
+    except Exception as e:  # noqa: BLE001 - transformers rejects the config: say so in one line
+        raise HybridError(f"cannot build a causal language model from {path!r} (model_type "
+                          f"{cfg.get('model_type')!r}): {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200] if str(e) else ''}. "
+                          "config.json must describe a transformers causal LM; for other models give "
+                          "package.module:factory") from None
+    return ModelSource(profile_module(model, name), build, path)
+
+
+def _from_factory(spec: str) -> ModelSource:
+    import inspect
+
+    mod_name, _, fn_name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - ImportError, AttributeError, the module's own error
+        raise HybridError(f"cannot load model factory {short(spec)}: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
+    if not (inspect.isfunction(fn) or inspect.isclass(fn)):
+        raise HybridError(f"model factory {spec!r} is a {type(fn).__name__}, not a Python function or class "
+                          "that returns an nn.Module")
+    try:
+        inspect.signature(fn).bind()
+    except TypeError:
+        raise HybridError(f"model factory {spec!r} needs arguments; it must be callable with none "
+                          "(write a small wrapper function that fixes them)") from None
+    except ValueError:
+        pass
+
+    def build(device="meta", attention="sdpa", prefer_hf=False, dtype=None):
+        import torch
+
+        from .decoder import default_dtype
+        with torch.device(device), default_dtype(dtype):
+            try:
+                model = fn()
+            except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's code failed: one line, the cause
+                # (SystemExit too: a factory calling sys.exit(0) must not end `hybrid plan` silently with rc 0)
+                raise HybridError(f"model factory {spec!r} raised {type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
+        if not isinstance(model, torch.nn.Module):
+            raise HybridError(f"model factory {spec!r} returned a {type(model).__name__}, not an nn.Module")
+        return model, "factory"
+
+    model, _ = build()
+    return ModelSource(build_profile(model, spec), build, spec)

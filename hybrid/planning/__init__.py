@@ -1,0 +1,1 @@
+"""Every layout judged on memory and speed: candidates, the batch search, the plan and its report."""

@@ -1,0 +1,160 @@
+"""DistributedDataParallel: a full replica per rank, bucketed all-reduce of gradients."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ...errors import HybridError
+from ..mesh import replica_group
+from .base import Engine, LoopOptions, carry_plain_outputs, compute_dtype, make_scaler, to_cpu_state
+from ..materialize import materialize
+from ..activation_checkpoint import apply_activation_checkpointing
+
+
+class DDPEngine(Engine):
+    family = "ddp"
+
+    def __init__(self, model, ddp, optimizer, autocast_dtype, device_type, scaler=None):
+        super().__init__(model, ddp, optimizer, scaler)
+        self.autocast_dtype, self.device_type = autocast_dtype, device_type
+
+    def set_sync(self, sync):
+        # what DDP.no_sync() does; the flag is read in forward, so it is set before it
+        self.runner.require_backward_grad_sync = sync
+
+    def translate_error(self, e):
+        text = str(e)
+        if "Expected to have finished reduction" in text or "find_unused_parameters" in text:
+            return HybridError("some parameters got no gradient in a step (not used by forward), and DDP waits for "
+                               "every gradient: pass find_unused_parameters=True to auto_wrap")
+        return None
+
+    def forward(self, *args, **kwargs):
+        ctx = (torch.autocast(self.device_type, dtype=self.autocast_dtype) if self.autocast_dtype
+               else contextlib.nullcontext())
+        with ctx:
+            return self.runner(*args, **kwargs)
+
+    def full_state_dict(self):
+        return to_cpu_state(self.model.state_dict().items())
+
+    def zero_grads(self):
+        if isinstance(self.runner, _EmulatedDDP):
+            self.runner.attach_grads()           # gradients live in the buckets
+        super().zero_grads()
+
+
+def check(strategy, mesh, spec, runtime) -> None:
+    """Nothing beyond the family's layout rules (Family.check)."""
+
+
+def place(strategy, module, spec, runtime) -> None:
+    """Every rank holds the whole model: a meta-built one is materialised on the device first."""
+    materialize(module, runtime.device)
+    module.to(device=runtime.device, dtype=torch.bfloat16 if spec.precision == "bf16" else None)
+
+
+def float8_all_gather(layout, staged: bool) -> bool:
+    """Replication over tp groups and pipeline stages runs through FSDP2 (see wrap)."""
+    return _through_fsdp(layout, staged)
+
+
+def _through_fsdp(layout, staged: bool) -> bool:
+    # torch's DDP takes no DTensor parameters and breaks under a pipeline schedule (see wrap)
+    return layout.dims.tp > 1 or staged
+
+
+def wrap(strategy, module, layout, mesh, spec, runtime, options=None, staged: bool = False):
+    """DDP over the replicas. Over tensor-parallel groups or a pipeline stage, replication runs
+    through FSDP2 on the (dp_replicate, dp_shard=1) mesh instead: whole parameters on every
+    replica, one all-reduce of the gradients, MixedPrecisionPolicy for the mixed precisions.
+    torch's DDP takes no DTensor parameters (its TP bridge, the private
+    `_pre_dp_module_transform`, swaps the parameters out of the module between steps, which
+    checkpoints cannot follow), and under a pipeline schedule its reducer's bucket rebuild breaks
+    (several micro-batches' backward in one iteration: 'rebuilt parameter indices size is not
+    same as original model parameters size') and its autocast wraps a forward the schedule does
+    not call."""
+    options = options or LoopOptions()
+    if _through_fsdp(layout, staged):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        low = compute_dtype(spec)
+        mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
+        unpack = None if staged else carry_plain_outputs(module)
+        fully_shard(module, mesh=mesh["dp_replicate", "dp_shard"], reshard_after_forward=False, mp_policy=mp)
+        if unpack is not None:
+            module.register_forward_hook(unpack)
+        return module
+    unpack = carry_plain_outputs(module)
+    ddp = DDP(module, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
+              process_group=replica_group(mesh), bucket_cap_mb=strategy.config.bucket_cap_mb,
+              gradient_as_bucket_view=strategy.config.gradient_as_bucket_view,
+              static_graph=strategy.config.static_graph,
+              find_unused_parameters=options.find_unused_parameters)
+    ddp.register_forward_hook(unpack)
+    return ddp
+
+
+def engine(strategy, model, runner, optimizer_factory, mesh, spec, runtime, options=None) -> Engine:
+    if isinstance(runner, DDP):
+        optimizer = optimizer_factory([p for p in runner.parameters() if p.requires_grad])
+        return DDPEngine(model, runner, optimizer, compute_dtype(spec), runtime.device.type,
+                         make_scaler(spec, runtime.device.type, sharded=False))
+    from .fsdp import FSDPEngine
+    optimizer = optimizer_factory([p for p in model.parameters() if p.requires_grad])
+    return FSDPEngine(model, model, optimizer, make_scaler(spec, runtime.device.type, sharded=True))
+
+
+class _EmulatedDDP(torch.nn.Module):
+    """DDP's memory behaviour without its C++ reducer, which reads tensor data and so cannot run
+    on fake tensors: the same gradient buckets, allocated at wrap time, with each gradient a view
+    into them (gradient_as_bucket_view) or a separate copy; the all-reduce itself costs no memory."""
+
+    def __init__(self, module, strategy):
+        super().__init__()
+        self.module, self.view = module, strategy.config.gradient_as_bucket_view
+        params = [p for p in module.parameters() if p.requires_grad]
+        cap = int(strategy.config.bucket_cap_mb * 1e6)
+        self.buckets, self.slots, bucket, size = [], [], [], 0
+        for p in reversed(params):              # DDP fills buckets in reverse parameter order
+            bucket.append(p)
+            size += p.numel() * p.element_size()
+            if size >= cap:
+                self._close(bucket)
+                bucket, size = [], 0
+        if bucket:
+            self._close(bucket)
+
+    def _close(self, bucket):
+        flat = torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+        self.buckets.append(flat)
+        offset = 0
+        for p in bucket:
+            self.slots.append((p, flat, offset))
+            offset += p.numel()
+
+    def attach_grads(self):
+        if self.view:                            # the reducer hands autograd bucket views as .grad
+            for p, flat, off in self.slots:
+                if p.grad is None:
+                    p.grad = flat[off:off + p.numel()].view_as(p).zero_()
+
+    def forward(self, *args, **kwargs):
+        self.attach_grads()
+        return self.module(*args, **kwargs)
+
+
+def traced_apply(strategy, model, optimizer_factory, mesh, spec, runtime, options=None) -> DDPEngine:
+    """DDP's step on fake tensors (_EmulatedDDP: its bucketed gradient buffer), with checkpointing
+    and, over a cp mesh dimension, context parallelism's sequence split (runtime/backends/cp.py)."""
+    from .cp import apply_context_parallel
+    from ..mesh import dim_size
+
+    apply_activation_checkpointing(model, spec.activation_checkpointing)
+    ddp = _EmulatedDDP(model, strategy)
+    engine = DDPEngine(model, ddp, optimizer_factory([p for p in model.parameters() if p.requires_grad]),
+                       compute_dtype(spec), runtime.device.type)
+    if dim_size(mesh, "cp") > 1:
+        engine.cp = apply_context_parallel(model, mesh["cp"], spec)
+    return engine

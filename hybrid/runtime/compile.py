@@ -1,0 +1,33 @@
+"""torch.compile as torchtitan applies it: each transformer block compiled on its own
+(`fullgraph=True`; repeated blocks share one compiled graph, so compile time does not grow with
+depth) after activation checkpointing and before the data-parallel wrap, and the loss compiled
+(torchtitan's `build_loss_fn` under `compile.components = ["model", "loss"]`). FSDP2's hooks stay
+eager (torch._dynamo.config.skip_fsdp_hooks), so its all-gathers are not traced into the blocks.
+
+On CPU ranks the blocks compile with inductor's C++ backend, on CUDA with Triton.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..errors import HybridError
+from ..model.profile import find_blocks
+
+
+def apply_compile(model: nn.Module, spec) -> int:
+    """Compile every repeated block of `model` in place, and our decoders' loss, when spec.compile;
+    returns the number of compiled blocks (0 when compile is off)."""
+    if not getattr(spec, "compile", False):
+        return 0
+    blocks = find_blocks(model)[1]
+    if not blocks:
+        raise HybridError(f"compile compiles the repeated blocks, and {type(model).__name__} has none (no "
+                          "_no_split_modules, no ModuleList of one class): compile the model yourself and pass "
+                          "compile=False")
+    for block in blocks:
+        block.compile(fullgraph=True)
+    if getattr(type(model), "loss_fn", None) is not None:        # our Decoder / DecoderStage
+        from ..model.decoder import causal_lm_loss
+        model.loss_fn = torch.compile(causal_lm_loss)
+    return len(blocks)

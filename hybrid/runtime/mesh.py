@@ -1,0 +1,292 @@
+"""Process group start-up, the named DeviceMesh of a ParallelDims, bounded waits and shutdown.
+
+The mesh is ("pp", "dp_replicate", "dp_shard", "cp", "tp") (hybrid/layout/dims.py says why in that order);
+every shape is validated before any collective is called.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..errors import HybridError
+from ..layout.dims import ParallelDims, validate_shard_size
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this rank runs: device, backend and the world shape."""
+
+    device: torch.device
+    backend: str
+    world_size: int
+    rank: int
+    local_world_size: int
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+    @property
+    def traced(self) -> bool:
+        """A traced estimate's rank (measure/traced.py): fake tensors on a fake process group, standing
+        for the GPU job on this CPU."""
+        return self.backend == TRACED
+
+
+TRACED = "fake"
+"""The process-group backend of a traced estimate (torch's fake process group)."""
+
+
+def traced_group(group) -> bool:
+    """Whether collectives on `group` run on a traced estimate's fake process group: shapes only,
+    no values (routing counts, masks and the like are planned, not computed)."""
+    import torch.distributed as dist
+    return dist.get_backend(group) == TRACED
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a world of one, or locally spawned ranks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_timeout(cuda: bool) -> float:
+    """Seconds any collective (and shutdown) may wait for a peer before failing: HYBRID_TIMEOUT,
+    else 60 on CPU ranks (gloo) and 600 on GPUs (the first NCCL collectives and large checkpoint
+    writes can take minutes)."""
+    value = os.environ.get("HYBRID_TIMEOUT")
+    if value is None:
+        return 600.0 if cuda else 60.0
+    try:
+        t = float(value)
+    except ValueError:
+        t = -1.0
+    if not 0 < t < 1e7:
+        raise HybridError(f"HYBRID_TIMEOUT={value!r} must be a positive number of seconds, e.g. 60")
+    return t
+
+
+def init_distributed(timeout_s: float | None = None) -> Runtime:
+    """Join (or start) the default process group: nccl + the local CUDA device when CUDA is there,
+    else gloo on the CPU. Without torchrun's variables this is a world of one, with the variables
+    set as torchrun would (DeepSpeed reads LOCAL_RANK). Every collective waits at most
+    `timeout_s` (default_timeout) for its peers."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if not dist.is_initialized():
+        backend = "nccl" if cuda else "gloo"
+        timeout = timeout_s if timeout_s is not None else default_timeout(cuda)
+        _STATE["timeout"] = timeout
+        if "WORLD_SIZE" not in os.environ:
+            world_of_one = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+            # shutdown() puts back what was there: nothing later sees a torchrun, the user's values return
+            _STATE["env"] = {k: os.environ.get(k) for k in world_of_one}
+            os.environ.update(world_of_one)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    backend = dist.get_backend()
+    world = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return Runtime(device, backend, world, dist.get_rank(), local)
+
+
+# Where this process is, for error messages about peers: set by Wrapped as it trains.
+_STATE: dict = {"timeout": None, "step": 0}
+
+
+def _store():
+    from torch.distributed.distributed_c10d import _get_default_store
+    try:
+        return _get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def note_step(step: int) -> None:
+    _STATE["step"] = step
+
+
+def departed() -> dict[int, str]:
+    """Ranks that called shutdown() (left the job), with the step they left at; {} if unknown."""
+    store = _store()
+    if store is None:
+        return {}
+    out = {}
+    try:
+        for r in range(dist.get_world_size()):
+            key = f"hybrid/left/{r}"
+            if store.check([key]):
+                out[r] = store.get(key).decode()
+    except Exception:   # noqa: BLE001 - the store's host may be gone too
+        return {}
+    return out
+
+
+_COMM_WORDS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe",
+               "peer", "gloo", "nccl")
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    dist_error = getattr(dist, "DistError", ())
+    text = str(e).lower()
+    return isinstance(e, dist_error) or (isinstance(e, RuntimeError) and any(w in text for w in _COMM_WORDS))
+
+
+def peer_failure(e: BaseException, what: str) -> HybridError:
+    """The one-line error for a collective that failed because another rank left or died."""
+    rank, step = dist.get_rank(), _STATE["step"]
+    left = {r: s for r, s in departed().items() if r != rank}
+    timeout = _STATE["timeout"]
+    within = f" within {timeout:g} s" if timeout else ""
+    if left:
+        who = ", ".join(f"rank {r} (after optimizer step {s})" for r, s in sorted(left.items()))
+        return HybridError(f"{who} left the job while rank {rank} was in {what} at optimizer step {step}: "
+                           "every rank must run the same number of steps (give each rank the same number of "
+                           "batches, e.g. DistributedSampler(drop_last=True))")
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    return HybridError(f"rank {rank}: a peer did not answer{within} during {what} at optimizer step {step} "
+                       f"(it died, hung, or called something else): {first}. Check the other ranks' output; "
+                       "HYBRID_TIMEOUT sets the wait")
+
+
+def build_mesh(dims: ParallelDims | int, runtime: Runtime, gpus_per_node: int | None = None) -> DeviceMesh:
+    """The named 4D mesh of `dims` (or, given a shard size, of pure data parallelism with that
+    shard size). Validated first, identically on every rank."""
+    per_node = gpus_per_node or runtime.local_world_size
+    if runtime.world_size % per_node:
+        raise HybridError(f"world size {runtime.world_size} is not a multiple of {per_node} ranks per node")
+    if isinstance(dims, int):
+        validate_shard_size(dims, runtime.world_size, per_node)
+        dims = ParallelDims.data_parallel(runtime.world_size, dims)
+    dims.validate(runtime.world_size, per_node)
+    mesh = dims.build_mesh(runtime.device_type)
+    if dims.cp > 1:       # the flattened dims FSDP and DDP use, made here on every rank alike (collective)
+        fsdp_mesh(mesh)
+        replica_group(mesh)
+    return mesh
+
+
+def _kept(mesh: DeviceMesh, name: str, make) -> DeviceMesh:
+    """A mesh derived from `mesh` (flattened dims), made once on every rank alike and kept on it:
+    torch deprecates slicing a flattened dim back out of the root mesh by name."""
+    kept = mesh.__dict__.setdefault("_hybrid_derived", {})
+    if name not in kept:
+        kept[name] = make()
+    return kept[name]
+
+
+def _flat(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """The 1D mesh of `names` flattened."""
+    name = "_".join(names)
+    return _kept(mesh, name, lambda: mesh[names]._flatten(name))
+
+
+def fsdp_shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks FSDP shards parameters over: dp_shard, and with context parallelism dp_shard x cp
+    flattened (the cp ranks hold the same parameters, so they share the shards: torchtitan's
+    dp_shard_cp)."""
+    return mesh["dp_shard"] if mesh["cp"].size() == 1 else _flat(mesh, ("dp_shard", "cp"))
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """FSDP2's mesh: (dp_replicate, shard) when replicated (HSDP, 2D), else the shard mesh (1D)."""
+    if mesh["dp_replicate"].size() == 1:
+        return fsdp_shard_mesh(mesh)
+    if mesh["cp"].size() == 1:
+        return mesh["dp_replicate", "dp_shard"]
+    shape = (mesh["dp_replicate"].size(), mesh["dp_shard"].size() * mesh["cp"].size())
+    return _kept(mesh, "dp_replicate,dp_shard_cp", lambda: _flat(mesh, ("dp_replicate", "dp_shard", "cp"))
+                 ._unflatten(0, shape, ("dp_replicate", "dp_shard_cp")))
+
+
+def replica_group(mesh: DeviceMesh):
+    """DDP's all-reduce group: every rank holding a whole replica, dp_replicate x dp_shard x cp."""
+    if mesh["cp"].size() == 1 and mesh["dp_shard"].size() == 1:
+        return mesh["dp_replicate"].get_group()
+    return _flat(mesh, ("dp_replicate", "dp_shard", "cp")).get_group()
+
+
+def dim_size(mesh: DeviceMesh, name: str) -> int:
+    """The size of a root mesh dimension, read without slicing it out (a slice builds the
+    sub-mesh's rank tensors, which a traced estimate would count as the job's)."""
+    return mesh.size(mesh.mesh_dim_names.index(name))
+
+
+def ep_size(mesh) -> int:
+    """The expert-parallel degree of a mesh built by build_mesh (1: every rank holds every expert)."""
+    experts = getattr(mesh, "experts", None)
+    return experts["ep"].size() if experts is not None else 1
+
+
+def ep_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks one MoE layer's experts are split over, and its tokens exchanged between (ep > 1)."""
+    return mesh.experts["ep"]
+
+
+def expert_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """What FSDP2 shards the experts over (ep > 1): the expert_shard = dp_shard x cp / ep ranks that
+    hold the same experts, with dp_replicate in front when replicated (HSDP, 2D)."""
+    if mesh["dp_replicate"].size() == 1:
+        return mesh.experts["expert_shard"]
+    return mesh.experts["dp_replicate", "expert_shard"]
+
+
+def shard_group_ranks(mesh: DeviceMesh) -> list[int]:
+    """Global ranks in this rank's shard group (for checks and printing)."""
+    return dist.get_process_group_ranks(mesh["dp_shard"].get_group())
+
+
+def shutdown(timeout_s: float | None = None) -> None:
+    """Leave the job cleanly: wait (through the rendezvous store, never a collective that could
+    pair with a peer's training step) until every rank has called shutdown, then destroy the
+    process groups; rank 0, which often hosts the store, returns last. Ranks still training see
+    that this rank left; if the others do not arrive within `timeout_s` (default: the job's
+    collective timeout), this raises a HybridError naming them instead of hanging."""
+    import time
+
+    if not dist.is_initialized():
+        return
+    world, rank = dist.get_world_size(), dist.get_rank()
+    store = _store()
+    timeout = timeout_s if timeout_s is not None else (_STATE["timeout"] or default_timeout(torch.cuda.is_available()))
+    if store is None or world == 1:
+        dist.destroy_process_group()
+        for key, value in _STATE.pop("env", {}).items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        return
+    try:
+        store.set(f"hybrid/left/{rank}", str(_STATE["step"]))
+        store.add("hybrid/arrived", 1)
+        deadline = time.monotonic() + timeout
+        while store.add("hybrid/arrived", 0) < world:
+            if time.monotonic() > deadline:
+                missing = [r for r in range(world) if not store.check([f"hybrid/left/{r}"])]
+                dist.destroy_process_group()
+                raise HybridError(f"rank {rank} called shutdown() after optimizer step {_STATE['step']}, but "
+                                  f"rank(s) {missing} did not within {timeout:g} s: they are still training or "
+                                  "failed; every rank must run the same number of steps")
+            time.sleep(0.01)
+    except HybridError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the store's host (rank 0) is gone
+        dist.destroy_process_group()
+        raise HybridError(f"rank {rank}: shutdown() could not reach the job's rendezvous store ({e}); "
+                          "rank 0 has probably exited or died") from None
+    dist.destroy_process_group()
+    store.add("hybrid/done", 1)
+    if rank == 0:       # peers may still be tearing down through rank 0's store
+        deadline = time.monotonic() + timeout
+        while store.add("hybrid/done", 0) < world and time.monotonic() < deadline:
+            time.sleep(0.01)

@@ -1,0 +1,154 @@
+"""The order a layout is applied in, written once (torchtitan's parallelize_llama):
+
+    split pipeline stages -> float8 -> tensor parallel -> context parallel -> expert parallel
+    -> activation checkpointing -> compile -> the family's data-parallel wrap
+
+then one engine: the pipeline's when the layout has stages, else the family's. float8 converts the
+linears before they are parallelised, as torchtitan's model converters run at build time, so that
+tensor parallelism and FSDP2 see the float8 modules. Each family's runtime module (runtime/backends/ddp.py,
+fsdp.py, deepspeed.py) supplies only its own steps: check, place (materialise or cast before
+parallelising), wrap, engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+from ..errors import HybridError
+from ..layout.layout import Layout
+from ..layout.dims import ParallelDims
+
+
+@dataclass
+class Parallelized:
+    """A model with a layout applied, before its engine exists."""
+
+    model: nn.Module
+    """The user's module (FSDP2 shards it in place; with stages, other ranks' blocks go to meta)."""
+    runners: list = field(default_factory=list)
+    """What runs after the data-parallel wrap: [DDP's wrapper, the sharded model, or the model for
+    DeepSpeed to initialize] without stages; this rank's wrapped stage chunks with them."""
+    tp: object = None
+    """backends.tp.TensorParallel when tp > 1."""
+    cp: object = None
+    """backends.cp.ContextParallel when cp > 1."""
+    indices: list = field(default_factory=list)
+    """With stages: the stage index of each runner."""
+    renames: dict = field(default_factory=dict)
+    """With stages: optimizer-state FQN -> the model's own (canonical) name."""
+    tied: list = field(default_factory=list)
+    """With stages: groups of names that shared one Parameter before the split."""
+
+
+def runs_transformers(dims: ParallelDims, prefer_hf: bool) -> bool:
+    """Whether a preset may run as its transformers model: not with tensor parallelism, whose
+    sequence parallelism our decoders run (as the analytic model assumes)."""
+    return prefer_hf and dims.tp == 1
+
+
+def layout_of_mesh(strategy, mesh, spec) -> Layout:
+    """The layout a built mesh stands for (pp 1), at the spec's checkpointing, compile and float8."""
+    from .mesh import ep_size
+    dims = ParallelDims(**{n: mesh[n].size() for n in ("dp_replicate", "dp_shard", "cp", "tp")}, ep=ep_size(mesh))
+    return Layout(dims, strategy, spec.activation_checkpointing, compile=spec.compile, float8=spec.float8)
+
+
+def check_model(model: nn.Module, layout: Layout, spec) -> None:
+    """What the model must have for the layout's cp and ep (HybridError, one line): checked
+    before any mesh is built."""
+    dims = layout.dims
+    if dims.cp > 1:
+        from .backends.cp import check_context_parallel
+        check_context_parallel(model, dims.cp, spec.seq_len)
+    if dims.ep > 1:
+        from .backends.ep import check_expert_parallel
+        check_expert_parallel(model, dims.ep, layout.dp, layout.pipeline is not None or dims.pp > 1, dims.tp)
+
+
+def parallelize(model: nn.Module, layout: Layout, mesh, spec, runtime, options=None) -> Parallelized:
+    """Apply `layout` to `model` on this rank's `mesh` (ParallelDims.build_mesh), in the one order."""
+    spec = layout.train_spec(spec)
+    family = layout.dp.family_obj
+    backend = family.runtime()
+    family.check(layout)
+    backend.check(layout.dp, mesh, spec, runtime)
+    check_model(model, layout, spec)
+    if layout.pipeline is not None and spec.precision == "fp16-mixed":
+        raise HybridError("fp16-mixed loss scaling is not wired through pipeline schedules; use bf16-mixed or fp32 "
+                          "with pp > 1")
+    out = Parallelized(model)
+    pieces = [model] if layout.pipeline is None else split_stages(model, layout, mesh, out)
+    for piece in pieces:
+        runner, out.tp, out.cp = parallelize_piece(piece, layout, mesh, spec, runtime, options,
+                                                   staged=layout.pipeline is not None)
+        out.runners.append(runner)
+    return out
+
+
+def parallelize_piece(piece: nn.Module, layout: Layout, mesh, spec, runtime, options=None, staged: bool = False):
+    """The order on one module (the model, or one pipeline stage: `staged`); returns (what runs
+    after the data-parallel wrap, the TensorParallel record or None, the ContextParallel or None)."""
+    from .activation_checkpoint import apply_activation_checkpointing
+    from .compile import apply_compile
+    from .float8 import apply_float8
+    backend, dims = layout.dp.family_obj.runtime(), layout.dims
+    tp = cp = None
+    backend.place(layout.dp, piece, spec, runtime)
+    apply_float8(piece, spec, fsdp=backend.float8_all_gather(layout, staged))
+    if dims.tp > 1:
+        from .backends.tp import apply_tensor_parallel
+        tp = apply_tensor_parallel(piece, mesh["tp"])
+    if dims.cp > 1:
+        from .backends.cp import ContextParallel
+        cp = ContextParallel(piece, mesh["cp"])
+    if dims.ep > 1:                          # after tp and cp, before checkpointing (torchtitan)
+        from .backends.ep import apply_expert_parallel
+        apply_expert_parallel(piece, mesh, spec)
+    apply_activation_checkpointing(piece, layout.ac)
+    apply_compile(piece, spec)               # after checkpointing, before data parallelism (torchtitan)
+    return backend.wrap(layout.dp, piece, layout, mesh, spec, runtime, options, staged), tp, cp
+
+
+def split_stages(model: nn.Module, layout: Layout, mesh, out: Parallelized) -> list[nn.Module]:
+    """This rank's pipeline stages of `model` (the model's own module names kept); records the
+    renames the optimizer state needs and the tied groups."""
+    from .stages import pipeline_stage
+    from ..model.profile import names_by_param
+    pipe = layout.pipeline
+    pp_rank = mesh["pp"].get_local_rank()
+    out.tied = [names for names in names_by_param(model).values() if len(names) > 1]
+    canonical = {n: names[0] for names in out.tied for n in names[1:]}
+    local = pipe.rank_stages(pp_rank)
+    chunks = []
+    for k, index in enumerate(local):
+        lo, hi = pipe.stage_range(index)
+        chunk = pipeline_stage(model, lo, hi, first=index == 0, last=index == pipe.stages - 1)
+        prefix = "" if len(local) == 1 else f"{k}."          # interleaved: the container's index
+        for n, _ in chunk.named_parameters(remove_duplicate=False):
+            if prefix or n in canonical:
+                out.renames[prefix + n] = canonical.get(n, n)
+        chunks.append(chunk)
+        out.indices.append(index)
+    return chunks
+
+
+def build_engine(parallel: Parallelized, layout: Layout, mesh, spec, runtime, optimizer_factory, options=None):
+    """The engine of a parallelized model: the pipeline's when the layout has stages, else its family's."""
+    spec = layout.train_spec(spec)
+    if layout.pipeline is not None:
+        from .backends.pipeline import pipeline_engine
+        engine = pipeline_engine(parallel, layout.pipeline, mesh, runtime, optimizer_factory)
+    else:
+        backend = layout.dp.family_obj.runtime()
+        engine = backend.engine(layout.dp, parallel.model, parallel.runners[0], optimizer_factory, mesh, spec,
+                                runtime, options)
+        engine.cp = parallel.cp
+    engine.tp = parallel.tp
+    return engine
+
+
+def apply_layout(model: nn.Module, layout: Layout, optimizer_factory, mesh, spec, runtime, options=None):
+    """parallelize, then the engine: what auto_wrap, tune and the measured estimate run."""
+    return build_engine(parallelize(model, layout, mesh, spec, runtime, options), layout, mesh, spec, runtime,
+                        optimizer_factory, options)

@@ -1,0 +1,295 @@
+"""What auto_wrap returns: one object, the same training loop whatever the backend.
+
+    for batch in loader:                 # one micro-batch per iteration
+        loss = w(batch).loss
+        w.backward(loss)                 # loss / accumulation; reduced only on the window's last
+        w.step()                         # clip, optimizer, scheduler: on the window's last only
+        w.zero_grad()                    # likewise
+
+Every backend does accumulation, clipping, loss scaling and scheduling the same way from the
+user's point of view; which library call does it is the engine's business (runtime/backends/base.py).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from .backends.base import Engine, call_with_batch
+from ..errors import HybridError
+from ..planning.planner import Candidate, Plan
+from ..planning.report import format_plan
+
+
+class Wrapped:
+    """Call it like the model; then backward(loss), step(), zero_grad().
+
+    plan              the decision with every candidate and the reason (print it)
+    module            the user's model (sharded in place for FSDP; the inner module for DeepSpeed)
+    sync_gradients    True on the micro-batch that ends an accumulation window
+    grad_norm         the last pre-clip global gradient norm (float), None before the first step
+    optimizer_steps   optimizer steps taken (accumulation windows completed), skipped fp16 steps included
+    skipped_steps     of those, how many fp16 loss scaling skipped for inf/nan gradients
+    scheduler         the LR scheduler built from scheduler=, stepped after each optimizer step
+    """
+
+    def __init__(self, engine: Engine, plan: Plan, chosen: Candidate, mesh, runtime,
+                 gradient_accumulation: int = 1, max_grad_norm: float | None = None, scheduler=None):
+        self.engine, self.plan, self.chosen = engine, plan, chosen
+        self.mesh, self.runtime = mesh, runtime
+        self.gradient_accumulation = gradient_accumulation
+        self.max_grad_norm = max_grad_norm
+        self.scheduler = scheduler
+        self.optimizer_steps = 0
+        self.skipped_steps = 0
+        self._micro = 0              # index of the current micro-batch in its window
+        self._backward_done = False  # backward() called since the last step()
+        self._norm = None            # tensor or float; read lazily (no host sync per step)
+        self._clipped = False        # clip_grad_norm_ already ran in this window
+
+    # --- the loop ------------------------------------------------------------------------------
+    @property
+    def strategy(self):
+        return self.chosen.strategy
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences each data-parallel rank feeds per forward: the plan's (chosen at a global batch)."""
+        return self.chosen.spec.micro_batch
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step over all ranks: micro_batch x gradient_accumulation x dp_size."""
+        return self.micro_batch * self.gradient_accumulation * self.chosen.parallel.dp_size
+
+    @property
+    def module(self):
+        return self.engine.model
+
+    @property
+    def optimizer(self):
+        return self.engine.optimizer
+
+    @property
+    def step_count(self) -> int:
+        """Alias of optimizer_steps (the name checkpoints and earlier versions use)."""
+        return self.optimizer_steps
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self.optimizer_steps = value
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self._micro == self.gradient_accumulation - 1
+
+    @property
+    def grad_norm(self) -> float | None:
+        if self._norm is not None and not isinstance(self._norm, float):
+            self._norm = float(self._norm)
+        return self._norm
+
+    @property
+    def parallel(self):
+        """The layout (ParallelDims) this job runs on."""
+        return self.chosen.parallel
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: each reads a different shard of the data
+        (DistributedSampler(num_replicas=w.dp_size, rank=w.dp_rank))."""
+        return self.parallel.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks (equal to the rank when cp = tp = pp = 1)."""
+        return self.mesh["dp_replicate"].get_local_rank() * self.parallel.dp_shard + \
+            self.mesh["dp_shard"].get_local_rank()
+
+    def __call__(self, *args, **kwargs):
+        """The model's forward. With cp > 1 pass whole sequences (the same on every rank of a cp
+        group): each rank runs its chunks, the loss is the whole sequences' mean, the logits
+        this rank's chunks (hybrid.runtime.backends.cp.rank_positions says which)."""
+        self.engine.set_sync(self.sync_gradients)
+        with self._guard("forward"):
+            if self.engine.cp is not None:
+                return self.engine.cp.forward(self.engine, args, kwargs)
+            return call_with_batch(self.engine.forward, args, kwargs)
+
+    def backward(self, loss) -> None:
+        """Accumulate this micro-batch's gradients (loss / gradient_accumulation); gradients are
+        reduced across ranks only on the window's last micro-batch."""
+        with self._guard("backward"):
+            self.engine.backward(loss, self.gradient_accumulation, sync=self.sync_gradients)
+        self._backward_done = True
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the accumulated gradients to `max_norm` (global L2 norm over every rank) and
+        return the pre-clip norm. Call it after backward() on the window's last micro-batch."""
+        if not self.sync_gradients or not self._backward_done:
+            raise HybridError("clip_grad_norm_ needs the window's complete gradients: call it after backward() on "
+                              "the micro-batch where w.sync_gradients is True, or pass max_grad_norm= to auto_wrap")
+        with self._guard("clip_grad_norm_"):
+            self._norm = self.engine.clip_grad_norm(float(max_norm))
+        self._clipped = True
+        return self.grad_norm
+
+    def step(self) -> None:
+        """On the window's last micro-batch: unscale (fp16), clip (max_grad_norm), optimizer step,
+        scheduler step. On the others: only advance the window."""
+        if not self._backward_done:
+            raise HybridError("step() was called before backward(): call w.backward(loss) on every micro-batch "
+                              "first")
+        sync = self.sync_gradients
+        if sync or self.engine.owns_accumulation:
+            with self._guard("step"):
+                result = self.engine.step(sync, None if self._clipped else self.max_grad_norm)
+            if sync:
+                self._after_step(result)
+        self._backward_done = False
+        self._clipped = False
+        self._micro = (self._micro + 1) % self.gradient_accumulation
+
+    def train_step(self, batch, loss_fn=None) -> float:
+        """One optimizer step: forward and backward of every micro-batch, clipping, the optimizer
+        and scheduler step. `batch` is this data-parallel rank's share of the step:
+        gradient_accumulation x micro_batch sequences, a tensor of token ids or a dict with
+        `input_ids` (and `labels`, default: the ids; the loss shifts them). The loss is the
+        model's own (labels=) or loss_fn(logits, labels). Returns the step's mean loss over its
+        micro-batches and the data-parallel ranks, the same float on every rank. The one loop
+        that works for every layout, pipelines included."""
+        if self._micro != 0:
+            raise HybridError(f"train_step() in the middle of an accumulation window (micro-batch {self._micro} of "
+                              f"{self.gradient_accumulation}): finish the window with step() first")
+        ids, labels = _ids_and_labels(batch)
+        ga = self.gradient_accumulation
+        if ids.dim() < 2 or ids.shape[0] % ga:
+            raise HybridError(f"train_step needs a batch of gradient_accumulation ({ga}) x micro_batch sequences "
+                              f"(batch, seq); got shape {tuple(ids.shape)}")
+        if loss_fn is not None and self.engine.cp is not None:
+            raise HybridError("train_step(loss_fn=) with cp > 1: each rank holds only its chunks of the logits; "
+                              "use the model's own loss (labels in the batch) or cp 1")
+        from .backends.pipeline import PipelineEngine
+        if isinstance(self.engine, PipelineEngine):
+            with self._guard("train_step"):
+                local, result = self.engine.train_step(ids, labels, loss_fn, self.max_grad_norm)
+            self._after_step(result)
+            return _mean_over_ranks(local, self.parallel.pp)
+        losses = []
+        for mb_ids, mb_labels in zip(ids.chunk(ga), labels.chunk(ga)):
+            if loss_fn is None:
+                loss = self({"input_ids": mb_ids, "labels": mb_labels}).loss
+            else:
+                out = self(mb_ids)
+                loss = loss_fn(getattr(out, "logits", out), mb_labels)
+            self.backward(loss)
+            self.step()
+            self.zero_grad()
+            losses.append(loss.detach().float())
+        return _mean_over_ranks(torch.stack(losses).mean(), 1)
+
+    def _after_step(self, result) -> None:
+        if result.norm is not None:
+            self._norm = result.norm
+        self.optimizer_steps += 1
+        self.skipped_steps += result.skipped
+        if self.scheduler is not None and not result.skipped:
+            self.scheduler.step()
+        from .mesh import note_step
+        note_step(self.optimizer_steps)
+
+    def zero_grad(self) -> None:
+        """Clear gradients after an optimizer step; inside a window it keeps them (accumulating)."""
+        if self._micro == 0:
+            self.engine.zero_grad()
+
+    @contextlib.contextmanager
+    def _guard(self, what: str):
+        """Collectives that fail because a peer left or died become one HybridError line."""
+        from .mesh import is_peer_failure, peer_failure
+        try:
+            yield
+        except HybridError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            translated = self.engine.translate_error(e)
+            if translated is not None:
+                raise translated from None
+            if self.runtime.world_size > 1 and is_peer_failure(e):
+                raise peer_failure(e, what) from None
+            raise
+
+    # --- state ---------------------------------------------------------------------------------
+    def state_dict(self):
+        """The full, unsharded model state on every rank (CPU tensors, the model's own names);
+        a collective for FSDP and ZeRO: call it on every rank."""
+        return self.engine.full_state_dict()
+
+    def save(self, path: str, extra: dict | None = None, overwrite: bool = False) -> str:
+        """Sharded, resumable checkpoint, loadable under another strategy or world size; the
+        previous version at `path` stays valid until this one is complete. Collective. Call it at
+        an accumulation boundary (after step() on the window's last micro-batch).
+        A directory holding files hybrid did not write is refused unless overwrite=True (which
+        writes beside them; nothing foreign is ever deleted)."""
+        from ..ckpt.store import save
+        if self._micro != 0:
+            raise HybridError(f"save() in the middle of an accumulation window (micro-batch {self._micro} of "
+                              f"{self.gradient_accumulation}): save after step() on the window's last micro-batch")
+        with self._guard("save"):
+            return save(self, path, extra, overwrite)
+
+    def load(self, path: str) -> dict:
+        """Restore model, optimizer, scheduler, loss scaler, step counts and RNG; returns the
+        `extra` given to save."""
+        from ..ckpt.store import load
+        with self._guard("load"):
+            return load(self, path)
+
+    def loop_state(self) -> dict:
+        """What the checkpoint keeps besides tensors (plain data: weights_only-loadable)."""
+        return {"optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps,
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "scaler": self.engine.scaler_state()}
+
+    def load_loop_state(self, state: dict) -> None:
+        self.optimizer_steps = int(state.get("optimizer_steps", self.optimizer_steps))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("scaler") is not None:
+            self.engine.load_scaler_state(state["scaler"])
+        self._micro, self._backward_done = 0, False
+
+    def describe(self, every_candidate: bool = False) -> str:
+        """The plan: one row per strategy, or every candidate (shard sizes x checkpointing)."""
+        return format_plan(self.plan, summary=not every_candidate)
+
+    def __repr__(self) -> str:
+        return (f"Wrapped({self.strategy.name}, shard_size={self.chosen.shard_size}, "
+                f"world={self.runtime.world_size}, device={self.runtime.device}, "
+                f"gradient_accumulation={self.gradient_accumulation})")
+
+
+def _ids_and_labels(batch):
+    if isinstance(batch, torch.Tensor):
+        return batch, batch
+    if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
+        ids = batch["input_ids"]
+        return ids, batch.get("labels", ids)
+    raise HybridError(f"train_step takes a tensor of token ids or a dict with 'input_ids' (and 'labels'); got "
+                      f"{type(batch).__name__}")
+
+
+def _mean_over_ranks(local: torch.Tensor, pp: int) -> float:
+    """The mean over data-parallel ranks of a per-rank loss held by one rank per pipeline (the
+    last stage; zero elsewhere): a sum over the world divided by the ranks that hold one
+    (tensor-parallel ranks hold the same value, so they count as one each)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return float(local)
+    t = local.detach().float().reshape(()).clone()
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t)
+    return float(t) / (dist.get_world_size() // pp)

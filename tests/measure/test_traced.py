@@ -1,0 +1,128 @@
+"""Traced (fake tensors, fake process group) and measured (real ranks) estimates."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from hybrid.families.catalogue import load_catalogue
+from hybrid.config.cluster import Cluster
+from hybrid.errors import HybridError
+from hybrid.runtime.launch import free_port
+from hybrid.estimation.memory.analytic import estimate
+from hybrid.measure.measured import measured_estimate
+from hybrid.measure.traced import traced_estimate
+from hybrid.measure.tracker import MemoryTracker
+from hybrid.model.decoder import build_decoder
+from hybrid.model.sources import resolve_model
+from hybrid.config.spec import TrainSpec
+
+CAT = load_catalogue()
+
+
+@pytest.mark.fakepg
+def test_tracker_agrees_with_torch_memtracker():
+    """Our dispatcher-level peak against torch's own MemTracker on the same two steps."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    def run(tracker_cls):
+        torch.manual_seed(0)
+        model = build_decoder("tiny-llama")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        ids = torch.randint(0, 512, (4, 64))
+        tracker = tracker_cls()
+        if tracker_cls is MemTracker:
+            tracker.track_external(model, opt, ids)
+        else:
+            tracker.register(list(model.parameters()) + [ids], "params")
+        with tracker:
+            for _ in range(2):
+                model(ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad()
+                if hasattr(tracker, "reset_mod_stats"):   # MemTracker counts one iteration at a time
+                    tracker.reset_mod_stats()
+        if tracker_cls is MemTracker:
+            return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+        return tracker.peak
+
+    ours, theirs = run(MemoryTracker), run(MemTracker)
+    assert ours == pytest.approx(theirs, rel=0.01)
+
+
+@pytest.mark.fakepg
+def test_traced_7b_matches_analytic_and_cleans_up():
+    src = resolve_model("llama2-7b")
+    cl = Cluster.build(8, 8, "h100-80gb")
+    spec = TrainSpec(1, 4096)
+    t = traced_estimate(src, CAT["fsdp"], spec, cl, prefer_hf=False)
+    assert not dist.is_initialized()                 # the fake process group is gone
+    a = estimate(CAT["fsdp"], src.profile, spec, cl)
+    assert t.implementation == "hybrid"
+    assert a.tensors == pytest.approx(t.memory.tensors, rel=0.05)
+    assert t.memory.activations == pytest.approx(a.activations, rel=0.02)
+
+
+@pytest.mark.fakepg
+def test_traced_refuses_inside_a_job_and_bare_counts():
+    with pytest.raises(HybridError, match="bare parameter count"):
+        traced_estimate(resolve_model(None, params="7e9"), CAT["fsdp"], TrainSpec(), Cluster())
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                            rank=0, world_size=1)
+    try:
+        with pytest.raises(HybridError, match="starts its own fake process group"):
+            traced_estimate(resolve_model("gpt2"), CAT["fsdp"], TrainSpec(1, 128), Cluster())
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.fakepg
+def test_traced_cleans_up_after_an_error(monkeypatch):
+    import hybrid.runtime.backends.fsdp as fsdp
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("wrapping failed")
+    monkeypatch.setattr(fsdp, "traced_apply", broken)
+    with pytest.raises(RuntimeError, match="wrapping failed"):
+        traced_estimate(resolve_model("gpt2"), CAT["fsdp"], TrainSpec(1, 128), Cluster.build(1, 4))
+    assert not dist.is_initialized()
+    with pytest.raises(HybridError, match="pure bf16 training is not one of its modes"):
+        traced_estimate(resolve_model("gpt2"), CAT["zero3"], TrainSpec(1, 128, precision="bf16"), Cluster())
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_traced_within_5_percent_of_measured(strategy):
+    """2 real CPU ranks (gloo; DeepSpeed itself for zero3) against the trace of the same job."""
+    src = resolve_model("tiny-gpt")
+    cl = Cluster.build(1, 2, "h100-80gb")
+    spec = TrainSpec(2, 64, precision="fp32")
+    m = measured_estimate(src, CAT[strategy], spec, cl)
+    t = traced_estimate(src, CAT[strategy], spec, cl)
+    assert t.memory.tensors == pytest.approx(m.memory.tensors, rel=0.05)
+
+
+@pytest.mark.parametrize("strategy,spec,tp", [
+    ("fsdp", TrainSpec(2, 64, activation_checkpointing="full"), 1),
+    ("ddp", TrainSpec(2, 64), 1),
+    ("hsdp", TrainSpec(1, 64, activation_checkpointing="selective", gradient_accumulation=2), 1),
+    ("fsdp-grad-op", TrainSpec(1, 64, activation_checkpointing="op"), 2),
+])
+@pytest.mark.fakepg
+def test_fast_trace_is_the_full_trace(strategy, spec, tp):
+    """Traced with 3 and 4 blocks and extrapolated, a 7-block model's peak is the full trace's, by
+    category (the README's benchmark shows the same on Llama-2-7B and -70B)."""
+    src = resolve_model("tiny-llama").with_layers(7)
+    cl = Cluster.build(1, 4, "h100-80gb")
+    fast = traced_estimate(src, CAT[strategy], spec, cl, tp=tp)
+    full = traced_estimate(src, CAT[strategy], spec, cl, tp=tp, fast=False)
+    assert any("extrapolated to 7" in n for n in fast.memory.notes)
+    assert fast.memory.tensors == pytest.approx(full.memory.tensors, rel=0.005)
+    for c in ("params", "grads", "optimizer", "activations"):
+        assert getattr(fast.memory, c) == pytest.approx(getattr(full.memory, c), rel=0.01, abs=4096), c
+
+
+@pytest.mark.fakepg
+def test_fast_trace_leaves_mixed_blocks_to_the_full_trace():
+    src = resolve_model("tiny-llama").with_layers(7)
+    t = traced_estimate(src, CAT["fsdp"], TrainSpec(1, 64, activation_checkpointing="layer:2"),
+                        Cluster.build(1, 4, "h100-80gb"))
+    assert not any("extrapolated" in n for n in t.memory.notes)
