@@ -43,18 +43,19 @@ def search(judge: Callable[..., "Candidate"], layout: "Layout", spec, estimator=
     gb = spec.global_batch
     dp = layout.dims.dp_size        # the tp and cp ranks of a group read the same sequences
     pp = layout.dims.pp
-    if gb % dp:
+    def not_applicable(reason: str) -> "Candidate":
         c = judge(layout, replace(spec, micro_batch=1, gradient_accumulation=1), None)
-        return replace(c, memory=None, fits=False, cost=None, stage_memory=(),
-                       reason=f"not applicable: the global batch {gb} is not a multiple of this layout's {dp} "
-                              f"data-parallel ranks (choose a global batch divisible by {dp})")
+        return replace(c, memory=None, fits=False, cost=None, stage_memory=(), tight=False,
+                       reason=f"not applicable: {reason}")
+
+    if gb % dp:
+        return not_applicable(f"the global batch {gb} is not a multiple of this layout's {dp} data-parallel ranks "
+                              f"(choose a global batch divisible by {dp})")
     per_rank = gb // dp
     options = micro_batch_options(per_rank, micro_batch)
     if not options:
-        c = judge(layout, replace(spec, micro_batch=1, gradient_accumulation=1), None)
-        return replace(c, memory=None, fits=False, cost=None, stage_memory=(),
-                       reason=f"not applicable: micro-batch {micro_batch} does not divide the {per_rank} sequences "
-                              f"per data-parallel rank (global batch {gb} / {dp} ranks); use a divisor of {per_rank}")
+        return not_applicable(f"micro-batch {micro_batch} does not divide the {per_rank} sequences per "
+                              f"data-parallel rank (global batch {gb} / {dp} ranks); use a divisor of {per_rank}")
     judged: dict[int, Candidate] = {}
 
     def at(mb: int) -> "Candidate":

@@ -66,6 +66,10 @@ class Candidate:
     """It fits (`fits`) only because the allocator gives its cache back under pressure: the
     predicted reserved memory does not fit, the live tensors, context and floor do."""
 
+    def __post_init__(self):
+        if self.tight and not (self.fits and self.cost is not None):
+            raise ValueError(f"{self.layout.label}: a tight candidate fits and has a step time")
+
     @property
     def verdict(self) -> str:
         """fits | tight | OOM (n/a: the strategy cannot run the job; states: only the model states

@@ -168,3 +168,15 @@ def test_a_roomy_micro_batch_is_chosen_over_a_faster_tight_one():
         if c.tight:
             one = at_one[(c.label, c.shard_size)]
             assert not (one.fits and not one.tight), c.label
+
+
+@pytest.mark.unit
+def test_a_layout_whose_batch_does_not_divide_is_rejected_not_tight(capsys):
+    """A layout rejected before its batch search (100 sequences over 8 data-parallel ranks) is not
+    tight: the report once read its missing step time and ended in an AttributeError."""
+    assert main(["plan", "llama3-8b", "--global-batch", "100", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["strategies"]
+    odd = [r for r in rows if r["reason"].startswith("not applicable: the global batch 100")]
+    assert odd and all(r["fits"] is False and r["verdict"] == "n/a" for r in odd)
+    assert main(["plan", "llama3-8b", "--global-batch", "100"]) == 0
+    assert "chosen:" in capsys.readouterr().out
