@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import HybridError
+from ..units import MiB
 from .placement import Placement, draft, optimizer_elements, scratch_elements
 from .base import Comm, Family, FamilyConfig
 
@@ -15,7 +16,8 @@ class DDPConfig(FamilyConfig):
     """DistributedDataParallel's knobs."""
 
     bucket_cap_mb: float = 25.0
-    """All-reduce bucket size in MB (torch default 25)."""
+    """All-reduce bucket size in MiB (torch default 25); hybrid passes it, so torch's 1 MiB first
+    bucket (used only when bucket_cap_mb is None) is not made."""
     gradient_as_bucket_view: bool = True
     """Gradients are views into the buckets (one gradient copy instead of two)."""
     static_graph: bool = False
@@ -24,7 +26,12 @@ class DDPConfig(FamilyConfig):
     def __post_init__(self):
         v = self.bucket_cap_mb
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1e6:
-            raise HybridError(f"bucket_cap_mb must be a positive number of MB, got {v!r}")
+            raise HybridError(f"bucket_cap_mb must be a positive number of MiB, got {v!r}")
+
+    @property
+    def bucket_bytes(self) -> int:
+        """The bucket cap as DDP computes it (torch 2.6-2.13: bucket_cap_mb x 1024 x 1024)."""
+        return int(self.bucket_cap_mb * MiB)
 
 
 class DDPFamily(Family):
@@ -69,7 +76,7 @@ class DDPFamily(Family):
     def comm(self, s, p, spec, cl, n, links):
         # all-reduce of the gradients over the world, bucketed, in the window's last backward
         grad_bytes = p.trainable_params * spec.bytes.grad
-        buckets = max(1, math.ceil(grad_bytes / (s.config.bucket_cap_mb * 1e6)))
+        buckets = max(1, math.ceil(grad_bytes / s.config.bucket_bytes))
         sync = links.collective("all_reduce", grad_bytes, cl.world_size, buckets)
         copied = 0.0 if s.config.gradient_as_bucket_view or cl.world_size == 1 else 2 * grad_bytes
         return Comm(sync_bwd=sync, sync_tail=sync / buckets, copied_sync=copied)
@@ -80,7 +87,7 @@ class DDPFamily(Family):
         # each local tensor in a loop: torch's foreach kernels take CUDA tensors only
         # (torch 2.6-2.13 torch/optim/optimizer.py _default_to_fused_or_foreach)
         grad_bytes = p.trainable_params * spec.bytes.grad
-        buckets = max(1, math.ceil(grad_bytes / (s.config.bucket_cap_mb * 1e6))) if cl.world_size > 1 else 0
+        buckets = max(1, math.ceil(grad_bytes / s.config.bucket_bytes)) if cl.world_size > 1 else 0
         return Host(calls=buckets, tensors=len(param_tensors(p, stage)))
 
 FAMILY = DDPFamily()

@@ -76,7 +76,7 @@ def test_each_family_owns_a_typed_config_validated_where_it_is_made():
     assert not {"stage", "hpz", "bucket_cap_mb", "reshard_after_forward"} & {f.name for f in fields(Strategy)}
     with pytest.raises(HybridError, match="offload_params needs stage 3, got stage 2"):
         DeepSpeedConfig(stage=2, offload_params=True)
-    with pytest.raises(HybridError, match=r"<builtin>: strategy 'x': bucket_cap_mb must be a positive number of MB"):
+    with pytest.raises(HybridError, match=r"<builtin>: strategy 'x': bucket_cap_mb must be a positive number of MiB"):
         Strategy("x", "ddp", shard="none", config={"bucket_cap_mb": 0})
     with pytest.raises(HybridError, match="stage is not a fsdp knob; its knobs: offload_optimizer, offload_params, "
                                           "reshard_after_forward"):
@@ -84,3 +84,4 @@ def test_each_family_owns_a_typed_config_validated_where_it_is_made():
     with pytest.raises(HybridError, match="config must be a DDPConfig, got FSDPConfig"):
         Strategy("x", "ddp", shard="none", config=FSDPConfig())
     assert Strategy("x", "fsdp").config == FSDPConfig()            # the family's defaults
+

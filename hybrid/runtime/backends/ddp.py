@@ -115,7 +115,7 @@ class _EmulatedDDP(torch.nn.Module):
         super().__init__()
         self.module, self.view = module, strategy.config.gradient_as_bucket_view
         params = [p for p in module.parameters() if p.requires_grad]
-        cap = int(strategy.config.bucket_cap_mb * 1e6)
+        cap = strategy.config.bucket_bytes
         self.buckets, self.slots, bucket, size = [], [], [], 0
         for p in reversed(params):              # DDP fills buckets in reverse parameter order
             bucket.append(p)
