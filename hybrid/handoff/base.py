@@ -49,4 +49,4 @@ def provenance(p, c) -> dict:
     """Where an emitted config came from (the plan and candidate), for the file's `_hybrid` key."""
     return {"model": p.model.name, "cluster": p.cluster.describe(), "strategy": c.name,
             "shard_size": c.shard_size, "parallel": c.parallel.to_dict(), "per_gpu_bytes": c.memory.total,
-            "fits": c.fits, "step_time_s": round(c.cost.seconds, 4), "memory_method": p.method}
+            "fits": c.known_to_fit, "step_time_s": round(c.cost.seconds, 4), "memory_method": p.method}

@@ -35,7 +35,7 @@ def _pick(p: Plan, family, name: str | None) -> Candidate:
                               f"needs one of: {', '.join(valid)}")
     elif p.chosen is not None and p.chosen.strategy.family_obj is family:
         return p.chosen
-    fitting = [c for c in pool if c.fits]
+    fitting = [c for c in pool if c.known_to_fit]
     if not fitting:
         raise HybridError(f"no {family.name} candidate fits this job; see `hybrid plan` for why")
     return min(fitting, key=lambda c: c.cost.time_per_token)
@@ -45,6 +45,9 @@ def emit(kind: str, p: Plan, profile: ModelProfile, name: str | None = None,
          target: str = "engine") -> tuple[str, Candidate]:
     """The config text and the candidate it describes (which may differ from the plan's choice
     when the choice is of another family: the caller says so)."""
+    if p.missing:
+        raise HybridError(f"{', '.join(p.missing)} unknown ({p.model.name} is a bare parameter count): no layout is "
+                          "known to fit, so there is none to emit; give a preset, a config.json or a module")
     if kind == "torchtitan":
         c = _pick_torchtitan(p, name)
         return torchtitan_command(c, p), c
@@ -85,7 +88,7 @@ def _named(p: Plan, name: str | None) -> Candidate | None:
     """The fastest fitting candidate of the named strategy (None without a name)."""
     if not name:
         return None
-    fitting = [c for c in p.candidates if c.name == name and c.memory is not None and c.fits]
+    fitting = [c for c in p.candidates if c.name == name and c.known_to_fit]
     if not fitting:
         raise HybridError(f"strategy {name!r} has no layout that fits this job; see `hybrid plan --strategy {name}`")
     return min(fitting, key=lambda c: c.cost.time_per_token)

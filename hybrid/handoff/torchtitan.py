@@ -40,7 +40,7 @@ def _pick_torchtitan(p: Plan, name: str | None) -> Candidate:
                           "strategy")
     if p.chosen is not None and p.chosen in pool:
         return p.chosen
-    fitting = [c for c in pool if c.fits]
+    fitting = [c for c in pool if c.known_to_fit]
     if not fitting:
         raise HybridError("no fsdp or ddp candidate fits this job; see `hybrid plan` for why")
     return min(fitting, key=lambda c: c.cost.time_per_token)

@@ -71,6 +71,12 @@ class Candidate:
             raise ValueError(f"{self.layout.label}: a tight candidate fits and has a step time")
 
     @property
+    def known_to_fit(self) -> bool:
+        """It fits and everything it needs was estimated (a bare parameter count's activations are
+        not): only such a candidate is chosen, emitted or called `fits` in JSON."""
+        return self.fits and self.memory is not None and self.memory.activations is not None
+
+    @property
     def verdict(self) -> str:
         """fits | tight | OOM (n/a: the strategy cannot run the job; states: only the model states
         are known to fit, a bare parameter count's activations being unknown)."""
@@ -140,7 +146,7 @@ class Candidate:
             "model_states": m.model_states if m else None,
             "phase": m.phase if m else None,
             # "fits": the whole step is known to fit; a bare parameter count knows only the model states
-            "fits": self.fits and m is not None and m.activations is not None, "verdict": self.verdict,
+            "fits": self.known_to_fit, "verdict": self.verdict,
             "floor_bytes": m.floor if m else None, "activations_known": m is not None and m.activations is not None,
             "reason": self.reason,
             **(self.cost.to_dict() if self.cost else {}),
@@ -148,6 +154,13 @@ class Candidate:
             **({"batch": self.batch.to_dict()} if self.batch is not None else {}),
             **self.layout.stages_dict(self.stage_memory),
         }
+
+
+def fastest_fitting(cands) -> Candidate | None:
+    """The candidate known to fit that is predicted fastest, among those that fit with room when
+    any does (tight ones run only by the allocator's retries)."""
+    fitting = [c for c in cands if c.known_to_fit and not c.tight] or [c for c in cands if c.known_to_fit]
+    return min(fitting, key=lambda c: c.cost.time_per_token) if fitting else None
 
 
 @dataclass(frozen=True)
@@ -169,8 +182,14 @@ class Plan:
     def fastest(self) -> Candidate | None:
         """The fitting candidate predicted fastest (the chosen one unless a tie went to a simpler one),
         among those that fit with room when any does (as choose() picks)."""
-        fitting = [c for c in self.candidates if c.fits and not c.tight] or [c for c in self.candidates if c.fits]
-        return min(fitting, key=lambda c: c.cost.time_per_token) if fitting else None
+        return fastest_fitting(self.candidates)
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        """What was not estimated, when that alone kept every candidate from being chosen."""
+        if self.chosen is None and any(c.fits and c.memory.activations is None for c in self.candidates):
+            return ("activations",)
+        return ()
 
     @property
     def dp_size(self) -> int:
@@ -203,6 +222,6 @@ class Plan:
             "gpus_per_node": self.cluster.gpus_per_node, "spec": self.spec.to_dict(),
             "global_batch": self.global_batch,
             "strategies": [x.to_dict() for x in self.candidates],
-            "suggestions": list(self.suggestions), "tie": self.tie,
+            "suggestions": list(self.suggestions), "missing": list(self.missing), "tie": self.tie,
             "calibration": self.calibration.path if self.calibration is not None else None,
         }

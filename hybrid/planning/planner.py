@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from . import batch as batch_search
-from .candidate import TIE, Candidate, Plan
+from .candidate import TIE, Candidate, Plan, fastest_fitting
 from ..families.catalogue import Strategy, load_catalogue
 from ..layout.layout import AC_ORDER, Layout, as_layout
 from .reach import method_degrees
@@ -160,11 +160,12 @@ def choose(cands, tie: float = TIE) -> Candidate | None:
     """The fastest candidate that fits; those predicted within `tie` of it (the model's error)
     are a tie that goes to the simpler one. Tight candidates (they run only by the allocator's
     retries) are chosen only when none fits with room."""
-    fitting = [c for c in cands if c.fits and not c.tight] or [c for c in cands if c.fits]
-    if not fitting:
+    fastest = fastest_fitting(cands)
+    if fastest is None:
         return None
-    best = min(c.cost.time_per_token for c in fitting)
-    close = [c for c in fitting if c.cost.time_per_token <= best * (1 + tie)]
+    best = fastest.cost.time_per_token
+    close = [c for c in cands if c.known_to_fit and c.tight == fastest.tight
+             and c.cost.time_per_token <= best * (1 + tie)]
     return min(close, key=lambda c: (c.layout.simplicity, c.cost.time_per_token))
 
 
@@ -233,7 +234,8 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
     order = sorted(cands, key=lambda c: (not c.fits, c.tight, c.memory is None,
                                          c.cost.time_per_token if c.fits else (c.memory.total if c.memory else 0)))
     fixes = ()
-    if chosen is None and suggest_fixes and estimator is None:
+    unknown = any(c.fits and c.memory.activations is None for c in cands)    # nothing to suggest: see Plan.missing
+    if chosen is None and suggest_fixes and estimator is None and not unknown:
         fixes = tuple(suggest(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp, pp,
                               micro_batch, cp, ep))
     return Plan(profile, cluster, spec, tuple(order), chosen, method, fixes, tie, calibration)

@@ -141,7 +141,7 @@ def format_plan(p: Plan, summary: bool = False, top: int | None = None) -> str:
     out.append("")
     c = p.chosen
     if c:
-        verdict = "fastest that fits" if c.memory.activations is not None else "fastest whose model states fit"
+        verdict = "fastest that fits"
         if c.tight:
             verdict = ("nothing fits with the allocator's full reserve; fastest that fits tightly (it runs on "
                        "the allocator's retries)")
@@ -164,6 +164,13 @@ def format_plan(p: Plan, summary: bool = False, top: int | None = None) -> str:
                        "when the allocator frees its cache, so it is not chosen; to run it anyway, pass its "
                        "--strategy and --activation-checkpointing")
         out += [line for dim in WHY for line in _why(p, dim)]
+    elif p.missing:
+        states = [x for x in p.candidates if x.fits]
+        best = min(states, key=lambda x: x.cost.time_per_token)
+        out.append(f"nothing chosen: {', '.join(p.missing)} unknown, so no layout is known to fit; the model states "
+                   f"fit with {len(states)} layout(s), fastest {best.label} ({best.parallel.describe()}, "
+                   f"{best.cost.seconds:.3f} s/step). Give a preset, a config.json or a module instead of --params "
+                   "to choose")
     else:
         out.append(f"nothing fits in {fmt_bytes(p.cluster.capacity_bytes)} per GPU")
         if p.suggestions:

@@ -145,3 +145,21 @@ def test_compare_plot(tmp_path, capsys):
     out, _ = capsys.readouterr()
     assert code == 0 and "params" in out and "tok/s/GPU" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+@pytest.mark.unit
+def test_a_bare_count_is_never_chosen_and_the_plan_says_what_is_missing(capsys):
+    """A bare parameter count has no activations: its rows are `states`, none is chosen, the plan
+    lists what is missing, and --emit refuses in one line (it once chose zero1 and emitted it)."""
+    job = ["plan", "--params", "7.5e9", "--nodes", "8"]
+    assert main(job + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["chosen"] is None and out["chosen_candidate"] is None and out["missing"] == ["activations"]
+    assert {r["verdict"] for r in out["strategies"]} <= {"states", "OOM", "n/a"}
+    assert not any(r["fits"] for r in out["strategies"]) and out["suggestions"] == []
+    assert main(job) == 0
+    text = capsys.readouterr().out
+    assert "nothing chosen: activations unknown" in text and "\n*" not in text
+    assert main(job + ["--emit", "deepspeed"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bare parameter count" in err[0]
