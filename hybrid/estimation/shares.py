@@ -29,6 +29,9 @@ class StageShare:
     boundary_elements: int = 0
     """Elements per token of one stage boundary's activation (the hidden size): the receive
     buffers torch.distributed.pipelining allocates per micro-batch."""
+    boundaries: int = 0
+    """Receive buffers per micro-batch over the rank's local stages: each PipelineStage but the
+    first receives its input, each but the last its output's gradient (interleaved: two stages)."""
 
 
 def stage_share(profile: ModelProfile, pipeline, rank: int) -> ModelProfile:
@@ -61,7 +64,8 @@ def stage_of(profile: ModelProfile, pipeline, rank: int) -> StageShare:
     blocks = sum(pipeline.blocks[i] for i in stages)
     return StageShare(rank, pipeline.pp, blocks, 0 in stages, pipeline.stages - 1 in stages,
                       pipeline.in_flight_layers(rank), pipeline.in_flight(rank),
-                      profile.decoder.hidden if profile.decoder else 0)
+                      profile.decoder.hidden if profile.decoder else 0,
+                      sum((i != 0) + (i != pipeline.stages - 1) for i in stages))
 
 
 @dataclass(frozen=True)

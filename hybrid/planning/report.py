@@ -91,9 +91,8 @@ def ranking_table(cands: list[Candidate], chosen: Candidate | None = None) -> st
                          f"{c.reason}")
             continue
         cost = c.cost
-        note = c.memory.describe_largest() if c.fits and not c.tight else c.reason
-        if c.fits:
-            note += c.layout.pipeline_note(bubble=True)
+        roomy = c.fits and not c.tight
+        note = c.memory.describe_largest() + c.layout.pipeline_note(bubble=True) if roomy else c.reason
         lines.append(f"{mark}{c.label:<{w}}{c.shard_size:>6}{bcol(c)}{fmt_bytes(c.memory.total):>11}"
                      f"{_fits(c):>7}{cost.seconds:>9.3f}{cost.tokens_per_s_per_gpu:>11,.0f}"
                      f"{cost.mfu:>7.1%}  {note}")

@@ -167,11 +167,12 @@ def step_moments(sh: Share, place, act: ActivationTerms,
 
 
 def receive_buffers(sh: Share) -> int:
-    """torch.distributed.pipelining allocates, once, a receive buffer per micro-batch for the
-    stage's input activation (all but the first stage) and for its output's gradient (all but the
-    last): b x s x h each in the compute dtype (a tp rank's sequence-parallel share)."""
+    """torch.distributed.pipelining allocates, once per PipelineStage (each of the rank's local
+    stages), a receive buffer per micro-batch for the stage's input activation (all but the first
+    stage) and for its output's gradient (all but the last): b x s x h each in the compute dtype (a
+    tp rank's sequence-parallel share)."""
     st, spec = sh.stage, sh.spec
     if st is None:
         return 0
-    count = spec.gradient_accumulation * ((not st.first) + (not st.last))
+    count = spec.gradient_accumulation * st.boundaries
     return int(count * spec.bytes.compute * spec.tokens * st.boundary_elements / sh.tp)
