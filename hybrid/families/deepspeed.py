@@ -249,7 +249,7 @@ class DeepSpeedFamily(Family):
 
 
     def comm(self, s, p, spec, cl, n, links):
-        c, P, W = spec.bytes.compute, p.trainable_params, cl.world_size
+        c, P, A, W = spec.bytes.compute, p.trainable_params, p.params, cl.world_size
         units = max(p.num_blocks, 1) + 1
         unit_bytes = c * (p.block_params or p.params)
         offload = 0.0
@@ -257,7 +257,7 @@ class DeepSpeedFamily(Family):
             # fp32 grads to the host, updated 16-bit params back, and the step on the host
             offload = (4 * P / n + c * P / n) / PCIE_BW + (P / n) / HOST_STEP_RATE
         if s.config.offload_params:
-            offload += 2 * (c * P / n) / PCIE_BW
+            offload += c * (A + P) / n / PCIE_BW     # every param up for its gather, the grads down
         if s.config.stage == 1:
             # gradients reduced at the window's end; updated partitions all-gathered after the step
             return Comm(sync_bwd=links.collective("reduce_scatter", c * P, W, units),
@@ -268,13 +268,13 @@ class DeepSpeedFamily(Family):
             return Comm(bwd=links.collective("reduce_scatter", c * P, W, units),
                         after_step=links.collective("all_gather", c * P, W, 1), offload=offload,
                         copied_micro=2 * c * P)
-        ag = links.collective("all_gather", c * P, W, units)
+        ag = links.collective("all_gather", c * A, W, units)         # stage 3 gathers frozen params too
         hpz = s.config.hpz_size(cl)
-        bwd = (links.collective("all_gather", c * P, hpz, units) if hpz else ag)
+        bwd = (links.collective("all_gather", c * A, hpz, units) if hpz else ag)
         bwd += links.collective("reduce_scatter", c * P, W, units)
         tail = links.collective("all_gather", unit_bytes, W) + links.collective("reduce_scatter", unit_bytes, W)
         return Comm(fwd=ag, bwd=bwd, tail=tail, offload=offload,
-                    copied_micro=2 * 2 * c * P + 2 * c * P)   # two gathers' copy-out, one bucket copy
+                    copied_micro=2 * 2 * c * A + 2 * c * P)   # two gathers' copy-out, one bucket copy
 
     def host(self, s, p, spec, cl, n, stage=None):
         from .host import Host, ipg_buckets, param_tensors

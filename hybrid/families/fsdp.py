@@ -106,22 +106,23 @@ class FSDPFamily(Family):
 
 
     def comm(self, s, p, spec, cl, n, links):
-        # all-gather params in every forward and again in backward (unless kept), reduce-scatter
-        # grads within the shard group at the window's end; HSDP adds an all-reduce across replicas
-        c, rb, P = spec.bytes.compute, reduce_bytes(spec), p.trainable_params
+        # all-gather every param (frozen ones too) in every forward and again in backward (unless
+        # kept), reduce-scatter the trainable ones' grads in the shard group at the window's end;
+        # HSDP adds an all-reduce across replicas
+        c, rb, P, A = spec.bytes.compute, reduce_bytes(spec), p.trainable_params, p.params
         units = max(p.num_blocks, 1) + 1
         unit_bytes = c * (p.block_params or p.params)
-        ag = links.collective("all_gather", c * P, n, units)
+        ag = links.collective("all_gather", c * A, n, units)
         sync = links.collective("reduce_scatter", rb * P, n, units)
         sync += links.across_replicas("all_reduce", rb * P / n, cl.world_size // n, units)
         tail = links.collective("all_gather", unit_bytes, n) + links.collective("reduce_scatter", unit_bytes, n)
         gathers = 2 if s.config.reshard_after_forward else 1
         offload = 0.0
         if s.config.offload_params:
-            offload = 2 * (spec.bytes.param * P / n) / PCIE_BW + (P / n) / HOST_STEP_RATE
+            offload = spec.bytes.param * (A + P) / n / PCIE_BW + (P / n) / HOST_STEP_RATE
         return Comm(fwd=ag, bwd=ag if s.config.reshard_after_forward else 0.0, sync_bwd=sync, tail=tail,
                     offload=offload,
-                    copied_micro=gathers * 2 * c * P,   # copy-out of each gather
+                    copied_micro=gathers * 2 * c * A,   # copy-out of each gather
                     copied_sync=2 * rb * P)             # chunk_cat per reduce-scatter
 
     def host(self, s, p, spec, cl, n, stage=None):
