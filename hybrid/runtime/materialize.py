@@ -33,3 +33,13 @@ def materialize(model: nn.Module, device) -> None:
         for m in model.modules():
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()
+
+
+def move(module: nn.Module, device, dtype=None) -> None:
+    """module.to(device, dtype), unless every tensor is there already: a no-op .to() still swaps
+    each tensor (torch 2.13 Module._apply), which fails on the fake tensors a traced run's tracker holds."""
+    tensors = [*module.parameters(), *module.buffers()]
+    if all(t.device == torch.device(device) and (dtype is None or not t.is_floating_point() or t.dtype == dtype)
+           for t in tensors):
+        return
+    module.to(device=device, dtype=dtype)

@@ -1,4 +1,6 @@
 """Traced (fake tensors, fake process group) and measured (real ranks) estimates."""
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -126,3 +128,15 @@ def test_fast_trace_leaves_mixed_blocks_to_the_full_trace():
     t = traced_estimate(src, CAT["fsdp"], TrainSpec(1, 64, activation_checkpointing="layer:2"),
                         Cluster.build(1, 4, "h100-80gb"))
     assert not any("extrapolated" in n for n in t.memory.notes)
+
+
+@pytest.mark.fakepg
+def test_a_traced_ddp_pipeline_stage_plans(capsys):
+    """ddp with pp traced: placing the stage once moved every fake tensor again (a no-op .to()),
+    which the tracker's weak references refused ('Couldn't swap RMSNorm.weight')."""
+    from hybrid.cli.main import main
+    assert main(["plan", "tiny-llama", "--nodes", "2", "--gpus-per-node", "2", "--pp", "2", "--method", "traced",
+                 "--gradient-accumulation", "2", "--seq-len", "64", "--implementation", "hybrid",
+                 "--strategy", "ddp", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["chosen"] == "ddp" and out["chosen_candidate"]["parallel"]["pp"] == 2

@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ...errors import HybridError
 from ..mesh import replica_group
 from .base import Engine, LoopOptions, carry_plain_outputs, compute_dtype, make_scaler, to_cpu_state
-from ..materialize import materialize
+from ..materialize import materialize, move
 from ..activation_checkpoint import apply_activation_checkpointing
 
 
@@ -53,7 +53,7 @@ def check(strategy, mesh, spec, runtime) -> None:
 def place(strategy, module, spec, runtime) -> None:
     """Every rank holds the whole model: a meta-built one is materialised on the device first."""
     materialize(module, runtime.device)
-    module.to(device=runtime.device, dtype=torch.bfloat16 if spec.precision == "bf16" else None)
+    move(module, runtime.device, torch.bfloat16 if spec.precision == "bf16" else None)
 
 
 def float8_all_gather(layout, staged: bool) -> bool:
