@@ -330,7 +330,7 @@ def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[
                 out.append(f"--cp {k} ({c.label}: {_size(c)})")
                 break
     args = (cat, names, True, efficiency)
-    at = {"micro_batch": micro_batch, "cp": pinned_cp, "ep": ep}
+    at = {"micro_batch": micro_batch, "cp": pinned_cp, "ep": ep, "tp": tp, "pp": pp}   # the degrees the user pinned
     if not search_checkpointing and spec.activation_checkpointing != "full":
         for ac in ("selective", "full"):
             c = _fits_with(profile, replace(spec, activation_checkpointing=ac), cluster, *args, **at)

@@ -163,3 +163,13 @@ def test_a_bare_count_is_never_chosen_and_the_plan_says_what_is_missing(capsys):
     assert main(job + ["--emit", "deepspeed"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "bare parameter count" in err[0]
+
+
+@pytest.mark.unit
+def test_suggestions_keep_the_pinned_degrees(capsys):
+    """With --tp 2 pinned, every suggested change keeps tp 2 (a --nodes suggestion once moved to
+    zero3-offload at tp 1, a layout the user had ruled out)."""
+    assert main(["plan", "llama3-70b", "--nodes", "1", "--gpus-per-node", "8", "--gpu", "a100-40gb", "--tp", "2",
+                 "--pp", "1", "--json"]) == 0
+    fixes = json.loads(capsys.readouterr().out)["suggestions"]
+    assert fixes and all("+tp2" in f for f in fixes if not f.startswith("--tp ")), fixes
