@@ -59,12 +59,17 @@ def test_the_corpus_replays_with_its_sources():
     for p in points:
         assert p.raw["source"] in sources and p.raw["quote"]
     by_id = {p.id: p for p in points}
-    # the two published active/reserved pairs: allocated within 5%, reserved within 11%
-    for pid in ("tt165-fsdp2-full-ac", "tt165-fsdp2-op-sac"):
-        p = by_id[pid]
+    # the two published active/reserved pairs: allocated within 5%; reserved held out: the headroom
+    # fitted on the other pair alone (leave-one-out, not the mean ALLOCATOR_HEADROOM takes of both)
+    # predicts each one's reserved from our allocated within 20% (it is -16% and +11%: the error to
+    # expect of reserved on a run the corpus has not seen, docs/estimation.md)
+    pair = ("tt165-fsdp2-full-ac", "tt165-fsdp2-op-sac")
+    for pid, other in zip(pair, reversed(pair)):
+        p, q = by_id[pid], by_id[other].measured
         m = p.candidate().memory
         assert m.allocated / 2**30 == pytest.approx(p.measured["allocated_gib"], rel=0.05)
-        assert m.reserved / 2**30 == pytest.approx(p.measured["reserved_gib"], rel=0.11)
+        held_out = q["reserved_gib"] / q["allocated_gib"] - 1
+        assert m.allocated * (1 + held_out) / 2**30 == pytest.approx(p.measured["reserved_gib"], rel=0.20)
     # the published OOMs are OOM
     for pid in ("tt-docs-llama2-70b-op-b2", "tt-docs-405b-fsdp-oom"):
         assert not by_id[pid].candidate().fits
