@@ -11,7 +11,7 @@ from hybrid.runtime.launch import run_ranks
 from hybrid.model.decoder import build_decoder
 from hybrid.model.presets import DecoderConfig
 from tests.runtime.test_backends import TINY
-from tests.runtime.test_loop import CLIP, adamw, check, global_batches, train, warmup
+from tests.runtime.test_loop import CLIP, MB, SEQ, adamw, check, global_batches, train, warmup
 
 GPT2 = DecoderConfig("gpt2", 512, 64, 2, 4, 256, 64, tied=True)
 
@@ -186,3 +186,28 @@ def test_cuda_kernels_take_the_lower_right_causal_bias_with_gqa():
             assert (a - t.grad).abs().max().item() < 5e-2
     finally:
         dist.destroy_process_group()
+
+
+def _wrap_one_and_build_another():
+    """auto_wrap(cp=2) one transformers Llama; then build a second from the same config object."""
+    from hybrid import auto_wrap
+    from hybrid.model.decoder import build_hf
+    first = build_hf(TINY, device="cpu")
+    config = first.config
+    before = config._attn_implementation
+    w = auto_wrap(first, optimizer=adamw, strategy="fsdp", cp=2, precision="fp32", micro_batch=MB, seq_len=SEQ,
+                  verbose=False)
+    ids = torch.randint(0, 512, (MB, SEQ), generator=torch.Generator().manual_seed(0))
+    w.backward(w(ids, labels=ids).loss)
+    from transformers import LlamaForCausalLM
+    second = LlamaForCausalLM(config)
+    out = second(ids, labels=ids).loss.item()
+    return {"before": before, "after": config._attn_implementation, "second": out}
+
+
+@pytest.mark.gloo
+def test_auto_wrap_cp_leaves_the_users_config_as_it_was():
+    """cp=2 once set the attention implementation on the user's transformers config, so a second
+    model built from the same config object failed ('runs only on modules auto_wrap(cp=N) prepared')."""
+    for r in run_ranks(2, _wrap_one_and_build_another):
+        assert r["after"] == r["before"] and r["second"] == r["second"], r

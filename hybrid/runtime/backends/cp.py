@@ -22,6 +22,8 @@ rank returns is the whole sequence's mean (one scalar all-reduce over the cp gro
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -152,6 +154,18 @@ def check_context_parallel(model: nn.Module, cp: int, seq_len: int) -> None:
                             f"is not divisible by {2 * cp}")
 
 
+def _own_config(model: nn.Module):
+    """A copy of the model's config in place of the one its modules share, so that what context
+    parallelism sets on it leaves the user's config object as it was (another model built from it
+    runs as before)."""
+    old = model.config
+    new = copy.copy(old)
+    for m in model.modules():
+        if getattr(m, "config", None) is old:
+            m.config = new
+    return new
+
+
 def _register_hf_attention() -> None:
     from transformers import AttentionInterface
     AttentionInterface.register(ATTENTION_NAME, hf_cp_attention)
@@ -169,7 +183,7 @@ class ContextParallel:
                 m.cp_group, m.cp_attention = self.group, cp_attention
         if self.hf:
             _register_hf_attention()
-            model.config._attn_implementation = ATTENTION_NAME
+            _own_config(model)._attn_implementation = ATTENTION_NAME
 
     def positions(self, seq: int, device) -> torch.Tensor:
         return torch.tensor(rank_positions(seq, self.size, self.rank), device=device)
