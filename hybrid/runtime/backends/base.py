@@ -131,7 +131,7 @@ class Engine(ABC):
         norm = self.clip_grad_norm(max_norm) if max_norm is not None else self.total_norm()
         # under fp16 an inf/nan gradient is the scaler's overflow (it skips and lowers the scale)
         grads_bad = None if self.scaler is not None else ~torch.isfinite(torch.as_tensor(norm))
-        if agree_any(grads_bad, loss_bad, _device_of(norm)):
+        if not _is_fake(norm) and agree_any(grads_bad, loss_bad, _device_of(norm)):
             self.zero_grad()
             if self.scaler is not None:
                 self.scaler.update()     # ends the iteration unscale_ began (the scale is lowered)
@@ -220,6 +220,12 @@ class Engine(ABC):
 def _default_device():
     import torch.distributed as dist
     return "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
+
+
+def _is_fake(t) -> bool:
+    """A traced estimate's fake tensor: it holds no values to check."""
+    from torch._subclasses.fake_tensor import is_fake
+    return isinstance(t, torch.Tensor) and is_fake(t)
 
 
 def _device_of(t):
