@@ -1,4 +1,5 @@
-"""Synthetic training data that needs no download (demo, examples, tests)."""
+"""Training data: a synthetic corpus that needs no download (demo, examples, tests), and a
+sampler with DistributedSampler's order that resumes at any world size."""
 from __future__ import annotations
 
 import torch

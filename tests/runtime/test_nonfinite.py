@@ -79,9 +79,9 @@ def nan_steps(strategy):
     return out
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(strategy):
-    results = run_ranks(2, nan_steps, strategy)
+@pytest.mark.parametrize("strategy, world", [("ddp", 2), ("fsdp", 2), ("hsdp", 4)])
+def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(strategy, world):
+    results = run_ranks(world, nan_steps, strategy, local_world=2)
     for r in results:
         assert r["skipped"] == 1 and r["steps"] == 2, r
         assert r["same"] and r["optim_same"] and r["finite"] and r["lr_kept"] and r["grads_none"], r
@@ -89,8 +89,9 @@ def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(strategy):
         assert [s for s, _ in r["stops"]] == [5], r["stops"]  # the third NaN step in a row stops
         assert "3 optimizer steps in a row had a non-finite loss" in r["stops"][0][1]
         assert "\n" not in r["stops"][0][1] and r["skipped_end"] == 4
-    a, b = results[0]["state"], results[1]["state"]
-    assert all(torch.equal(a[k], b[k]) and torch.isfinite(a[k]).all() for k in a)
+    a = results[0]["state"]
+    for b in (r["state"] for r in results[1:]):
+        assert all(torch.equal(a[k], b[k]) and torch.isfinite(a[k]).all() for k in a)
 
 
 def pipeline_nan(n_bad):
@@ -125,8 +126,8 @@ def test_a_nan_loss_under_a_pipeline_skips_the_step_on_both_stages():
         assert r["error"] and "max_bad_steps=2" in r["error"], r
 
 
-def deepspeed_nan():
-    w = _wrap("zero2")
+def deepspeed_nan(strategy):
+    w = _wrap(strategy)
     _one_step(w, 0)
     before = {k: v.clone() for k, v in w.state_dict().items()}
     try:
@@ -138,8 +139,9 @@ def deepspeed_nan():
     return error, all(torch.equal(before[k], v) for k, v in w.state_dict().items())
 
 
-def test_deepspeed_refuses_a_nan_step_on_every_rank_in_one_line():
-    for error, same in run_ranks(2, deepspeed_nan):
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_deepspeed_refuses_a_nan_step_on_every_rank_in_one_line(strategy):
+    for error, same in run_ranks(2, deepspeed_nan, strategy):
         assert error and "DeepSpeed ZeRO cannot skip a step" in error and "\n" not in error
         assert same
 
