@@ -35,7 +35,8 @@ class DeepSpeedEngine(Engine):
 
     def step(self, sync=True, max_norm=None, loss_bad=None):
         from .base import StepResult, agree_any
-        if sync and agree_any(loss_bad, None, self.runner.device):
+        # under fp16 a non-finite loss makes non-finite gradients: DeepSpeed's loss scaler skips that step
+        if sync and not self.runner.fp16_enabled() and agree_any(loss_bad, None, self.runner.device):
             raise HybridError("a non-finite loss (NaN/inf) on some rank in this window, and DeepSpeed ZeRO cannot "
                               "skip a step from outside its optimizer: the step was not taken (parameters "
                               "unchanged); load the last checkpoint, or train with fsdp, which skips such steps")
