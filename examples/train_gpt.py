@@ -12,25 +12,30 @@ the repo root after ./setup.sh (or `source .venv/bin/activate` and drop the `.ve
 store; the shared one can hand restarted workers their dead peers' addresses, pytorch#135712.)
 
 The data is synthetic (a fixed random bigram language, so the loss has somewhere to go) and the
-same on every run. The basics every DDP user expects are here: DistributedSampler with
-set_epoch(epoch), only rank 0 logs and writes files, a barrier before exit; a restarted job
-(torchrun --max-restarts) resumes from the last checkpoint, mid-epoch, on the same batches.
+same on every run. The basics every DDP user expects are here: a DistributedSampler order
+(hybrid.runtime.data.ResumableSampler, with set_epoch(epoch)), only rank 0 logs and writes files, a
+barrier before exit; a restarted job (torchrun --max-restarts) resumes from the last checkpoint,
+mid-epoch, on the same batches, at any world size: the sampler's epoch and position in global
+samples are in the checkpoint and re-split over the new ranks, and the global batch (saved too)
+is kept by adjusting gradient accumulation.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from hybrid import auto_wrap  # noqa: E402
-from hybrid.runtime.data import synthetic_corpus  # noqa: E402
+from hybrid.ckpt.folder import read_meta  # noqa: E402
+from hybrid.runtime.data import ResumableSampler, synthetic_corpus  # noqa: E402
 from hybrid.runtime.mesh import shutdown  # noqa: E402
 from hybrid.model.decoder import build_decoder  # noqa: E402
 from hybrid.model.presets import DecoderConfig  # noqa: E402
@@ -44,6 +49,8 @@ def parse_args(argv=None):
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--global-batch", type=int, default=None,
+                    help="sequences per optimizer step (default: micro-batch x ranks; on resume: the checkpoint's)")
     ap.add_argument("--steps", type=int, default=40, help="optimizer steps in total")
     ap.add_argument("--samples", type=int, default=512, help="sequences in the synthetic corpus")
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -56,6 +63,7 @@ def parse_args(argv=None):
     ap.add_argument("--crash-at-step", type=int, default=0,
                     help="testing: SIGKILL --crash-rank at this step on the first attempt only")
     ap.add_argument("--crash-rank", type=int, default=1)
+    ap.add_argument("--sample-log", default=None, help="testing: rank 0 appends each step's sample ids (JSON lines)")
     return ap.parse_args(argv)
 
 
@@ -64,44 +72,63 @@ def main(argv=None):
     cfg = DecoderConfig("llama", args.vocab, args.hidden, args.layers, 4, int(2.75 * args.hidden),
                         args.seq_len, kv_heads=2, tied=True)
     model = build_decoder(cfg, seed=0)
+    resume = args.resume and args.ckpt_dir and os.path.exists(os.path.join(args.ckpt_dir, "meta.json"))
+    global_batch = args.global_batch
+    if global_batch is None:     # the run's own (a resumed job keeps it whatever its world size)
+        saved = read_meta(args.ckpt_dir)["extra"].get("global_batch") if resume else None
+        global_batch = saved or args.micro_batch * int(os.environ.get("WORLD_SIZE", "1"))
     w = auto_wrap(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr), strategy=args.strategy,
                   micro_batch=args.micro_batch, seq_len=args.seq_len, precision=args.precision,
-                  gpu_memory=args.gpu_memory, verbose=True)
+                  gpu_memory=args.gpu_memory, global_batch=global_batch, verbose=True)
     rank = dist.get_rank()
     device = w.runtime.device
     data = synthetic_corpus(args.samples, args.seq_len, args.vocab)
-    sampler = DistributedSampler(data, num_replicas=w.dp_size, rank=w.dp_rank, shuffle=True, seed=0, drop_last=True)
-    loader = DataLoader(data, batch_size=args.micro_batch, sampler=sampler, drop_last=True)
+    indexed = torch.utils.data.TensorDataset(torch.arange(len(data)), data.tensors[0])
+    sampler = ResumableSampler(len(data), w.dp_size, w.dp_rank, shuffle=True, seed=0, drop_last=True)
+    loader = DataLoader(indexed, batch_size=w.micro_batch, sampler=sampler, drop_last=True)
 
-    epoch, skip = 0, 0
-    if args.resume and args.ckpt_dir and os.path.exists(os.path.join(args.ckpt_dir, "meta.json")):
-        extra = w.load(args.ckpt_dir)
-        epoch, skip = extra["epoch"], extra["batch"]
+    if resume:
+        sampler.load_state_dict(w.load(args.ckpt_dir)["sampler"])
         if rank == 0:
-            print(f"resumed from {args.ckpt_dir} at step {w.step_count} (epoch {epoch}, batch {skip})", flush=True)
+            print(f"resumed from {args.ckpt_dir} at step {w.step_count} (epoch {sampler.epoch}, sample "
+                  f"{sampler.position}; {w.dp_size} ranks x {w.micro_batch} x {w.gradient_accumulation} "
+                  f"accumulation = global batch {w.global_batch})", flush=True)
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    window = []
     while w.step_count < args.steps:
-        sampler.set_epoch(epoch)
-        for i, (ids,) in enumerate(loader):
-            if i < skip:
-                continue                                   # batches this epoch already trained on
+        sampler.set_epoch(sampler.epoch)
+        for idx, ids in loader:
             ids = ids.to(device)
+            end = w.sync_gradients                         # this micro-batch ends the window
             loss = w(ids, labels=ids).loss
             w.backward(loss)
             w.step()
             w.zero_grad()
+            sampler.advance(len(ids))
+            window += idx.tolist()
+            if not end:
+                continue
             step = w.step_count
+            if args.sample_log:
+                everyone = [None] * dist.get_world_size()
+                dist.all_gather_object(everyone, window)
+                if rank == 0:
+                    with open(args.sample_log, "a") as f:
+                        f.write(json.dumps({"step": step, "epoch": sampler.epoch, "world": dist.get_world_size(),
+                                            "ids": sorted(i for part in everyone for i in part)}) + "\n")
+            window = []
             if rank == 0 and (step % 10 == 0 or step == args.steps):
-                print(f"step {step:4d}  epoch {epoch}  loss {loss.item():.4f}", flush=True)
+                print(f"step {step:4d}  epoch {sampler.epoch}  loss {loss.item():.4f}", flush=True)
             if args.ckpt_dir and args.save_every and step % args.save_every == 0:
-                w.save(args.ckpt_dir, extra={"epoch": epoch, "batch": i + 1})
+                w.save(args.ckpt_dir, extra={"sampler": sampler.state_dict(), "global_batch": w.global_batch})
             if step == args.crash_at_step and restarts == 0 and rank == args.crash_rank:
                 os.kill(os.getpid(), signal.SIGKILL)       # a hard failure, mid-epoch
             if step >= args.steps:
                 break
-        epoch, skip = epoch + 1, 0
+        else:
+            sampler.set_epoch(sampler.epoch + 1)
     if args.ckpt_dir and not args.save_every:
-        w.save(args.ckpt_dir, extra={"epoch": epoch, "batch": 0})
+        w.save(args.ckpt_dir, extra={"sampler": sampler.state_dict(), "global_batch": w.global_batch})
     state = w.state_dict()                                 # collective: every rank
     if rank == 0 and args.out:
         torch.save(state, args.out)

@@ -23,7 +23,7 @@ from .model.profile import build_profile
 from .config.spec import TrainSpec, default_precision, default_seq_len
 from .units import parse_bytes
 from .log import get_logger
-from .runtime.wrapped import Wrapped
+from .runtime.wrapped import Wrapped, check_max_bad_steps
 
 log = get_logger(__name__)
 
@@ -91,7 +91,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
               tune: bool | int = False, calibration: str | None = None, cp: int | None = None,
               global_batch: int | None = None, global_batch_tokens: int | None = None,
               compile: bool = False, float8: bool = False, ep: int | None = None,
-              moe_imbalance: float | None = None) -> Wrapped:
+              moe_imbalance: float | None = None, max_bad_steps: int = 3) -> Wrapped:
     """Wrap `model` for data-parallel training on the current process group (started here from
     torchrun's variables if needed, nccl+cuda or gloo+cpu). The arguments that are job options are
     the JobConfig's rows (hybrid/config/options.py): the CLI's flags of the same name, checked and
@@ -114,6 +114,8 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
                 layout's micro-batch and accumulation so that their product with w.dp_size is
                 this (global_batch_tokens: the same in tokens, a multiple of seq_len)
     max_grad_norm  clip the global gradient norm before each optimizer step (None: no clipping)
+    max_bad_steps  optimizer steps in a row with a non-finite loss or gradient norm (each skipped on
+                every rank, with a warning) that stop training with a HybridError (default 3)
     find_unused_parameters  DDP: tolerate parameters that get no gradient in a step
     tp          tensor-parallel degree inside a node (default: the planner chooses with strategy
                 "auto", 1 with a forced strategy); ranks of one tp group read the same batch:
@@ -160,6 +162,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     optimizer = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=3e-4))
     check_optimizer_factory(optimizer)
     _check_loop_args(max_grad_norm, scheduler)
+    check_max_bad_steps(max_bad_steps)
     if cluster is None or cluster.expandable_segments:
         enable_expandable_segments()
     runtime = init_distributed()
@@ -228,7 +231,8 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     engine = build_engine(parallel, chosen.layout, mesh, chosen.spec, runtime, optimizer, options)
     model._hybrid_wrapped = True
     sched = scheduler(engine.user_optimizer) if scheduler is not None else None
-    wrapped = Wrapped(engine, the_plan, chosen, mesh, runtime, gradient_accumulation, max_grad_norm, sched)
+    wrapped = Wrapped(engine, the_plan, chosen, mesh, runtime, gradient_accumulation, max_grad_norm, sched,
+                      max_bad_steps)
     if verbose and runtime.rank == 0:
         log.info("%s", wrapped.describe())
     return wrapped

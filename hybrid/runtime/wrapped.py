@@ -19,8 +19,11 @@ import torch.distributed as dist
 
 from .backends.base import Engine, call_with_batch
 from ..errors import HybridError
+from ..log import get_logger
 from ..planning.planner import Candidate, Plan
 from ..planning.report import format_plan
+
+log = get_logger(__name__)
 
 
 class Wrapped:
@@ -30,13 +33,17 @@ class Wrapped:
     module            the user's model (sharded in place for FSDP; the inner module for DeepSpeed)
     sync_gradients    True on the micro-batch that ends an accumulation window
     grad_norm         the last pre-clip global gradient norm (float), None before the first step
-    optimizer_steps   optimizer steps taken (accumulation windows completed), skipped fp16 steps included
-    skipped_steps     of those, how many fp16 loss scaling skipped for inf/nan gradients
+    optimizer_steps   optimizer steps taken (accumulation windows completed), skipped steps included
+    skipped_steps     of those, how many were skipped: fp16 loss scaling's overflows, and steps with a
+                      non-finite loss or gradient norm on any rank (skipped on every rank)
+    max_bad_steps     non-finite steps in a row that stop training (a HybridError on every rank)
     scheduler         the LR scheduler built from scheduler=, stepped after each optimizer step
     """
 
     def __init__(self, engine: Engine, plan: Plan, chosen: Candidate, mesh, runtime,
-                 gradient_accumulation: int = 1, max_grad_norm: float | None = None, scheduler=None):
+                 gradient_accumulation: int = 1, max_grad_norm: float | None = None, scheduler=None,
+                 max_bad_steps: int = 3):
+        check_max_bad_steps(max_bad_steps)
         self.engine, self.plan, self.chosen = engine, plan, chosen
         self.mesh, self.runtime = mesh, runtime
         self.gradient_accumulation = gradient_accumulation
@@ -44,6 +51,9 @@ class Wrapped:
         self.scheduler = scheduler
         self.optimizer_steps = 0
         self.skipped_steps = 0
+        self.max_bad_steps = max_bad_steps
+        self._bad_in_row = 0         # non-finite steps in a row
+        self._loss_bad = None        # bool tensor: a non-finite loss among this window's micro-batches
         self._micro = 0              # index of the current micro-batch in its window
         self._backward_done = False  # backward() called since the last step()
         self._norm = None            # tensor or float; read lazily (no host sync per step)
@@ -121,6 +131,10 @@ class Wrapped:
     def backward(self, loss) -> None:
         """Accumulate this micro-batch's gradients (loss / gradient_accumulation); gradients are
         reduced across ranks only on the window's last micro-batch."""
+        if isinstance(loss, torch.Tensor):
+            value = loss.detach()
+            bad = ~torch.isfinite(value.full_tensor() if hasattr(value, "full_tensor") else value).all()
+            self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
         with self._guard("backward"):
             self.engine.backward(loss, self.gradient_accumulation, sync=self.sync_gradients)
         self._backward_done = True
@@ -138,15 +152,19 @@ class Wrapped:
 
     def step(self) -> None:
         """On the window's last micro-batch: unscale (fp16), clip (max_grad_norm), optimizer step,
-        scheduler step. On the others: only advance the window."""
+        scheduler step. On the others: only advance the window. A non-finite loss or gradient norm on
+        any rank skips the step on every rank (gradients zeroed; parameters, optimizer state and
+        scheduler untouched) with one warning; max_bad_steps of them in a row raise HybridError."""
         if not self._backward_done:
             raise HybridError("step() was called before backward(): call w.backward(loss) on every micro-batch "
                               "first")
         sync = self.sync_gradients
         if sync or self.engine.owns_accumulation:
             with self._guard("step"):
-                result = self.engine.step(sync, None if self._clipped else self.max_grad_norm)
+                result = self.engine.step(sync, None if self._clipped else self.max_grad_norm,
+                                          self._loss_bad if sync else None)
             if sync:
+                self._loss_bad = None
                 self._after_step(result)
         self._backward_done = False
         self._clipped = False
@@ -199,6 +217,18 @@ class Wrapped:
             self.scheduler.step()
         from .mesh import note_step
         note_step(self.optimizer_steps)
+        self._bad_in_row = self._bad_in_row + 1 if result.nonfinite else 0
+        if not result.nonfinite:
+            return
+        if self._bad_in_row >= self.max_bad_steps:
+            raise HybridError(f"{self._bad_in_row} optimizer steps in a row had a non-finite loss or gradient norm "
+                              f"(NaN/inf; max_bad_steps={self.max_bad_steps}), all skipped: training stopped at "
+                              f"step {self.optimizer_steps}; load the last checkpoint and lower the learning rate, "
+                              "clip (max_grad_norm=) or check the data")
+        if self.runtime.rank == 0:
+            log.warning("hybrid: step %d skipped on every rank: non-finite loss or gradient norm (NaN/inf) on some "
+                        "rank (%d in a row; %d stop training)", self.optimizer_steps, self._bad_in_row,
+                        self.max_bad_steps)
 
     def zero_grad(self) -> None:
         """Clear gradients after an optimizer step; inside a window it keeps them (accumulating)."""
@@ -232,12 +262,20 @@ class Wrapped:
         previous version at `path` stays valid until this one is complete. Collective. Call it at
         an accumulation boundary (after step() on the window's last micro-batch).
         A directory holding files hybrid did not write is refused unless overwrite=True (which
-        writes beside them; nothing foreign is ever deleted)."""
+        writes beside them; nothing foreign is ever deleted). Refused (one line, every rank) after a
+        backward() whose step() has not run, and when any parameter on any rank is non-finite (the
+        last good version stays)."""
         from ..ckpt.store import save
-        if self._micro != 0:
-            raise HybridError(f"save() in the middle of an accumulation window (micro-batch {self._micro} of "
-                              f"{self.gradient_accumulation}): save after step() on the window's last micro-batch")
+        if self._micro != 0 or self._backward_done:
+            where = ", after backward() and before step()" if self._backward_done else ""
+            raise HybridError(f"save() in the middle of an accumulation window (micro-batch {self._micro + 1} of "
+                              f"{self.gradient_accumulation}{where}): its gradients would not be in the checkpoint; "
+                              "save after step() on the window's last micro-batch")
         with self._guard("save"):
+            if not self.engine.params_finite():
+                raise HybridError(f"save({path!r}) refused: the parameters hold non-finite values (NaN/inf) on some "
+                                  "rank, and the checkpoint's last good version is kept; load it (w.load) and lower "
+                                  "the learning rate or clip (max_grad_norm=)")
             return save(self, path, extra, overwrite)
 
     def load(self, path: str) -> dict:
@@ -245,7 +283,9 @@ class Wrapped:
         `extra` given to save."""
         from ..ckpt.store import load
         with self._guard("load"):
-            return load(self, path)
+            extra = load(self, path)
+        _note_rng(self, path)
+        return extra
 
     def loop_state(self) -> dict:
         """What the checkpoint keeps besides tensors (plain data: weights_only-loadable)."""
@@ -260,7 +300,7 @@ class Wrapped:
             self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler") is not None:
             self.engine.load_scaler_state(state["scaler"])
-        self._micro, self._backward_done = 0, False
+        self._micro, self._backward_done, self._loss_bad, self._bad_in_row = 0, False, None, 0
 
     def describe(self, every_candidate: bool = False) -> str:
         """The plan: one row per strategy, or every candidate (shard sizes x checkpointing)."""
@@ -270,6 +310,39 @@ class Wrapped:
         return (f"Wrapped({self.strategy.name}, shard_size={self.chosen.shard_size}, "
                 f"world={self.runtime.world_size}, device={self.runtime.device}, "
                 f"gradient_accumulation={self.gradient_accumulation})")
+
+
+def check_max_bad_steps(n) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise HybridError(f"max_bad_steps must be a positive integer (non-finite steps in a row that stop training; "
+                          f"default 3), got {n!r}")
+
+
+def _note_rng(w, path: str) -> None:
+    """One line saying whether load restored this rank's RNG state or reseeded it: per-rank states
+    map onto ranks only at the world size that wrote them (hybrid.ckpt.store.load)."""
+    import os
+    import random
+
+    from ..ckpt.folder import read_meta
+    meta = read_meta(os.path.abspath(path))
+    world, rank = w.runtime.world_size, w.runtime.rank
+    if meta["world_size"] == world and f"rng-{rank}.pt" in meta["files"]:
+        if rank == 0:
+            log.info("hybrid: RNG state restored from %s (%d ranks, as saved)", path, world)
+        return
+    seed = (int(meta["step"]) * 1_000_003 + rank) % 2**63      # every rank its own stream, reproducible
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    if rank == 0:
+        log.info("hybrid: RNG reseeded (torch, cuda, random, numpy: seed step*1000003 + rank): the checkpoint %s "
+                 "was saved on %d ranks and this job runs %d, so its per-rank RNG states do not map",
+                 path, meta["world_size"], world)
 
 
 def _ids_and_labels(batch):

@@ -18,7 +18,9 @@ class StepResult:
     norm: object = None
     """The pre-clip global gradient norm (a tensor or float), None if the backend has none."""
     skipped: int = 0
-    """1 when fp16 loss scaling skipped the optimizer step (inf/nan gradients)."""
+    """1 when the optimizer step was skipped (fp16 loss scaling's overflow, or a non-finite step)."""
+    nonfinite: bool = False
+    """True when a non-finite loss or gradient norm on some rank skipped the step on every rank."""
 
 
 class Engine(ABC):
@@ -122,9 +124,19 @@ class Engine(ABC):
             getattr(p.grad, "_local_tensor", p.grad).mul_(coef.to(p.grad.device))   # each rank scales its shard
         return norm
 
-    def step(self, sync: bool = True, max_norm: float | None = None) -> StepResult:
+    def step(self, sync: bool = True, max_norm: float | None = None, loss_bad=None) -> StepResult:
+        """The window's optimizer step, skipped on every rank when any rank's loss (`loss_bad`: a
+        bool tensor, this rank's micro-batches) or the global gradient norm is non-finite."""
         self._unscale()
         norm = self.clip_grad_norm(max_norm) if max_norm is not None else self.total_norm()
+        # under fp16 an inf/nan gradient is the scaler's overflow (it skips and lowers the scale)
+        grads_bad = None if self.scaler is not None else ~torch.isfinite(torch.as_tensor(norm))
+        if not _is_fake(norm) and agree_any(grads_bad, loss_bad, _device_of(norm)):
+            self.zero_grad()
+            if self.scaler is not None:
+                self.scaler.update()     # ends the iteration unscale_ began (the scale is lowered)
+            self._unscaled = False
+            return StepResult(norm, 1, nonfinite=True)
         skipped = 0
         if self.scaler is not None:
             before = self.scaler.get_scale()
@@ -138,6 +150,19 @@ class Engine(ABC):
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _local_params(self) -> list[torch.Tensor]:
+        """This rank's parameter data (its shards of DTensors), for the finiteness check."""
+        return [getattr(p, "_local_tensor", p) for p in self.model.parameters()]
+
+    def params_finite(self) -> bool:
+        """Whether every parameter on every rank is finite (one all-reduce; a collective)."""
+        local = [t.detach() for t in self._local_params() if t.device.type != "meta" and t.numel()]
+        device = local[0].device if local else _default_device()
+        bad = torch.zeros((), dtype=torch.bool, device=device)
+        for t in local:
+            bad = bad | ~torch.isfinite(t).all()
+        return not agree_any(bad, None, device)
 
     def zero_grads(self) -> None:
         """Give every trainable parameter a zero gradient where its backward would put one (the
@@ -190,6 +215,34 @@ class Engine(ABC):
         params = list(self.model.parameters())
         return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
                 "optimizer": optimizer_tensors(self.optimizer, params)}
+
+
+def _default_device():
+    import torch.distributed as dist
+    return "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
+
+
+def _is_fake(t) -> bool:
+    """A traced estimate's fake tensor: it holds no values to check."""
+    from torch._subclasses.fake_tensor import is_fake
+    return isinstance(t, torch.Tensor) and is_fake(t)
+
+
+def _device_of(t):
+    return t.device if isinstance(t, torch.Tensor) else _default_device()
+
+
+def agree_any(a, b, device) -> bool:
+    """Whether flag `a` or `b` (bool tensors or None) is set on any rank: one MAX all-reduce over
+    the world, so every rank takes the same decision (one host sync)."""
+    import torch.distributed as dist
+    flag = torch.zeros((), dtype=torch.float32, device=device)
+    for f in (a, b):
+        if f is not None:
+            flag = torch.maximum(flag, torch.as_tensor(f).to(device=device, dtype=torch.float32).reshape(()))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,13 @@ class DeepSpeedEngine(Engine):
     def backward(self, loss, accumulation=1, sync=True):
         self.runner.backward(loss)          # divides by gradient_accumulation_steps itself
 
-    def step(self, sync=True, max_norm=None):
-        from .base import StepResult
+    def step(self, sync=True, max_norm=None, loss_bad=None):
+        from .base import StepResult, agree_any
+        # under fp16 a non-finite loss makes non-finite gradients: DeepSpeed's loss scaler skips that step
+        if sync and not self.runner.fp16_enabled() and agree_any(loss_bad, None, self.runner.device):
+            raise HybridError("a non-finite loss (NaN/inf) on some rank in this window, and DeepSpeed ZeRO cannot "
+                              "skip a step from outside its optimizer: the step was not taken (parameters "
+                              "unchanged); load the last checkpoint, or train with fsdp, which skips such steps")
         skipped_before = getattr(self.runner, "skipped_steps", 0)
         self.runner.step()
         if not sync:
@@ -61,6 +66,13 @@ class DeepSpeedEngine(Engine):
         for k, v in state.items():
             if scaler is not None and k in _SCALER_KEYS and hasattr(scaler, k):
                 setattr(scaler, k, type(getattr(scaler, k))(v))
+
+    def _local_params(self):
+        """The fp32 master partitions (ZeRO keeps the values there) and the module's own copies."""
+        zo = self.runner.optimizer
+        masters = [t for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
+                   for t in getattr(zo, attr, None) or []]
+        return masters + [getattr(p, "ds_tensor", p) for p in self.model.parameters()]
 
     def _frozen(self):
         return [(n, p) for n, p in self.model.named_parameters() if not p.requires_grad]

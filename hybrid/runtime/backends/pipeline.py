@@ -51,8 +51,8 @@ class PipelineEngine(Engine):
 
     def train_step(self, input_ids, labels, loss_fn, max_norm) -> tuple[torch.Tensor, StepResult]:
         """Every micro-batch forward and backward through the schedule, the tied gradients summed,
-        clipping, the optimizer step. Returns (this rank's mean micro-batch loss on the last stage,
-        else zero; the step result)."""
+        clipping, the optimizer step (skipped everywhere when a loss or the norm is non-finite).
+        Returns (this rank's mean micro-batch loss on the last stage, else zero; the step result)."""
         if self._schedule is None:
             from torch.distributed import pipelining
             cls = getattr(pipelining, SCHEDULE_CLASSES[self.layout.schedule])
@@ -68,7 +68,10 @@ class PipelineEngine(Engine):
         with self._tp_context():
             schedule.step(*args, **kwargs)
         self._sum_tied_grads()
-        result = super().step(True, max_norm)
+        bad = torch.zeros((), dtype=torch.bool)
+        for x in losses:                          # the last stage's micro-batch losses
+            bad = bad | ~torch.isfinite(_plain(x).detach()).all().cpu()
+        result = super().step(True, max_norm, bad)
         self.zero_grad()
         local = (torch.stack([_plain(x).detach().float() for x in losses]).mean() if losses else torch.zeros(()))
         return local, result
@@ -83,6 +86,9 @@ class PipelineEngine(Engine):
 
     def _grad_params(self):
         return [p for c in self.chunks for p in c.parameters() if p.grad is not None]
+
+    def _local_params(self):
+        return [getattr(p, "_local_tensor", p) for c in self.chunks for p in c.parameters()]
 
     def _norm_skip(self) -> set[int]:
         """The tied head's copy on the last stage: the first stage counts it."""
