@@ -17,10 +17,7 @@ yaml.safe_load under config/files.YAML_LIMITS (no aliases, at most 1 MiB, 10,000
 """
 from __future__ import annotations
 
-import os
-import stat
-
-from .files import YAML_LIMITS, key_lines, load_yaml
+from .files import YAML_LIMITS, key_lines, load_yaml, read_text
 from ..errors import HybridError, short
 from .options import CLUSTER_KEYS, JOB_KEYS, OPTIONS, PLAN_ONLY, WRAP_KEYS, or_default
 
@@ -45,23 +42,7 @@ def cluster_of(values: dict, **given):
 
 def _read_text(path: str) -> str:
     """The job file's text: a regular file (a FIFO would block), at most YAML_LIMITS bytes."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise HybridError(f"job file {path!r} does not exist") from None
-    except OSError as e:
-        raise HybridError(f"cannot read job file {path!r}: {e.strerror or e}") from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise HybridError(f"job file {path!r} is not a regular file")
-        data = f.read(YAML_LIMITS["bytes"] + 1)
-    if len(data) > YAML_LIMITS["bytes"]:     # bytes, before decoding: multibyte text is never cut short
-        raise HybridError(f"job file {path!r} is larger than {YAML_LIMITS['bytes']} bytes; a job file is a few "
-                          "lines of options")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise HybridError(f"job file {path!r} is not UTF-8 text") from None
+    return read_text(path, "job file", YAML_LIMITS["bytes"], "a job file is a few lines of options")
 
 
 def load_job(path: str, allowed: tuple[str, ...] = JOB_KEYS, prog: str = "hybrid plan") -> dict:

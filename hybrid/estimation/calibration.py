@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import yaml
 
+from ..config.files import YAML_LIMITS, load_yaml, read_text
 from ..errors import HybridError
 from .fitting import ADDITIVE, fit
 
@@ -157,16 +158,14 @@ _TRIAL_V2 = {"calls": float, "tensors": float, "residual": float}
 
 def load(path: str) -> Calibration:
     """Read and check a calibration file; every problem is one line naming the file and the key."""
+    if not os.path.lexists(path):
+        raise HybridError(f"calibration file {str(path)[:200]!r} does not exist (write one with hybrid tune "
+                          "--save-calibration)")
+    text = read_text(path, "calibration file", YAML_LIMITS["bytes"], "hybrid tune writes a few KB")
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise HybridError(f"calibration file {path!r} does not exist (write one with hybrid tune "
-                          "--save-calibration)") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise HybridError(f"cannot read calibration file {path!r}: {e}") from None
+        data = load_yaml(text)
     except yaml.YAMLError as e:
-        raise HybridError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+        raise HybridError(f"{path}: not valid YAML: {str(e).splitlines()[0][:200]}") from None
     if not isinstance(data, dict):
         raise HybridError(f"{path}: a calibration file is a mapping (hybrid tune --save-calibration writes one), "
                           f"got {type(data).__name__}")

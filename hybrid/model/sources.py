@@ -3,11 +3,11 @@ bare parameter count, resolved to a ModelSource (its profile, and how to build i
 from __future__ import annotations
 
 import importlib
-import json
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from ..config.files import JSON_LIMITS, load_json, read_text
 from ..errors import HybridError, short
 from .presets import PRESETS, DecoderConfig, from_hf_config
 from .profile import ModelProfile, build_profile, profile_decoder, profile_module, profile_params
@@ -106,15 +106,11 @@ def _check_hf_config(cfg, path: str) -> None:
 
 
 def _from_config_json(path: str) -> ModelSource:
+    text = read_text(path, "model config", JSON_LIMITS["bytes"], "a transformers config.json is a few KB")
     try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except FileNotFoundError:
-        raise HybridError(f"model config {path!r} does not exist") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        cfg = load_json(text)
+    except ValueError as e:                       # json.JSONDecodeError, and past JSON_LIMITS
         raise HybridError(f"model config {path!r} is not valid JSON: {str(e)[:200]}") from None
-    except OSError as e:
-        raise HybridError(f"cannot read model config {path!r}: {e.strerror or e}") from None
     _check_hf_config(cfg, path)
     name = cfg.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path))) or path
     dec = from_hf_config(cfg)
