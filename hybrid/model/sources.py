@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from ..config.files import JSON_LIMITS, load_json, read_text
 from ..errors import HybridError, short
-from .presets import PRESETS, DecoderConfig, from_hf_config
+from .presets import PRESETS, SHAPE_RANGES, DecoderConfig, from_hf_config
 from .profile import ModelProfile, build_profile, profile_decoder, profile_module, profile_params
 
 
@@ -81,6 +81,15 @@ _HF_POSITIVE = {"llama": ("vocab_size", "hidden_size", "num_hidden_layers", "num
                                "moe_intermediate_size", "num_experts", "num_experts_per_tok")}
 
 
+_HF_FIELDS = {"vocab_size": "vocab", "hidden_size": "hidden", "n_embd": "hidden", "num_hidden_layers": "layers",
+              "n_layer": "layers", "num_attention_heads": "heads", "n_head": "heads", "num_key_value_heads": "kv_heads",
+              "intermediate_size": "ffn", "n_inner": "ffn", "moe_intermediate_size": "moe_ffn",
+              "max_position_embeddings": "max_positions", "n_positions": "max_positions", "head_dim": "head_size",
+              "sliding_window": "sliding_window", "num_local_experts": "experts", "num_experts": "experts",
+              "num_experts_per_tok": "top_k"}
+"""config.json keys -> the DecoderConfig field whose range (presets.SHAPE_RANGES) they are held to."""
+
+
 def _check_hf_config(cfg, path: str) -> None:
     """The keys our closed forms read, present and positive integers (one line per problem)."""
     if not isinstance(cfg, dict):
@@ -99,6 +108,12 @@ def _check_hf_config(cfg, path: str) -> None:
             raise HybridError(f"model config {path!r} ({mt}) is missing {key!r}")
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise HybridError(f"model config {path!r}: {key} must be a positive integer, got {v!r}")
+    for key, field in _HF_FIELDS.items():              # before anything is counted or built from them
+        v = cfg.get(key)
+        lo, hi = SHAPE_RANGES[field]
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
+            raise HybridError(f"model config {path!r}: {key} must be an integer in [{lo}, {hi}], got {short(v)}; "
+                              "published models stay far inside it: check the file")
     heads = cfg.get("num_attention_heads") or cfg.get("n_head")
     hidden = cfg.get("hidden_size") or cfg.get("n_embd")
     if heads and hidden and hidden % heads:
