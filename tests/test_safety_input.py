@@ -148,3 +148,39 @@ def test_plan_on_a_huge_world_answers_in_under_a_second(capsys):
     assert main(["plan", "gpt2", "--nodes", "1000000000", "--gpus-per-node", "1000", "--json"]) == 0
     assert time.monotonic() - start < 1.0
     assert json.loads(capsys.readouterr().out)["chosen"]
+
+
+def _calibration(tmp_path, **over):
+    """A calibration file as hybrid tune writes one (version 2, one trial), with `over` replaced."""
+    import yaml
+    trial = {"layout": "ddp", "shard_size": 1, "predicted_s": 0.5, "measured_s": 0.55, "repredicted_s": 0.54,
+             "predicted_bytes": 2 ** 30, "measured_bytes": 2 ** 30, "calls": 12.0, "tensors": 148.0, "residual": -0.02}
+    data = {"version": 2, "gpu": "h100-80gb", "efficiency": 0.4, "intra_node_bw": 3e11, "intra_node_latency": 1e-5,
+            "inter_node_bw": 4e10, "inter_node_latency": 2e-5, "mem_bw": 2e12, "collective_overhead": 1e-4,
+            "tensor_overhead": 1e-6, "memory_ratio": 1.0, "error": 0.02, "fitted": ["efficiency"],
+            "trials": [{**trial, **over.pop("trial", {})}], "job": {}, **over}
+    path = tmp_path / "cal.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_a_calibration_file_in_range_plans(tmp_path, capsys):
+    rc, out, err = _run(capsys, "plan", "gpt2", "--calibration", _calibration(tmp_path), "--json")
+    assert rc == 0 and json.loads(out)["calibration"], err
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"mem_bw": 5e-324}, r"mem_bw must be in \[1e\+06, 1e\+15\], got 5e-324"),
+    ({"collective_overhead": 1e308}, r"collective_overhead must be in \[0, 1\], got 1e\+308"),
+    ({"intra_node_bw": 1e300}, "intra_node_bw must be in"),
+    ({"efficiency": 1e-300}, "efficiency must be in"),
+    ({"tensor_overhead": 1e300}, "tensor_overhead must be in"),
+    ({"trial": {"measured_s": 1e-320}}, r"trials\[0\]: measured_s must be in"),
+    ({"trial": {"calls": 1e300}}, r"trials\[0\]: calls must be in"),
+])
+def test_a_calibration_number_out_of_range_is_one_line(tmp_path, capsys, over, match):
+    import re
+    start = time.monotonic()
+    rc, out, err = _run(capsys, "plan", "gpt2", "--calibration", _calibration(tmp_path, **over), "--json")
+    assert _one_line(rc, out, err) and re.search(match, err) and "hybrid tune" in err, err
+    assert time.monotonic() - start < 10
