@@ -184,3 +184,37 @@ def test_a_calibration_number_out_of_range_is_one_line(tmp_path, capsys, over, m
     rc, out, err = _run(capsys, "plan", "gpt2", "--calibration", _calibration(tmp_path, **over), "--json")
     assert _one_line(rc, out, err) and re.search(match, err) and "hybrid tune" in err, err
     assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("model", ["tempfile:mkdtemp", "code:interact", "os:getcwd"])
+def test_a_job_file_model_factory_is_refused_without_allow_code(tmp_path, capsys, model):
+    import tempfile
+    job = tmp_path / "job.yaml"
+    job.write_text(f"nodes: 1\nmodel: '{model}'\n")
+    before = set(os.listdir(tempfile.gettempdir()))
+    rc, out, err = _run(capsys, "plan", "--config", str(job), "--json")
+    assert _one_line(rc, out, err), err
+    assert f"{job}:2: model '{model}' is a package.module:factory" in err and "--allow-code" in err, err
+    assert set(os.listdir(tempfile.gettempdir())) - before == set()      # mkdtemp never ran
+
+
+def test_allow_code_lets_a_job_file_factory_run_and_the_positional_factory_needs_no_flag(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text("model: 'os:getcwd'\n")
+    rc, out, err = _run(capsys, "plan", "--config", str(job), "--allow-code", "--json")
+    assert rc == 2 and "model factory 'os:getcwd' is a builtin_function_or_method" in err, err    # it was loaded
+    rc, out, err = _run(capsys, "plan", "os:getcwd", "--json")
+    assert rc == 2 and "is a package.module:factory" not in err and "model factory 'os:getcwd'" in err, err
+
+
+def test_a_job_file_model_may_be_a_preset_a_config_json_or_its_folder(tmp_path, capsys):
+    cfg = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 176,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 256}
+    d = tmp_path / "m:odel"                                    # a folder whose name has a colon is a folder
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    for model in ("tiny-llama", str(d), str(d / "config.json")):
+        job = tmp_path / "job.yaml"
+        job.write_text(json.dumps({"model": model}))
+        rc, out, err = _run(capsys, "plan", "--config", str(job), "--json")
+        assert rc == 0 and json.loads(out)["chosen"], err
