@@ -218,3 +218,36 @@ def test_a_job_file_model_may_be_a_preset_a_config_json_or_its_folder(tmp_path, 
         job.write_text(json.dumps({"model": model}))
         rc, out, err = _run(capsys, "plan", "--config", str(job), "--json")
         assert rc == 0 and json.loads(out)["chosen"], err
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda h: h.plan("gpt2", cluster="8x8"), r"cluster must be a hybrid.Cluster, .* got str '8x8'"),
+    (lambda h: h.estimate(lambda: 5), "model is a callable that returned int 5, not an nn.Module"),
+    (lambda h: h.plan("gpt2", efficiency=float("nan")), "efficiency must be a finite number, got nan"),
+    (lambda h: h.plan("gpt2", efficiency=5), "efficiency must be at most 1, got 5"),
+    (lambda h: h.plan("gpt2", efficiency=1e-300), "efficiency must be at least 0.01"),
+    (lambda h: h.plan("gpt2", strategies="zero3"), r"strategies must be a list of catalogue names, e.g. "
+                                                   r"strategies=\['zero3'\], got str 'zero3'"),
+    (lambda h: h.plan("gpt2", strategies_dir="strategies"), "strategies_dir must be a list of folders"),
+    (lambda h: h.plan("gpt2", tp=0), "tp must be a positive integer, got 0"),
+    (lambda h: h.plan("gpt2", seq_len=10 ** 12), "seq_len must be at most 1e"),
+    (lambda h: h.plan("gpt2", micro_batch=1.5), "micro_batch must be an integer"),
+    (lambda h: h.plan("gpt2", schedule="zigzag"), "unknown schedule 'zigzag'"),
+    (lambda h: h.estimate("gpt2", 5), "strategy must be a catalogue name or a hybrid.layout.Layout, got int 5"),
+    (lambda h: h.estimate("gpt2", "ddp", spec={"micro_batch": 2}), "spec must be a hybrid TrainSpec"),
+    (lambda h: h.estimate("gpt2", "ddp", shard_size=0), "shard_size must be a positive integer"),
+])
+def test_the_python_api_checks_its_arguments_as_the_cli_does(call, match):
+    import hybrid
+    start = time.monotonic()
+    with pytest.raises(HybridError, match=match) as e:
+        call(hybrid)
+    assert "\n" not in str(e.value) and time.monotonic() - start < 10
+
+
+def test_the_python_api_still_takes_what_it_took():
+    import hybrid
+    p = hybrid.plan("gpt2", cluster=hybrid.Cluster.build(1, 8, "a100-80gb"), strategies=["ddp", "zero3"],
+                    efficiency=0.5, micro_batch=2)
+    assert {c.layout.dp.name for c in p.candidates} <= {"ddp", "zero3"} and p.chosen is not None
+    assert hybrid.estimate("gpt2", "ddp", micro_batch=2).total > 0
