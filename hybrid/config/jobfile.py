@@ -82,7 +82,7 @@ def load_job(path: str, allowed: tuple[str, ...] = JOB_KEYS, prog: str = "hybrid
             out[dest] = OPTIONS[dest].check(value)
         except HybridError as e:
             raise HybridError(f"{path}:{lines.get(key, 1)}: {e}") from None
-        if dest == "model" and not allow_code and is_factory(out[dest]):
+        if dest == "model" and not allow_code and out[dest] is not None and is_factory(out[dest]):
             raise HybridError(f"{path}:{lines.get(key, 1)}: model {short(out[dest])} is a package.module:factory, "
                               "which imports and runs code, and a job file is data: name a preset, a config.json "
                               "or its folder, give the factory on the command line, or pass --allow-code")
