@@ -114,6 +114,18 @@ def _check_hf_config(cfg, path: str) -> None:
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
             raise HybridError(f"model config {path!r}: {key} must be an integer in [{lo}, {hi}], got {short(v)}; "
                               "published models stay far inside it: check the file")
+    if mt == "gpt2":                                      # our defaults fill absent keys, never a null
+        for key in ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"):
+            if key in cfg and cfg[key] is None:
+                raise HybridError(f"model config {path!r}: {key} is null; give a positive integer or leave it out")
+    rope = cfg.get("rope_parameters")
+    if rope is not None and not isinstance(rope, dict):
+        raise HybridError(f"model config {path!r}: rope_parameters must be a JSON object, got {short(rope)}")
+    for where, theta in (("rope_theta", cfg.get("rope_theta")), ("rope_parameters.rope_theta",
+                                                                 (rope or {}).get("rope_theta"))):
+        if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float))
+                                  or not 0 < theta < 1e300):
+            raise HybridError(f"model config {path!r}: {where} must be a positive number, got {short(theta)}")
     heads = cfg.get("num_attention_heads") or cfg.get("n_head")
     hidden = cfg.get("hidden_size") or cfg.get("n_embd")
     if heads and hidden and hidden % heads:

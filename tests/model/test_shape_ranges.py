@@ -66,3 +66,19 @@ def test_a_decoder_shape_out_of_range_is_refused(field, value, match):
     with pytest.raises(HybridError, match=match):
         DecoderConfig(**{**args, field: value})
 
+
+
+@pytest.mark.parametrize("base,key,value,match", [
+    (LLAMA, "rope_theta", "x", "rope_theta must be a positive number, got 'x'"),
+    (LLAMA, "rope_parameters", 5, "rope_parameters must be a JSON object, got 5"),
+    (LLAMA, "rope_parameters", {"rope_theta": "fast"}, "rope_parameters.rope_theta must be a positive number"),
+    (LLAMA, "rms_norm_eps", float("nan"), "norm_eps must be a positive finite number"),
+    ({"model_type": "gpt2"}, "n_embd", None, "n_embd is null"),
+    ({"model_type": "gpt2"}, "n_head", None, "n_head is null"),
+])
+def test_a_config_json_value_of_the_wrong_type_is_one_line(tmp_path, base, key, value, match):
+    from hybrid.model.sources import resolve_model
+    (tmp_path / "config.json").write_text(json.dumps({**base, key: value}))
+    with pytest.raises(HybridError, match=match) as e:
+        resolve_model(str(tmp_path))
+    assert "\n" not in str(e.value)
