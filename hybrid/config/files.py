@@ -44,13 +44,14 @@ def read_bytes(path: str, what: str, limit: int, why: str) -> bytes:
     label = f"{what} {str(path)[:200]!r}"
     try:
         mode = os.stat(path).st_mode
-        if not stat.S_ISREG(mode):
-            raise HybridError(f"{label} is {file_kind(mode)}; give a regular file")
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        if stat.S_ISREG(mode):
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise HybridError(f"{label} does not exist") from None
     except (OSError, ValueError) as e:            # ValueError: a NUL in the path
         raise HybridError(f"cannot read {label}: {getattr(e, 'strerror', None) or e}") from None
+    if not stat.S_ISREG(mode):
+        raise HybridError(f"{label} is {file_kind(mode)}; give a regular file")
     with os.fdopen(fd, "rb") as f:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):                 # replaced between the stat and the open
