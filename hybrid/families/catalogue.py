@@ -186,7 +186,9 @@ def load_catalogue(extra_dirs: tuple[str, ...] | list[str] = ()) -> dict[str, St
                           f"{MAX_DIRS} are read: merge them into fewer")
     for d in dirs:
         if not os.path.isdir(d):
-            raise HybridError(f"strategy directory {str(d)[:200]!r} does not exist")
+            raise HybridError(f"strategy directory {str(d)[:200]!r} " + (
+                "is not a folder; give the folder that holds the strategy YAML files" if os.path.lexists(d)
+                else "does not exist"))
         try:
             names = sorted(fn for fn in os.listdir(d) if fn.endswith((".yaml", ".yml")))
         except OSError as e:

@@ -71,6 +71,11 @@ def test_a_fifo_in_a_strategy_folder_flag_or_variable_is_refused(tmp_path, fifo)
         assert _one_line(rc, out, err) and "strategy file" in err and "is a FIFO" in err, err
 
 
+def test_a_fifo_or_file_as_the_strategy_folder_is_refused(fifo, capsys):
+    rc, out, err = _run(capsys, "plan", "gpt2", "--strategies-dir", fifo("dir"), "--json")
+    assert _one_line(rc, out, err) and "is not a folder" in err, err
+
+
 def test_a_fifo_as_job_file_is_refused(fifo):
     rc, out, err, _ = _cli(["plan", "gpt2", "--config", fifo("job.yaml"), "--json"])
     assert _one_line(rc, out, err) and "is a FIFO" in err, err
