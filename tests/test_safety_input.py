@@ -251,3 +251,11 @@ def test_the_python_api_still_takes_what_it_took():
                     efficiency=0.5, micro_batch=2)
     assert {c.layout.dp.name for c in p.candidates} <= {"ddp", "zero3"} and p.chosen is not None
     assert hybrid.estimate("gpt2", "ddp", micro_batch=2).total > 0
+
+
+def test_allow_code_is_in_every_job_commands_help():
+    from hybrid.cli.main import build_parser
+    sub = next(a for a in build_parser()._actions if hasattr(a, "choices") and isinstance(a.choices, dict))
+    for command in ("plan", "estimate", "compare", "measure", "tune"):
+        text = sub.choices[command].format_help()
+        assert "--allow-code" in text and "package.module:factory" in text, command
