@@ -13,7 +13,8 @@ from dataclasses import fields
 
 from .families.catalogue import DEFAULT_STRATEGY, get_strategy, load_catalogue
 from .config.cluster import Cluster
-from .errors import HybridError
+from .config.options import OPTIONS
+from .errors import HybridError, short
 from .layout.layout import Layout
 from .estimation.memory.analytic import estimate as _analytic
 from .estimation.memory.breakdown import MemoryBreakdown
@@ -31,13 +32,46 @@ def profile_of(model) -> ModelProfile:
     if isinstance(model, ModelProfile):
         return model
     if isinstance(model, str):
+        OPTIONS["model"].check(model, "model")
         return resolve_model(model).profile
     if hasattr(model, "parameters"):                    # an nn.Module (no torch import needed to tell)
         return build_profile(model)
     if callable(model):
-        return build_profile(model())
+        built = model()
+        if not hasattr(built, "parameters"):
+            raise HybridError(f"model is a callable that returned {type(built).__name__} {short(built)}, not an "
+                              "nn.Module; pass a callable that builds the module, or the module itself")
+        return build_profile(built)
     raise HybridError(f"model must be a preset name, a config.json path, 'package.module:factory', a ModelProfile, "
                       f"an nn.Module or a callable returning one; got {type(model).__name__}")
+
+
+def check_arguments(**values) -> None:
+    """The arguments through the CLI's checks of the options of the same name (hybrid/config/options.py:
+    type, range, choices); a value of another type than the option's strings (a Checkpointing, a
+    GPUSpec) is left to the constructor that takes it."""
+    for name, value in values.items():
+        option = OPTIONS[name]
+        if value is None or (option.kind == "str" and not isinstance(value, str)
+                              and not (option.number_text and isinstance(value, (int, float)))):
+            continue
+        option.check(value, name)
+
+
+def _check_cluster(cluster) -> Cluster:
+    if cluster is None:
+        return Cluster.build()
+    if not isinstance(cluster, Cluster):
+        raise HybridError(f"cluster must be a hybrid.Cluster, e.g. hybrid.Cluster.build(8, 8, 'h100-80gb') for 8 "
+                          f"nodes of 8 GPUs, got {type(cluster).__name__} {short(cluster)}")
+    return cluster
+
+
+def _check_dirs(strategies_dir) -> tuple[str, ...]:
+    if isinstance(strategies_dir, str):
+        raise HybridError(f"strategies_dir must be a list of folders, e.g. strategies_dir=[{short(strategies_dir)}], "
+                          f"got the string {short(strategies_dir)}")
+    return tuple(OPTIONS["strategies_dir"].check(list(strategies_dir or ()), "strategies_dir"))
 
 
 def train_spec(profile: ModelProfile, cluster: Cluster, **train) -> TrainSpec:
@@ -46,6 +80,7 @@ def train_spec(profile: ModelProfile, cluster: Cluster, **train) -> TrainSpec:
     unknown = sorted(set(train) - set(TRAIN_KEYS))
     if unknown:
         raise HybridError(f"unknown training argument(s) {', '.join(unknown)}; valid: {', '.join(TRAIN_KEYS)}")
+    check_arguments(**{k: v for k, v in train.items() if k in OPTIONS})
     train = {k: v for k, v in train.items() if v is not None}
     train.setdefault("seq_len", default_seq_len(profile.max_positions))
     train.setdefault("precision", default_precision(cluster))
@@ -67,7 +102,15 @@ def plan(model, cluster: Cluster | None = None, *, strategies: list[str] | None 
     from .planning.batch import global_batch_of
     from .planning.planner import plan as _plan
 
-    cluster = cluster or Cluster.build()
+    cluster = _check_cluster(cluster)
+    if isinstance(strategies, str) or (strategies is not None and not isinstance(strategies, (list, tuple))):
+        raise HybridError(f"strategies must be a list of catalogue names, e.g. strategies=[{short(strategies)}], "
+                          f"got {type(strategies).__name__} {short(strategies)}")
+    for name in strategies or ():
+        OPTIONS["strategy"].check(name, "strategies")
+    check_arguments(tp=tp, pp=pp, schedule=schedule, shard_size=shard_size, efficiency=efficiency,
+                    global_batch_tokens=train.get("global_batch_tokens"))
+    strategies_dir = _check_dirs(strategies_dir)
     profile = profile_of(model)
     tokens = train.pop("global_batch_tokens", None)
     if train.get("global_batch") is not None or tokens is not None:
@@ -87,7 +130,17 @@ def estimate(model, strategy: "str | Layout" = DEFAULT_STRATEGY, cluster: Cluste
     """Per-GPU memory of `strategy` for `model` (any form plan() takes): a preset's name (at tp = pp
     = 1, its shard size or `shard_size`) or a whole Layout (hybrid.layout.Layout.of). Training
     arguments come as keywords (micro_batch=2, seq_len=4096, ...) or as a whole `spec`."""
-    cluster = cluster or Cluster.build()
+    cluster = _check_cluster(cluster)
+    if not isinstance(strategy, (str, Layout)):
+        raise HybridError(f"strategy must be a catalogue name or a hybrid.layout.Layout, got "
+                          f"{type(strategy).__name__} {short(strategy)}")
+    if isinstance(strategy, str):
+        OPTIONS["strategy"].check(strategy, "strategy")
+    if spec is not None and not isinstance(spec, TrainSpec):
+        raise HybridError(f"spec must be a hybrid TrainSpec, got {type(spec).__name__} {short(spec)}; or pass "
+                          "training keywords (micro_batch=2, seq_len=4096)")
+    check_arguments(shard_size=shard_size)
+    strategies_dir = _check_dirs(strategies_dir)
     profile = profile_of(model)
     if spec is not None and train:
         raise HybridError(f"pass either spec= or training keywords ({', '.join(sorted(train))}), not both")

@@ -148,3 +148,114 @@ def test_plan_on_a_huge_world_answers_in_under_a_second(capsys):
     assert main(["plan", "gpt2", "--nodes", "1000000000", "--gpus-per-node", "1000", "--json"]) == 0
     assert time.monotonic() - start < 1.0
     assert json.loads(capsys.readouterr().out)["chosen"]
+
+
+def _calibration(tmp_path, **over):
+    """A calibration file as hybrid tune writes one (version 2, one trial), with `over` replaced."""
+    import yaml
+    trial = {"layout": "ddp", "shard_size": 1, "predicted_s": 0.5, "measured_s": 0.55, "repredicted_s": 0.54,
+             "predicted_bytes": 2 ** 30, "measured_bytes": 2 ** 30, "calls": 12.0, "tensors": 148.0, "residual": -0.02}
+    data = {"version": 2, "gpu": "h100-80gb", "efficiency": 0.4, "intra_node_bw": 3e11, "intra_node_latency": 1e-5,
+            "inter_node_bw": 4e10, "inter_node_latency": 2e-5, "mem_bw": 2e12, "collective_overhead": 1e-4,
+            "tensor_overhead": 1e-6, "memory_ratio": 1.0, "error": 0.02, "fitted": ["efficiency"],
+            "trials": [{**trial, **over.pop("trial", {})}], "job": {}, **over}
+    path = tmp_path / "cal.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_a_calibration_file_in_range_plans(tmp_path, capsys):
+    rc, out, err = _run(capsys, "plan", "gpt2", "--calibration", _calibration(tmp_path), "--json")
+    assert rc == 0 and json.loads(out)["calibration"], err
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"mem_bw": 5e-324}, r"mem_bw must be in \[1e\+06, 1e\+15\], got 5e-324"),
+    ({"collective_overhead": 1e308}, r"collective_overhead must be in \[0, 1\], got 1e\+308"),
+    ({"intra_node_bw": 1e300}, "intra_node_bw must be in"),
+    ({"efficiency": 1e-300}, "efficiency must be in"),
+    ({"tensor_overhead": 1e300}, "tensor_overhead must be in"),
+    ({"trial": {"measured_s": 1e-320}}, r"trials\[0\]: measured_s must be in"),
+    ({"trial": {"calls": 1e300}}, r"trials\[0\]: calls must be in"),
+])
+def test_a_calibration_number_out_of_range_is_one_line(tmp_path, capsys, over, match):
+    import re
+    start = time.monotonic()
+    rc, out, err = _run(capsys, "plan", "gpt2", "--calibration", _calibration(tmp_path, **over), "--json")
+    assert _one_line(rc, out, err) and re.search(match, err) and "hybrid tune" in err, err
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("model", ["tempfile:mkdtemp", "code:interact", "os:getcwd"])
+def test_a_job_file_model_factory_is_refused_without_allow_code(tmp_path, capsys, model):
+    import tempfile
+    job = tmp_path / "job.yaml"
+    job.write_text(f"nodes: 1\nmodel: '{model}'\n")
+    before = set(os.listdir(tempfile.gettempdir()))
+    rc, out, err = _run(capsys, "plan", "--config", str(job), "--json")
+    assert _one_line(rc, out, err), err
+    assert f"{job}:2: model '{model}' is a package.module:factory" in err and "--allow-code" in err, err
+    assert set(os.listdir(tempfile.gettempdir())) - before == set()      # mkdtemp never ran
+
+
+def test_allow_code_lets_a_job_file_factory_run_and_the_positional_factory_needs_no_flag(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text("model: 'os:getcwd'\n")
+    rc, out, err = _run(capsys, "plan", "--config", str(job), "--allow-code", "--json")
+    assert rc == 2 and "model factory 'os:getcwd' is a builtin_function_or_method" in err, err    # it was loaded
+    rc, out, err = _run(capsys, "plan", "os:getcwd", "--json")
+    assert rc == 2 and "is a package.module:factory" not in err and "model factory 'os:getcwd'" in err, err
+
+
+def test_a_job_file_model_may_be_a_preset_a_config_json_or_its_folder(tmp_path, capsys):
+    cfg = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 176,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 256}
+    d = tmp_path / "m:odel"                                    # a folder whose name has a colon is a folder
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    for model in ("tiny-llama", str(d), str(d / "config.json")):
+        job = tmp_path / "job.yaml"
+        job.write_text(json.dumps({"model": model}))
+        rc, out, err = _run(capsys, "plan", "--config", str(job), "--json")
+        assert rc == 0 and json.loads(out)["chosen"], err
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda h: h.plan("gpt2", cluster="8x8"), r"cluster must be a hybrid.Cluster, .* got str '8x8'"),
+    (lambda h: h.estimate(lambda: 5), "model is a callable that returned int 5, not an nn.Module"),
+    (lambda h: h.plan("gpt2", efficiency=float("nan")), "efficiency must be a finite number, got nan"),
+    (lambda h: h.plan("gpt2", efficiency=5), "efficiency must be at most 1, got 5"),
+    (lambda h: h.plan("gpt2", efficiency=1e-300), "efficiency must be at least 0.01"),
+    (lambda h: h.plan("gpt2", strategies="zero3"), r"strategies must be a list of catalogue names, e.g. "
+                                                   r"strategies=\['zero3'\], got str 'zero3'"),
+    (lambda h: h.plan("gpt2", strategies_dir="strategies"), "strategies_dir must be a list of folders"),
+    (lambda h: h.plan("gpt2", tp=0), "tp must be a positive integer, got 0"),
+    (lambda h: h.plan("gpt2", seq_len=10 ** 12), "seq_len must be at most 1e"),
+    (lambda h: h.plan("gpt2", micro_batch=1.5), "micro_batch must be an integer"),
+    (lambda h: h.plan("gpt2", schedule="zigzag"), "unknown schedule 'zigzag'"),
+    (lambda h: h.estimate("gpt2", 5), "strategy must be a catalogue name or a hybrid.layout.Layout, got int 5"),
+    (lambda h: h.estimate("gpt2", "ddp", spec={"micro_batch": 2}), "spec must be a hybrid TrainSpec"),
+    (lambda h: h.estimate("gpt2", "ddp", shard_size=0), "shard_size must be a positive integer"),
+])
+def test_the_python_api_checks_its_arguments_as_the_cli_does(call, match):
+    import hybrid
+    start = time.monotonic()
+    with pytest.raises(HybridError, match=match) as e:
+        call(hybrid)
+    assert "\n" not in str(e.value) and time.monotonic() - start < 10
+
+
+def test_the_python_api_still_takes_what_it_took():
+    import hybrid
+    p = hybrid.plan("gpt2", cluster=hybrid.Cluster.build(1, 8, "a100-80gb"), strategies=["ddp", "zero3"],
+                    efficiency=0.5, micro_batch=2)
+    assert {c.layout.dp.name for c in p.candidates} <= {"ddp", "zero3"} and p.chosen is not None
+    assert hybrid.estimate("gpt2", "ddp", micro_batch=2).total > 0
+
+
+def test_allow_code_is_in_every_job_commands_help():
+    from hybrid.cli.main import build_parser
+    sub = next(a for a in build_parser()._actions if hasattr(a, "choices") and isinstance(a.choices, dict))
+    for command in ("plan", "estimate", "compare", "measure", "tune"):
+        text = sub.choices[command].format_help()
+        assert "--allow-code" in text and "package.module:factory" in text, command

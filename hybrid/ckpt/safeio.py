@@ -28,6 +28,7 @@ import stat
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
+from ..config.files import read_capped
 from ..errors import HybridError
 
 META_LIMIT = 64 << 20
@@ -108,10 +109,7 @@ def open_confined(root: str, rel: str, size: int | None = None):
 def read_bounded(root: str, rel: str, size: int | None, limit: int = META_LIMIT) -> bytes:
     """The whole of root/rel (opened with open_confined), at most `limit` bytes."""
     with open_confined(root, rel, size) as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise HybridError(f"{rel} is larger than {limit} bytes; hybrid never writes one that large")
-    return data
+        return read_capped(f, limit, rel, "hybrid never writes one that large")
 
 
 class _MetadataUnpickler(pickle.Unpickler):

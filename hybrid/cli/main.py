@@ -366,7 +366,8 @@ def _parse(argv: list[str]):
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
         from ..config.jobfile import JOB_KEYS
         dests = {a.dest for a in sub._actions}
-        sub.set_defaults(**load_job(args.config, tuple(k for k in JOB_KEYS if k in dests), sub.prog))
+        sub.set_defaults(**load_job(args.config, tuple(k for k in JOB_KEYS if k in dests), sub.prog,
+                                    getattr(args, "allow_code", False)))
         args = parser.parse_args(argv)
     from ..config.jobfile import check_args
     check_args(args)

@@ -18,9 +18,8 @@ yaml.safe_load under config/files.YAML_LIMITS (no aliases, at most 1 MiB, 10,000
 from __future__ import annotations
 
 import os
-import stat
 
-from .files import YAML_LIMITS, key_lines, load_yaml
+from .files import YAML_LIMITS, key_lines, load_yaml, read_text
 from ..errors import HybridError, short
 from .options import CLUSTER_KEYS, JOB_KEYS, OPTIONS, PLAN_ONLY, WRAP_KEYS, or_default
 
@@ -45,28 +44,20 @@ def cluster_of(values: dict, **given):
 
 def _read_text(path: str) -> str:
     """The job file's text: a regular file (a FIFO would block), at most YAML_LIMITS bytes."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise HybridError(f"job file {path!r} does not exist") from None
-    except OSError as e:
-        raise HybridError(f"cannot read job file {path!r}: {e.strerror or e}") from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise HybridError(f"job file {path!r} is not a regular file")
-        data = f.read(YAML_LIMITS["bytes"] + 1)
-    if len(data) > YAML_LIMITS["bytes"]:     # bytes, before decoding: multibyte text is never cut short
-        raise HybridError(f"job file {path!r} is larger than {YAML_LIMITS['bytes']} bytes; a job file is a few "
-                          "lines of options")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise HybridError(f"job file {path!r} is not UTF-8 text") from None
+    return read_text(path, "job file", YAML_LIMITS["bytes"], "a job file is a few lines of options")
 
 
-def load_job(path: str, allowed: tuple[str, ...] = JOB_KEYS, prog: str = "hybrid plan") -> dict:
+def is_factory(model: str) -> bool:
+    """Whether model.sources.resolve_model reads `model` as package.module:factory (not a folder,
+    not a .json path, a colon; no preset has one), which imports and runs code."""
+    return ":" in model and not model.endswith(".json") and not os.path.isdir(model)
+
+
+def load_job(path: str, allowed: tuple[str, ...] = JOB_KEYS, prog: str = "hybrid plan",
+             allow_code: bool = False) -> dict:
     """The file's options (keys as argparse dests), each through its OPTIONS check; `allowed`: the
-    keys the command takes."""
+    keys the command takes. A job file is data: a `model:` factory is refused unless `allow_code`
+    (the CLI's --allow-code)."""
     import yaml
 
     text = _read_text(path)
@@ -91,6 +82,10 @@ def load_job(path: str, allowed: tuple[str, ...] = JOB_KEYS, prog: str = "hybrid
             out[dest] = OPTIONS[dest].check(value)
         except HybridError as e:
             raise HybridError(f"{path}:{lines.get(key, 1)}: {e}") from None
+        if dest == "model" and not allow_code and out[dest] is not None and is_factory(out[dest]):
+            raise HybridError(f"{path}:{lines.get(key, 1)}: model {short(out[dest])} is a package.module:factory, "
+                              "which imports and runs code, and a job file is data: name a preset, a config.json "
+                              "or its folder, give the factory on the command line, or pass --allow-code")
     return out
 
 
@@ -133,7 +128,7 @@ def check_arguments(values: dict, where: str) -> None:
 def wrap_options(path: str) -> tuple[dict, object, list[str]]:
     """A job file as auto_wrap arguments: (keyword arguments, a Cluster or None, the keys that only
     `hybrid plan` uses). Checked exactly as `hybrid plan --config` checks it."""
-    job = load_job(path, prog="auto_wrap(config=...)")
+    job = load_job(path, prog="auto_wrap(config=...)", allow_code=True)     # auto_wrap never resolves model:
     kwargs = {k: tuple(job[k]) if OPTIONS[k].kind == "list" else job[k] for k in WRAP_KEYS
               if job.get(k) not in (None, [])}
     cluster = cluster_of(job) if any(job.get(k) is not None for k in CLUSTER_KEYS) else None

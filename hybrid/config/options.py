@@ -227,6 +227,9 @@ _GROUPS: dict[str, tuple[Option, ...]] = {
         Option("config", "str", help="job file (YAML) with any of these options as keys; flags override it",
                use="cli"),
         Option("save_config", "str", help="write the options in effect to this job file", use="cli"),
+        Option("allow_code", "bool", False, "let the --config job file's model: be a package.module:factory, "
+               "which imports and runs that code (without it a job file is data: a preset, a config.json or its "
+               "folder)", use="cli", fill=True),
     ),
 }
 

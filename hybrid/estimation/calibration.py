@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 import yaml
 
-from ..errors import HybridError
+from ..config.files import YAML_LIMITS, load_yaml, read_text
+from ..errors import HybridError, short
 from .fitting import ADDITIVE, fit
 
 MODEL_ERROR = 0.071
@@ -42,6 +43,14 @@ calls counted as launched (hybrid/families/host.py); they keep the nccl-tests fi
 HOST = ("collective_overhead", "tensor_overhead")
 """Added in version 2; a version 1 file has neither (0: no host term), nor the trials' counts."""
 VERSION = 2
+RANGES = {"efficiency": (1e-3, 1e3), "intra_node_bw": (1e6, 1e15), "inter_node_bw": (1e6, 1e15), "mem_bw": (1e6, 1e15),
+          "intra_node_latency": (0.0, 1.0), "inter_node_latency": (0.0, 1.0), "collective_overhead": (0.0, 1.0),
+          "tensor_overhead": (0.0, 1.0), "memory_ratio": (0.0, 1e6), "error": (0.0, 1e3),
+          "shard_size": (1, 10**9), "predicted_s": (1e-9, 1e6), "measured_s": (1e-9, 1e6), "repredicted_s": (1e-9, 1e6),
+          "predicted_bytes": (1, 2**60), "measured_bytes": (1, 2**60), "calls": (0.0, 1e12), "tensors": (0.0, 1e12)}
+"""Inclusive range of each number a calibration file holds (bytes/s, seconds, ratios; efficiency
+above 1 only on CPU ranks), far around anything measured, so no figure can overflow or divide by
+zero in the cost model (mem_bw 5e-324, collective_overhead 1e308)."""
 @dataclass(frozen=True)
 class Trial:
     """One measured layout of the trials a calibration came from."""
@@ -157,16 +166,14 @@ _TRIAL_V2 = {"calls": float, "tensors": float, "residual": float}
 
 def load(path: str) -> Calibration:
     """Read and check a calibration file; every problem is one line naming the file and the key."""
+    if not os.path.lexists(path):
+        raise HybridError(f"calibration file {str(path)[:200]!r} does not exist (write one with hybrid tune "
+                          "--save-calibration)")
+    text = read_text(path, "calibration file", YAML_LIMITS["bytes"], "hybrid tune writes a few KB")
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise HybridError(f"calibration file {path!r} does not exist (write one with hybrid tune "
-                          "--save-calibration)") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise HybridError(f"cannot read calibration file {path!r}: {e}") from None
+        data = load_yaml(text)
     except yaml.YAMLError as e:
-        raise HybridError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+        raise HybridError(f"{path}: not valid YAML: {str(e).splitlines()[0][:200]}") from None
     if not isinstance(data, dict):
         raise HybridError(f"{path}: a calibration file is a mapping (hybrid tune --save-calibration writes one), "
                           f"got {type(data).__name__}")
@@ -184,20 +191,20 @@ def load(path: str) -> Calibration:
         raise HybridError(f"{path}: missing key {missing[0]!r} (hybrid tune --save-calibration writes every key)")
     data = {**{k: 0.0 for k in HOST}, **data}            # version 1: no host term
     if not isinstance(data["gpu"], str) or not data["gpu"]:
-        raise HybridError(f"{path}: gpu must be a GPU name, got {data['gpu']!r}")
+        raise HybridError(f"{path}: gpu must be a GPU name, got {short(data['gpu'])}")
     for key in (*FIGURES, "memory_ratio"):
         _number(path, key, data[key], positive=key not in ADDITIVE)
     if data["efficiency"] > 1 and data["gpu"] != "cpu":     # CPU ranks: relative to cpu_spec's assumed peak
-        raise HybridError(f"{path}: efficiency must be in (0, 1], got {data['efficiency']!r}")
+        raise HybridError(f"{path}: efficiency must be in (0, 1], got {short(data['efficiency'])}")
     _number(path, "error", data["error"])
     fitted = data["fitted"]
     if not isinstance(fitted, list) or any(f not in figures for f in fitted):
-        raise HybridError(f"{path}: fitted must be a list of {', '.join(figures)}, got {fitted!r}")
+        raise HybridError(f"{path}: fitted must be a list of {', '.join(figures)}, got {short(fitted)}")
     if not isinstance(data["job"], dict):
-        raise HybridError(f"{path}: job must be a mapping, got {data['job']!r}")
+        raise HybridError(f"{path}: job must be a mapping, got {short(data['job'])}")
     trials = data["trials"]
     if not isinstance(trials, list) or not trials:
-        raise HybridError(f"{path}: trials must be a non-empty list of the measured layouts, got {trials!r}")
+        raise HybridError(f"{path}: trials must be a non-empty list of the measured layouts, got {short(trials)}")
     out = []
     types = {**_TRIAL_TYPES, **(_TRIAL_V2 if version == VERSION else {})}
     for i, t in enumerate(trials):
@@ -206,14 +213,14 @@ def load(path: str) -> Calibration:
         for k, typ in types.items():
             if typ is str:
                 if not isinstance(t[k], str):
-                    raise HybridError(f"{path}: trials[{i}].{k} must be a string, got {t[k]!r}")
+                    raise HybridError(f"{path}: trials[{i}].{k} must be a string, got {short(t[k])}")
             elif k == "residual":
                 if isinstance(t[k], bool) or not isinstance(t[k], (int, float)) or not math.isfinite(t[k]):
-                    raise HybridError(f"{path}: trials[{i}].residual must be a number, got {t[k]!r}")
+                    raise HybridError(f"{path}: trials[{i}].residual must be a number, got {short(t[k])}")
             else:
                 _number(f"{path}: trials[{i}]", k, t[k], positive=k not in _TRIAL_V2)
                 if typ is int and not isinstance(t[k], int):
-                    raise HybridError(f"{path}: trials[{i}].{k} must be a whole number, got {t[k]!r}")
+                    raise HybridError(f"{path}: trials[{i}].{k} must be a whole number, got {short(t[k])}")
         out.append(Trial(**{k: t[k] if typ is str else typ(t[k]) for k, typ in types.items() if k != "residual"}))
     return Calibration(data["gpu"], *(float(data[k]) for k in FIGURES), float(data["memory_ratio"]),
                        float(data["error"]), tuple(fitted), tuple(out), data["job"], path)
@@ -223,7 +230,11 @@ def _number(where: str, key: str, v, positive: bool = False) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
             or (positive and v <= 0):
         rule = "a positive number" if positive else "a number >= 0"
-        raise HybridError(f"{where}: {key} must be {rule}, got {v!r}")
+        raise HybridError(f"{where}: {key} must be {rule}, got {short(v)}")
+    lo, hi = RANGES[key]
+    if not lo <= v <= hi:
+        raise HybridError(f"{where}: {key} must be in [{lo:g}, {hi:g}], got {short(v)}; no cluster measures that: "
+                          "re-run hybrid tune --save-calibration")
 
 
 def resolve(path: str | None, environ=os.environ) -> Calibration | None:

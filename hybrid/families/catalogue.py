@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 
 import yaml
 
-from ..config.files import YAML_LIMITS, key_lines, load_yaml
+from ..config.files import YAML_LIMITS, key_lines, load_yaml, read_text
 from ..errors import HybridError, short, unknown_name
 from . import FAMILIES, get_family
 from .base import FamilyConfig
@@ -17,6 +17,11 @@ from ..layout.dims import check_group_shard_size
 
 DEFAULT_STRATEGY = "fsdp"
 """The preset hybrid.estimate() takes when none is named: FSDP2 sharding every parameter over all ranks."""
+
+MAX_DIRS = 64
+"""Most strategy directories read (--strategies-dir and HYBRID_STRATEGIES together)."""
+MAX_FILES = 1000
+"""Most YAML files read from one strategy directory (the package ships a dozen)."""
 
 _COMMON = {"name", "family", "description", "shard", "complexity"}
 
@@ -126,14 +131,9 @@ def _type_ok(t: str, key: str, value) -> bool:
 
 
 def load_file(path: str) -> Strategy:
+    text = read_text(path, "strategy file", YAML_LIMITS["bytes"], "a strategy is a few lines of knob: value")
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read(YAML_LIMITS["bytes"] + 1)
         data = load_yaml(text)
-    except UnicodeDecodeError:
-        raise HybridError(f"{path}: not a text file (a strategy is a YAML mapping of knob: value)") from None
-    except OSError as e:
-        raise HybridError(f"{path}: cannot read it: {e.strerror or e}") from None
     except yaml.YAMLError as e:
         raise HybridError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
@@ -181,13 +181,24 @@ def load_catalogue(extra_dirs: tuple[str, ...] | list[str] = ()) -> dict[str, St
     env = os.environ.get("HYBRID_STRATEGIES")
     if env:
         dirs += [d for d in env.split(os.pathsep) if d]
+    if len(dirs) > 1 + MAX_DIRS:
+        raise HybridError(f"{len(dirs) - 1} strategy directories (--strategies-dir, HYBRID_STRATEGIES); at most "
+                          f"{MAX_DIRS} are read: merge them into fewer")
     for d in dirs:
         if not os.path.isdir(d):
-            raise HybridError(f"strategy directory {d!r} does not exist")
-        for fn in sorted(os.listdir(d)):
-            if fn.endswith((".yaml", ".yml")):
-                s = load_file(os.path.join(d, fn))
-                out[s.name] = s
+            raise HybridError(f"strategy directory {str(d)[:200]!r} " + (
+                "is not a folder; give the folder that holds the strategy YAML files" if os.path.lexists(d)
+                else "does not exist"))
+        try:
+            names = sorted(fn for fn in os.listdir(d) if fn.endswith((".yaml", ".yml")))
+        except OSError as e:
+            raise HybridError(f"cannot list strategy directory {str(d)[:200]!r}: {e.strerror or e}") from None
+        if len(names) > MAX_FILES:
+            raise HybridError(f"strategy directory {str(d)[:200]!r} holds {len(names)} YAML files; at most "
+                              f"{MAX_FILES} are read: keep only the strategies you use there")
+        for fn in names:
+            s = load_file(os.path.join(d, fn))
+            out[s.name] = s
     return dict(sorted(out.items(), key=lambda kv: (kv[1].complexity, kv[0])))
 
 

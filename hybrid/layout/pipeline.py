@@ -19,6 +19,7 @@ The bubble (idle fraction of the step): (pp - 1) / (m + pp - 1) for gpipe and 1f
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 from .._compat import lazy_names
@@ -149,11 +150,54 @@ def balanced_split(layers: int, fixed: list[float], per_block: list[float]) -> t
             hi = mid
         else:
             lo = mid
-    n = counts(hi)
-    while sum(n) > layers:                            # give back blocks from the costliest stages
-        i = max((j for j in range(stages) if n[j] > 1), key=lambda j: fixed[j] + n[j] * per_block[j])
-        n[i] -= 1
-    return tuple(n)
+    return tuple(_give_back(counts(hi), sum(counts(hi)) - layers, fixed, per_block))
+
+
+def _give_back(n: list[int], excess: int, fixed: list[float], per_block: list[float]) -> list[int]:
+    """`n` less `excess` blocks, as taking one at a time from the costliest stage with more than
+    one (cost fixed + n * per_block, ties to the lower index) would, in closed form: a stage's
+    removals cost f + m * b for m = n, ..., 2 (a stage with b <= 0 gives all of them back at its
+    first cost), so they are the `excess` costliest removals, found by bisecting the cost."""
+    if excess <= 0:
+        return n
+
+    def at_least(t: float) -> list[int]:          # removals per stage costing t or more
+        out = []
+        for f, b, k in zip(fixed, per_block, n):
+            if b <= 0:
+                out.append(k - 1 if f + k * b >= t else 0)
+                continue
+            lo, hi = 2, k + 1                         # the smallest m in [2, k] with f + m * b >= t
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if f + mid * b >= t else (mid + 1, hi)
+            out.append(k + 1 - lo)
+        return out
+
+    costs = [f + m * b for f, b, k in zip(fixed, per_block, n) if k > 1 for m in ({k, 2} if b > 0 else {k})]
+    lo, hi = _order(min(costs)), _order(max(costs))
+    while lo < hi:                                    # the largest cost t with at least `excess` removals >= t
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if sum(at_least(_unorder(mid))) >= excess else (lo, mid - 1)
+    t = _unorder(lo)
+    above = at_least(_unorder(lo + 1))
+    left = excess - sum(above)
+    out = []
+    for k, a, e in zip(n, above, at_least(t)):       # removals costing exactly t go to the lower stages first
+        take = min(e - a, left)
+        left -= take
+        out.append(k - a - take)
+    return out
+
+
+def _order(x: float) -> int:
+    """A float's rank among floats as an integer (-0.0 and 0.0 alike), for bisection over them."""
+    i = struct.unpack("<q", struct.pack("<d", x))[0]
+    return i if i >= 0 else -(i & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+def _unorder(i: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", i))[0] if i >= 0 else -_unorder(-i)
 
 
 def stage_cluster(cluster, pp: int):

@@ -8,9 +8,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from ..errors import HybridError, unknown_name
+from ..errors import HybridError, short, unknown_name
 
 Style = Literal["llama", "gpt2"]
+
+SHAPE_RANGES: dict[str, tuple[int, int]] = {
+    "vocab": (1, 1 << 24), "hidden": (1, 1 << 18), "layers": (1, 1 << 14), "heads": (1, 1 << 14),
+    "kv_heads": (0, 1 << 14), "ffn": (1, 1 << 22), "max_positions": (1, 1 << 30), "head_size": (0, 1 << 16),
+    "sliding_window": (0, 1 << 30), "experts": (0, 1 << 14), "top_k": (0, 1 << 14), "moe_ffn": (0, 1 << 22)}
+"""Inclusive range of each shape field (from 0 where 0 means not set): 16x to 100x the largest
+published model's (vocab 256K, hidden 25,600, 160 blocks, 128 heads, 256 experts, 10M positions),
+so no count or list that scales with them can run long."""
 
 
 @dataclass(frozen=True)
@@ -54,9 +62,17 @@ class DecoderConfig:
     """Intermediate size of one expert (Mixtral: intermediate_size; Qwen/OLMoE: moe_intermediate_size)."""
 
     def __post_init__(self):
-        for attr in ("vocab", "hidden", "layers", "heads", "ffn", "max_positions"):
-            if getattr(self, attr) < 1:
-                raise HybridError(f"decoder {attr} must be positive, got {getattr(self, attr)}")
+        for attr, (lo, hi) in SHAPE_RANGES.items():     # before any count that scales with them
+            v = getattr(self, attr)
+            if isinstance(v, int) and not isinstance(v, bool) and lo == 1 and v < 1:
+                raise HybridError(f"decoder {attr} must be positive, got {v}")
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
+                raise HybridError(f"decoder {attr} must be an integer in [{lo}, {hi}], got {short(v)}; "
+                                  "published models stay far inside it")
+        for attr in ("norm_eps", "rope_theta"):
+            v = getattr(self, attr)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e300:
+                raise HybridError(f"decoder {attr} must be a positive finite number, got {short(v)}")
         if self.gelu not in ("new", "tanh"):
             raise HybridError(f"gelu must be 'new' or 'tanh', got {self.gelu!r}")
         if self.hidden % self.heads:

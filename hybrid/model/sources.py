@@ -3,13 +3,13 @@ bare parameter count, resolved to a ModelSource (its profile, and how to build i
 from __future__ import annotations
 
 import importlib
-import json
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from ..config.files import JSON_LIMITS, load_json, read_text
 from ..errors import HybridError, short
-from .presets import PRESETS, DecoderConfig, from_hf_config
+from .presets import PRESETS, SHAPE_RANGES, DecoderConfig, from_hf_config
 from .profile import ModelProfile, build_profile, profile_decoder, profile_module, profile_params
 
 
@@ -81,6 +81,15 @@ _HF_POSITIVE = {"llama": ("vocab_size", "hidden_size", "num_hidden_layers", "num
                                "moe_intermediate_size", "num_experts", "num_experts_per_tok")}
 
 
+_HF_FIELDS = {"vocab_size": "vocab", "hidden_size": "hidden", "n_embd": "hidden", "num_hidden_layers": "layers",
+              "n_layer": "layers", "num_attention_heads": "heads", "n_head": "heads", "num_key_value_heads": "kv_heads",
+              "intermediate_size": "ffn", "n_inner": "ffn", "moe_intermediate_size": "moe_ffn",
+              "max_position_embeddings": "max_positions", "n_positions": "max_positions", "head_dim": "head_size",
+              "sliding_window": "sliding_window", "num_local_experts": "experts", "num_experts": "experts",
+              "num_experts_per_tok": "top_k"}
+"""config.json keys -> the DecoderConfig field whose range (presets.SHAPE_RANGES) they are held to."""
+
+
 def _check_hf_config(cfg, path: str) -> None:
     """The keys our closed forms read, present and positive integers (one line per problem)."""
     if not isinstance(cfg, dict):
@@ -99,6 +108,24 @@ def _check_hf_config(cfg, path: str) -> None:
             raise HybridError(f"model config {path!r} ({mt}) is missing {key!r}")
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise HybridError(f"model config {path!r}: {key} must be a positive integer, got {v!r}")
+    for key, field in _HF_FIELDS.items():              # before anything is counted or built from them
+        v = cfg.get(key)
+        lo, hi = SHAPE_RANGES[field]
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
+            raise HybridError(f"model config {path!r}: {key} must be an integer in [{lo}, {hi}], got {short(v)}; "
+                              "published models stay far inside it: check the file")
+    if mt == "gpt2":                                      # our defaults fill absent keys, never a null
+        for key in ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"):
+            if key in cfg and cfg[key] is None:
+                raise HybridError(f"model config {path!r}: {key} is null; give a positive integer or leave it out")
+    rope = cfg.get("rope_parameters")
+    if rope is not None and not isinstance(rope, dict):
+        raise HybridError(f"model config {path!r}: rope_parameters must be a JSON object, got {short(rope)}")
+    for where, theta in (("rope_theta", cfg.get("rope_theta")), ("rope_parameters.rope_theta",
+                                                                 (rope or {}).get("rope_theta"))):
+        if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float))
+                                  or not 0 < theta < 1e300):
+            raise HybridError(f"model config {path!r}: {where} must be a positive number, got {short(theta)}")
     heads = cfg.get("num_attention_heads") or cfg.get("n_head")
     hidden = cfg.get("hidden_size") or cfg.get("n_embd")
     if heads and hidden and hidden % heads:
@@ -106,15 +133,11 @@ def _check_hf_config(cfg, path: str) -> None:
 
 
 def _from_config_json(path: str) -> ModelSource:
+    text = read_text(path, "model config", JSON_LIMITS["bytes"], "a transformers config.json is a few KB")
     try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except FileNotFoundError:
-        raise HybridError(f"model config {path!r} does not exist") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        cfg = load_json(text)
+    except ValueError as e:                       # json.JSONDecodeError, and past JSON_LIMITS
         raise HybridError(f"model config {path!r} is not valid JSON: {str(e)[:200]}") from None
-    except OSError as e:
-        raise HybridError(f"cannot read model config {path!r}: {e.strerror or e}") from None
     _check_hf_config(cfg, path)
     name = cfg.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path))) or path
     dec = from_hf_config(cfg)
