@@ -70,6 +70,11 @@ def _leave() -> None:
         pass
 
 
+GRACE_S = 15.0
+"""Seconds the other ranks get, after one exits with an error or is killed, to report their own
+error (a rank naming its dead peer) before they are stopped (torch.multiprocessing's grace_period)."""
+
+
 PORT_TRIES = 3
 """Launches tried when the rendezvous port picked free was taken before rank 0 bound it (another
 program on this host can take it between the two: EADDRINUSE)."""
@@ -113,7 +118,7 @@ def _launch(world: int, fn, args: tuple, local_world: int, quiet: bool, timeout_
         deadline = time.monotonic() + timeout_s
         crash = None
         try:
-            while not ctx.join(timeout=0.5):
+            while not ctx.join(timeout=0.5, grace_period=GRACE_S):
                 if _lost_port(out):             # the others wait for a store that never comes: stop them
                     for p in ctx.processes:
                         p.kill()
