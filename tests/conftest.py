@@ -54,10 +54,10 @@ def _extension_cache():
     """Every test process, and what it starts (deepspeed, the HF Trainer), builds DeepSpeed's ops in
     this environment's cache, its stale build locks cleared first (a stale lock elsewhere is one line)."""
     from hybrid.errors import HybridError
-    from hybrid.runtime.extensions import default_root, extension_cache, own_cache, ready
+    from hybrid.runtime.extensions import default_root, extension_cache, is_own, ready
     root = extension_cache(os.environ)
     try:
-        ready(root or default_root(), own=root == own_cache())
+        ready(root or default_root(), own=is_own(root))
     except HybridError as e:
         raise pytest.UsageError(str(e)) from None
 

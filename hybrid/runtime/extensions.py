@@ -45,7 +45,7 @@ def extension_cache(environ=None, prefix: str = sys.prefix, base_prefix: str = s
         environ["TORCH_EXTENSIONS_DIR"] = own_cache(prefix)
     root = environ.get("TORCH_EXTENSIONS_DIR")
     if now:
-        ready(root or default_root(environ), own=root == own_cache(prefix), timeout=build_timeout(environ))
+        ready(root or default_root(environ), own=is_own(root, prefix), timeout=build_timeout(environ))
         if environ.get("DS_ACCELERATOR") == "cpu":
             build_op(root or default_root(environ), timeout=build_timeout(environ))
     return root
@@ -54,6 +54,11 @@ def extension_cache(environ=None, prefix: str = sys.prefix, base_prefix: str = s
 def own_cache(prefix: str = sys.prefix) -> str:
     """The environment's own cache, <venv>/torch_extensions: its locks are ours to clear."""
     return os.path.join(prefix, "torch_extensions")
+
+
+def is_own(root: str | None, prefix: str = sys.prefix) -> bool:
+    """Whether `root` is the environment's own cache."""
+    return root is not None and os.path.realpath(root) == os.path.realpath(own_cache(prefix))
 
 
 def default_root(environ=os.environ) -> str:
