@@ -9,6 +9,7 @@ a lock every later run waits on forever. torch-free (the tests' conftest uses it
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import signal
 import subprocess
@@ -16,16 +17,15 @@ import sys
 import time
 
 from ..errors import HybridError
-from ..log import get_logger
 
-log = get_logger(__name__)
+log = logging.getLogger(__name__)     # not log.get_logger: the test conftest imports this before pytest's log capture
 
 BUILD_TIMEOUT_S = 600.0
 """Seconds a build of one op (or a wait on another process's build) may take: HYBRID_BUILD_TIMEOUT
 overrides it. DeepSpeed's CPU comm op takes about a minute on 2 cores."""
 
 SHM_OP = "deepspeed_shm_comm"
-"""The op DeepSpeed's CPU accelerator JIT-builds when its communication starts (deepspeed.comm.torch
+"""The op DeepSpeed's CPU accelerator JIT-builds when its communication starts (DeepSpeed 0.19, deepspeed.comm.torch
 build_shm_op, ShareMemCommBuilder)."""
 
 
@@ -190,16 +190,19 @@ def built(root: str, op: str = SHM_OP) -> bool:
                 or glob.glob(os.path.join(glob.escape(root), "*", op, f"{op}*.so")))
 
 
+_TRIED: set[str] = set()
+
+
 def build_op(root: str, timeout: float = BUILD_TIMEOUT_S) -> None:
     """Build DeepSpeed's CPU comm op in a child process bounded by `timeout` seconds, if it is not
-    built yet, so that no rank builds it unbounded inside deepspeed.comm.init_distributed. A build
-    past the bound is killed (its lock, which our child wrote, removed) and fails in one line."""
-    if built(root):
+    built yet, so that no rank builds it unbounded inside deepspeed.comm.init_distributed; the child
+    inherits TORCH_EXTENSIONS_DIR, so `root` is where it is in effect. A build past the bound is
+    killed (its lock, which our child wrote, removed) and fails in one line."""
+    if built(root) or root in _TRIED:
         return
     log.info("building DeepSpeed's %s op into %s (about a minute, once)", SHM_OP, root)
     child = subprocess.Popen([sys.executable, "-c", _BUILD], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             start_new_session=True, env={**os.environ, "TORCH_EXTENSIONS_DIR": root}
-                             if os.environ.get("TORCH_EXTENSIONS_DIR") else None)
+                             start_new_session=True)
     try:
         _, err = child.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -213,3 +216,4 @@ def build_op(root: str, timeout: float = BUILD_TIMEOUT_S) -> None:
     if child.returncode:
         last = (err.decode(errors="replace").strip().splitlines() or ["no output"])[-1][:300]
         raise HybridError(f"DeepSpeed's {SHM_OP} op build into {root} failed (exit {child.returncode}): {last}")
+    _TRIED.add(root)            # an op DeepSpeed finds incompatible here (no compiler) is never built: try once

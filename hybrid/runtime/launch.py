@@ -6,6 +6,7 @@ import os
 import tempfile
 import traceback
 
+from .extensions import extension_cache
 from .mesh import free_port
 
 QUIET_CPP_LOGS = {"TORCH_CPP_LOG_LEVEL": "FATAL"}
@@ -109,8 +110,9 @@ def _launch(world: int, fn, args: tuple, local_world: int, quiet: bool, timeout_
         added = {k: v for k, v in QUIET_CPP_LOGS.items() if k not in os.environ}
         os.environ.update(added)            # the children inherit it; the caller's environment is restored
         try:
-            ctx = mp.start_processes(_entry, args=(world, free_port(), local_world, fn, args, out, quiet,
-                                                   dict(os.environ)),
+            env = dict(os.environ)
+            extension_cache(env)            # ranks that start DeepSpeed themselves build in this environment's cache
+            ctx = mp.start_processes(_entry, args=(world, free_port(), local_world, fn, args, out, quiet, env),
                                      nprocs=world, join=False, start_method=_start_method())
         finally:
             for k in added:

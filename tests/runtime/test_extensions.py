@@ -124,3 +124,29 @@ def test_an_op_build_past_its_bound_is_killed_and_fails_in_one_line(tmp_path, mo
         build_op(str(tmp_path), timeout=2)
     assert time.monotonic() - start < 10
     assert not list(tmp_path.glob("*/lock"))
+
+
+WRITABLE_VENV = sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK)
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(not WRITABLE_VENV, reason="torch's per-user cache is in effect outside a writable venv")
+def test_the_test_processes_build_in_this_environments_cache():
+    """Set by tests/conftest.py, so tests that start deepspeed or the HF Trainer themselves inherit it."""
+    from hybrid.runtime.extensions import own_cache
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == own_cache()
+
+
+def _cache_in_rank():
+    return os.environ.get("TORCH_EXTENSIONS_DIR")
+
+
+@pytest.mark.torch
+@pytest.mark.skipif(not WRITABLE_VENV, reason="torch's per-user cache is in effect outside a writable venv")
+def test_ranks_run_ranks_starts_build_in_this_environments_cache(monkeypatch):
+    """A rank that calls deepspeed itself (not through our backend) still builds in <venv>/torch_extensions."""
+    from hybrid.runtime.extensions import own_cache
+    from hybrid.runtime.launch import run_ranks
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    assert run_ranks(1, _cache_in_rank) == [own_cache()]
+    assert "TORCH_EXTENSIONS_DIR" not in os.environ        # the caller's environment is left as it was
