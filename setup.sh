@@ -17,7 +17,7 @@ VPY=.venv/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 # DeepSpeed JIT-builds its ops into TORCH_EXTENSIONS_DIR, by default one per-user directory every
 # environment shares (a build by another venv's torch is rebuilt); this environment keeps its own,
-# as hybrid's DeepSpeed backend sets it at run time (hybrid/runtime/backends/deepspeed.py extension_cache).
+# as hybrid's DeepSpeed backend and the tests set it at run time (hybrid/runtime/extensions.py extension_cache).
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}"
 
 # Never reinstall a torch that is present; never let a range pull a multi-GB CUDA build.
@@ -44,17 +44,32 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 else
   say "hybrid and its dependencies are installed (pyproject.toml unchanged)"
 fi
+# A build killed midway leaves <cache>/<op>/lock, on which every later build waits forever (torch's
+# FileBaton records no pid): cleared here when stale in our cache, named in one line elsewhere.
+"$VPY" - <<'PYLOCKS'
+import os, sys
+from hybrid.errors import HybridError
+from hybrid.runtime.extensions import is_own, ready
+root = os.environ["TORCH_EXTENSIONS_DIR"]
+try:
+    ready(root, own=is_own(root))
+except HybridError as e:
+    sys.exit(f"setup: {e}")
+PYLOCKS
 # DeepSpeed's CPU accelerator JIT-compiles a shared-memory comm op the first time a process group
-# starts; build it once here instead of in racing ranks.
+# starts; build it once here (within HYBRID_BUILD_TIMEOUT, 600 s) instead of in racing ranks.
 if compgen -G "$TORCH_EXTENSIONS_DIR/deepspeed_shm_comm/*.so" >/dev/null || compgen -G "$TORCH_EXTENSIONS_DIR/*/deepspeed_shm_comm/*.so" >/dev/null; then
   say "DeepSpeed's CPU communication op is built (in $TORCH_EXTENSIONS_DIR)"
 else
   say "building DeepSpeed's CPU communication op into $TORCH_EXTENSIONS_DIR (about a minute, once)"
-  "$VPY" - <<'PYBUILD' 2>&1 | grep -v "WARNING\|Setting accelerator" || true
-from deepspeed.accelerator import get_accelerator
-b = get_accelerator().create_op_builder("ShareMemCommBuilder")
-if b is not None and b.is_compatible():
-    b.load(verbose=False)
+  "$VPY" - <<'PYBUILD'
+import os, sys
+from hybrid.errors import HybridError
+from hybrid.runtime.extensions import build_op, build_timeout
+try:
+    build_op(os.environ["TORCH_EXTENSIONS_DIR"], timeout=build_timeout())
+except HybridError as e:
+    sys.exit(f"setup: {e}")
 PYBUILD
 fi
 say "done: .venv/bin/hybrid demo; .venv/bin/python -m pytest -q"

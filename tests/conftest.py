@@ -16,6 +16,7 @@ hold no unit test are not collected (nothing in them could run); one that does m
 """
 import functools
 import importlib.abc
+import os
 import sys
 
 import pytest
@@ -46,6 +47,19 @@ def pytest_configure(config):
         if loaded:
             raise pytest.UsageError(f"--no-torch: {loaded[0]} was imported before the tests (by a plugin?)")
         sys.meta_path.insert(0, BlockHeavy())
+    _extension_cache()
+
+
+def _extension_cache():
+    """Every test process, and what it starts (deepspeed, the HF Trainer), builds DeepSpeed's ops in
+    this environment's cache, its stale build locks cleared first (a stale lock elsewhere is one line)."""
+    from hybrid.errors import HybridError
+    from hybrid.runtime.extensions import default_root, extension_cache, is_own, ready
+    root = extension_cache(os.environ)
+    try:
+        ready(root or default_root(), own=is_own(root))
+    except HybridError as e:
+        raise pytest.UsageError(str(e)) from None
 
 
 @functools.cache

@@ -63,6 +63,11 @@ def run_cli(opts: dict):
     return format_tune(r), to_dict(r)
 
 
+CANDIDATE_KEYS = ("name", "family", "shard_size", "parallel", "activation_checkpointing", "pipeline")
+"""What names a candidate in every JSON row (plan, estimate, compare, tune): Layout.to_dict's keys,
+"pipeline" (Layout.stages_dict) where the layout is staged."""
+
+
 def to_dict(r) -> dict:
     p = r.plan
     out = {"model": p.model.name, "world_size": p.cluster.world_size, "gpu": p.cluster.gpu.name,
@@ -75,8 +80,11 @@ def to_dict(r) -> dict:
            "trials": [], "calibration": r.calibration.to_dict() if r.calibration else None}
     for t in r.trials:
         c = p.candidates[t.index]
+        row = c.to_dict()
         out["trials"].append({
-            "layout": c.label, "name": c.name, "shard_size": c.shard_size, "status": t.status, "detail": t.detail,
+            **{k: row[k] for k in CANDIDATE_KEYS if k in row},
+            "layout": c.label,      # deprecated in 0.2, gone in 0.3: the plan's keys above name the candidate
+            "status": t.status, "detail": t.detail,
             "predicted_fits": c.fits, "predicted_step_s": c.cost.seconds if c.cost else None,
             "predicted_tokens_per_s_per_gpu": c.cost.tokens_per_s_per_gpu if c.cost else None,
             "predicted_allocated_bytes": c.memory.allocated if c.memory else None,

@@ -6,6 +6,7 @@ import os
 import tempfile
 import traceback
 
+from .extensions import extension_cache
 from .mesh import free_port
 
 QUIET_CPP_LOGS = {"TORCH_CPP_LOG_LEVEL": "FATAL"}
@@ -70,6 +71,11 @@ def _leave() -> None:
         pass
 
 
+GRACE_S = 15.0
+"""Seconds the other ranks get, after one exits with an error or is killed, to report their own
+error (a rank naming its dead peer) before they are stopped (torch.multiprocessing's grace_period)."""
+
+
 PORT_TRIES = 3
 """Launches tried when the rendezvous port picked free was taken before rank 0 bound it (another
 program on this host can take it between the two: EADDRINUSE)."""
@@ -104,8 +110,9 @@ def _launch(world: int, fn, args: tuple, local_world: int, quiet: bool, timeout_
         added = {k: v for k, v in QUIET_CPP_LOGS.items() if k not in os.environ}
         os.environ.update(added)            # the children inherit it; the caller's environment is restored
         try:
-            ctx = mp.start_processes(_entry, args=(world, free_port(), local_world, fn, args, out, quiet,
-                                                   dict(os.environ)),
+            env = dict(os.environ)
+            extension_cache(env)            # ranks that start DeepSpeed themselves build in this environment's cache
+            ctx = mp.start_processes(_entry, args=(world, free_port(), local_world, fn, args, out, quiet, env),
                                      nprocs=world, join=False, start_method=_start_method())
         finally:
             for k in added:
@@ -113,7 +120,7 @@ def _launch(world: int, fn, args: tuple, local_world: int, quiet: bool, timeout_
         deadline = time.monotonic() + timeout_s
         crash = None
         try:
-            while not ctx.join(timeout=0.5):
+            while not ctx.join(timeout=0.5, grace_period=GRACE_S):
                 if _lost_port(out):             # the others wait for a store that never comes: stop them
                     for p in ctx.processes:
                         p.kill()

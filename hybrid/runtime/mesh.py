@@ -86,21 +86,78 @@ def init_distributed(timeout_s: float | None = None) -> Runtime:
         backend = "nccl" if cuda else "gloo"
         timeout = timeout_s if timeout_s is not None else default_timeout(cuda)
         _STATE["timeout"] = timeout
+        wait = datetime.timedelta(seconds=timeout)
         if "WORLD_SIZE" not in os.environ:
+            store = loopback_store(wait)
             world_of_one = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+                                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
             # shutdown() puts back what was there: nothing later sees a torchrun, the user's values return
             _STATE["env"] = {k: os.environ.get(k) for k in world_of_one}
             os.environ.update(world_of_one)
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=wait)
+        else:
+            dist.init_process_group(backend, timeout=wait)
+            _register_peers(timeout)
     backend = dist.get_backend()
     world = dist.get_world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     return Runtime(device, backend, world, dist.get_rank(), local)
 
 
+def loopback_store(timeout: datetime.timedelta):
+    """The rendezvous store of a world of one, listening on 127.0.0.1 only: torch's env:// store
+    (c10d TCPStore, torch 2.13) listens on every interface whatever MASTER_ADDR says, so we bind
+    the socket ourselves and hand it over (master_listen_fd); the port is free by construction."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    port = sock.getsockname()[1]
+    return dist.TCPStore("127.0.0.1", port, 1, True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=sock.detach())
+
+
 # Where this process is, for error messages about peers: set by Wrapped as it trains.
-_STATE: dict = {"timeout": None, "step": 0}
+_STATE: dict = {"timeout": None, "step": 0, "peers": {}}
+
+
+def _register_peers(timeout: float) -> None:
+    """Every rank's host and pid, read once at start-up through the store (rank 0, its host, may be
+    the one that dies later), so that a failure can name the rank whose process is gone."""
+    store = _store()
+    if store is None:
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store.set(f"hybrid/pid/{rank}", f"{socket.gethostname()} {os.getpid()}")
+    keys = [f"hybrid/pid/{r}" for r in range(world)]
+    store.wait(keys, datetime.timedelta(seconds=timeout))
+    _STATE["peers"] = {r: tuple(store.get(k).decode().split(" ")) for r, k in enumerate(keys)}
+
+
+def _gone(host: str, pid: str) -> bool:
+    """Whether a rank's process on this host has ended (absent from /proc, or a zombie)."""
+    if host != socket.gethostname():
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+
+
+def dead_ranks(wait_s: float = 3.0) -> list[int]:
+    """Ranks on this host whose process has ended (ranks elsewhere cannot be seen from here), looked
+    for during `wait_s` seconds: a killed process closes its sockets before it becomes a zombie."""
+    import time
+    deadline = time.monotonic() + wait_s
+    peers = {r: p for r, p in _STATE["peers"].items() if r != dist.get_rank() and p[0] == socket.gethostname()}
+    while peers:
+        dead = [r for r, (host, pid) in sorted(peers.items()) if _gone(host, pid)]
+        if dead or time.monotonic() > deadline:
+            return dead
+        time.sleep(0.05)
+    return []
 
 
 def _store():
@@ -141,21 +198,27 @@ def is_peer_failure(e: BaseException) -> bool:
     return isinstance(e, dist_error) or (isinstance(e, RuntimeError) and any(w in text for w in _COMM_WORDS))
 
 
-def peer_failure(e: BaseException, what: str) -> HybridError:
-    """The one-line error for a collective that failed because another rank left or died."""
+def peer_failure(e: BaseException, what: str, elapsed_s: float | None = None) -> HybridError:
+    """The one-line error for a collective that failed because another rank left or died: it names
+    the rank that left or whose process ended, and how long `what` ran before it failed."""
     rank, step = dist.get_rank(), _STATE["step"]
     left = {r: s for r, s in departed().items() if r != rank}
-    timeout = _STATE["timeout"]
-    within = f" within {timeout:g} s" if timeout else ""
+    after = f" after {elapsed_s:.1f} s" if elapsed_s is not None else ""
     if left:
         who = ", ".join(f"rank {r} (after optimizer step {s})" for r, s in sorted(left.items()))
         return HybridError(f"{who} left the job while rank {rank} was in {what} at optimizer step {step}: "
                            "every rank must run the same number of steps (give each rank the same number of "
                            "batches, e.g. DistributedSampler(drop_last=True))")
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-    return HybridError(f"rank {rank}: a peer did not answer{within} during {what} at optimizer step {step} "
-                       f"(it died, hung, or called something else): {first}. Check the other ranks' output; "
-                       "HYBRID_TIMEOUT sets the wait")
+    dead = dead_ranks()
+    if dead:
+        who = ", ".join(f"rank {r} (pid {_STATE['peers'][r][1]})" for r in dead)
+        return HybridError(f"{who} died: its process ended while rank {rank} was in {what} at optimizer step "
+                           f"{step}, which failed{after}: {first}. Check that rank's output (killed, e.g. out "
+                           "of memory?)")
+    return HybridError(f"rank {rank}: a peer did not answer during {what} at optimizer step {step}, which failed"
+                       f"{after} (it died, hung, or called something else): {first}. Check the other ranks' output; "
+                       f"HYBRID_TIMEOUT sets the wait ({_STATE['timeout'] or 0:g} s)")
 
 
 def build_mesh(dims: ParallelDims | int, runtime: Runtime, gpus_per_node: int | None = None) -> DeviceMesh:

@@ -12,6 +12,7 @@ user's point of view; which library call does it is the engine's business (runti
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Mapping
 
 import torch
@@ -239,6 +240,7 @@ class Wrapped:
     def _guard(self, what: str):
         """Collectives that fail because a peer left or died become one HybridError line."""
         from .mesh import is_peer_failure, peer_failure
+        start = time.monotonic()
         try:
             yield
         except HybridError:
@@ -248,7 +250,7 @@ class Wrapped:
             if translated is not None:
                 raise translated from None
             if self.runtime.world_size > 1 and is_peer_failure(e):
-                raise peer_failure(e, what) from None
+                raise peer_failure(e, what, time.monotonic() - start) from None
             raise
 
     # --- state ---------------------------------------------------------------------------------

@@ -116,3 +116,62 @@ def test_launch_retries_a_rendezvous_port_taken_before_rank_0_binds_it(monkeypat
         assert run_ranks(2, world_and_env) == [(2, "now"), (2, "now")]
     finally:
         taken.close()
+
+
+LISTENING = """
+import os
+for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    os.environ.pop(key, None)
+from hybrid.runtime.mesh import init_distributed, shutdown
+init_distributed()
+port = int(os.environ["MASTER_PORT"])
+rows = []
+for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for line in open(table).read().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, hexport = local.split(":")
+        if state == "0A" and int(hexport, 16) == port:      # 0A: TCP_LISTEN
+            rows.append(address)
+shutdown()
+print(" ".join(rows))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc/net/tcp")
+def test_a_world_of_one_listens_on_loopback_only():
+    """torch's env:// store listens on every interface (0.0.0.0 / ::) whatever MASTER_ADDR says."""
+    out = subprocess.run([sys.executable, "-c", LISTENING], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(TESTS))
+    assert out.returncode == 0, out.stderr[-2000:]
+    addresses = out.stdout.split()
+    loopback = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+    assert addresses and set(addresses) <= loopback, addresses     # 127.0.0.1, ::1, ::ffff:127.0.0.1
+
+
+def _one_rank_killed():
+    import signal
+
+    import torch.distributed as dist
+
+    from tests.test_safety import _train, _wrap
+    os.environ["HYBRID_TIMEOUT"] = "20"
+    w = _wrap("ddp")
+    _train(w, 1)
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    _train(w, 5)
+    return "no error"
+
+
+def test_a_killed_rank_is_named_with_the_time_its_peer_waited():
+    """Rank 0 names rank 1 (the dead one), not itself, and the seconds it really waited, not the 20 s bound."""
+    import re
+    import time
+    start = time.monotonic()
+    with pytest.raises(HybridError) as e:
+        run_ranks(2, _one_rank_killed)
+    message = str(e.value)
+    assert message.startswith("rank 1 (pid ") and " died: its process ended while rank 0 was in " in message, message
+    assert "\n" not in message and "within 20 s" not in message
+    waited = float(re.search(r"which failed after ([0-9.]+) s", message).group(1))
+    assert waited < 20 and time.monotonic() - start < 60

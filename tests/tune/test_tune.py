@@ -82,3 +82,20 @@ def test_auto_wrap_tune_wraps_with_the_measured_choice():
     assert results[0] == results[1]
     chosen, plan_chosen, loss = results[0]
     assert chosen == plan_chosen and loss > 0
+
+
+def test_tune_rows_name_their_candidate_with_the_plan_rows_keys(capsys):
+    """One candidate key set across plan and tune JSON: a trial row carries the plan row's keys and
+    values (name, family, shard_size, parallel, activation_checkpointing); `layout` stays, deprecated."""
+    plan_args = SMALL[:SMALL.index("--steps")]
+    assert main(["plan", *plan_args, "--json"]) == 0
+    plan_rows = json.loads(capsys.readouterr().out)["strategies"]
+    assert main(["tune", *SMALL, "--strategies", "ddp,fsdp", "--top", "2", "--json"]) == 0
+    trials = json.loads(capsys.readouterr().out)["trials"]
+    assert len(trials) == 2
+    keys = {"name", "family", "shard_size", "parallel", "activation_checkpointing"}
+    for t in trials:
+        [row] = [r for r in plan_rows if (r["name"], r["shard_size"], r["parallel"]) ==
+                 (t["name"], t["shard_size"], t["parallel"])]
+        assert keys <= set(row) and {k: t[k] for k in keys} == {k: row[k] for k in keys}
+        assert set(t) & set(row) == keys and t["layout"] == t["name"]

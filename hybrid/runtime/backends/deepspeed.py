@@ -5,7 +5,6 @@ import contextlib
 import io
 import logging
 import os
-import sys
 import warnings
 
 import torch
@@ -14,6 +13,7 @@ from ...errors import HybridError
 from ...model.profile import decoder_of, names_by_param
 from .base import Engine, LoopOptions, carry_plain_outputs, optimizer_tensors
 from ..materialize import materialize
+from ..extensions import extension_cache
 from ...families.deepspeed import ds_config
 
 log = logging.getLogger(__name__)
@@ -254,18 +254,6 @@ class DeepSpeedEngine(Engine):
         grads += [m.grad for m in masters if m.grad is not None]
         return {"params": params, "grads": [g for g in grads if isinstance(g, torch.Tensor)],
                 "optimizer": masters + optimizer_tensors(inner, params)}
-
-
-def extension_cache(environ=os.environ, prefix: str = sys.prefix, base_prefix: str = sys.base_prefix) -> str | None:
-    """Where DeepSpeed's JIT-built ops go. torch.utils.cpp_extension builds into TORCH_EXTENSIONS_DIR,
-    else one per-user directory (_get_build_directory; get_default_build_root:
-    ~/.cache/torch_extensions) that every environment shares, so an op built by another venv's
-    torch is rebuilt (about a minute) on each switch. Inside a virtual environment, unless the
-    user set it, the cache is the environment's own, <venv>/torch_extensions (as setup.sh builds
-    it). Returns the directory in effect (None: torch's default)."""
-    if "TORCH_EXTENSIONS_DIR" not in environ and prefix != base_prefix and os.access(prefix, os.W_OK):
-        environ["TORCH_EXTENSIONS_DIR"] = os.path.join(prefix, "torch_extensions")
-    return environ.get("TORCH_EXTENSIONS_DIR")
 
 
 def _deepspeed():
