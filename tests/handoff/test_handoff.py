@@ -169,7 +169,7 @@ def test_auto_wrap_takes_the_job_file_and_arguments_win(tmp_path, caplog):
 @pytest.mark.unit
 def test_torchtitan_command_carries_the_pipeline(capsys):
     out, _ = _run(capsys, "plan", "llama3.1-405b", "--nodes", "16", "--seq-len", "8192", "--gradient-accumulation",
-                  "32", "--strategy", "fsdp-grad-op", "--emit", "torchtitan")
+                  "32", "--strategy", "fsdp-grad-op", "--schedule", "interleaved", "--emit", "torchtitan")
     args = torchtitan_argv(out)
     opt = {a: b for a, b in zip(args, args[1:]) if a.startswith("--") and not b.startswith("--")}
     assert (opt["--parallelism.pipeline_parallel_degree"], opt["--parallelism.tensor_parallel_degree"]) == ("16", "8")
