@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from .families.catalogue import DEFAULT_STRATEGY, get_strategy, load_catalogue
-from .config.cluster import Cluster
+from .config.cluster import Cluster, as_cluster
 from .config.options import OPTIONS
 from .errors import HybridError, short
 from .layout.layout import Layout
@@ -58,15 +58,6 @@ def check_arguments(**values) -> None:
         option.check(value, name)
 
 
-def _check_cluster(cluster) -> Cluster:
-    if cluster is None:
-        return Cluster.build()
-    if not isinstance(cluster, Cluster):
-        raise HybridError(f"cluster must be a hybrid.Cluster, e.g. hybrid.Cluster.build(8, 8, 'h100-80gb') for 8 "
-                          f"nodes of 8 GPUs, got {type(cluster).__name__} {short(cluster)}")
-    return cluster
-
-
 def _check_dirs(strategies_dir) -> tuple[str, ...]:
     if isinstance(strategies_dir, str):
         raise HybridError(f"strategies_dir must be a list of folders, e.g. strategies_dir=[{short(strategies_dir)}], "
@@ -102,7 +93,7 @@ def plan(model, cluster: Cluster | None = None, *, strategies: list[str] | None 
     from .planning.batch import global_batch_of
     from .planning.planner import plan as _plan
 
-    cluster = _check_cluster(cluster)
+    cluster = as_cluster(cluster) or Cluster.build()
     if isinstance(strategies, str) or (strategies is not None and not isinstance(strategies, (list, tuple))):
         raise HybridError(f"strategies must be a list of catalogue names, e.g. strategies=[{short(strategies)}], "
                           f"got {type(strategies).__name__} {short(strategies)}")
@@ -130,7 +121,7 @@ def estimate(model, strategy: "str | Layout" = DEFAULT_STRATEGY, cluster: Cluste
     """Per-GPU memory of `strategy` for `model` (any form plan() takes): a preset's name (at tp = pp
     = 1, its shard size or `shard_size`) or a whole Layout (hybrid.layout.Layout.of). Training
     arguments come as keywords (micro_batch=2, seq_len=4096, ...) or as a whole `spec`."""
-    cluster = _check_cluster(cluster)
+    cluster = as_cluster(cluster) or Cluster.build()
     if not isinstance(strategy, (str, Layout)):
         raise HybridError(f"strategy must be a catalogue name or a hybrid.layout.Layout, got "
                           f"{type(strategy).__name__} {short(strategy)}")

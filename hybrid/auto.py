@@ -12,8 +12,8 @@ import torch.nn as nn
 
 from .runtime.backends.base import LoopOptions, check_optimizer_factory
 from .families.catalogue import get_strategy, load_catalogue
-from .config.cluster import ALLOC_CONF_VARS, Cluster, detect
-from .errors import HybridError
+from .config.cluster import ALLOC_CONF_VARS, Cluster, as_cluster, detect
+from .errors import HybridError, short
 from .runtime.mesh import build_mesh, init_distributed
 from .model.decoder import prepare_for_training
 from .planning.reach import runtime_degrees
@@ -31,6 +31,9 @@ log = get_logger(__name__)
 def optimizer_kind(factory) -> str:
     """Which optimizer the factory builds (for the memory model), probed on a dummy parameter."""
     probe = factory([nn.Parameter(torch.zeros(1))])
+    if not isinstance(probe, torch.optim.Optimizer):
+        raise HybridError(f"optimizer must be a callable that returns a torch.optim.Optimizer; it returned "
+                          f"{type(probe).__name__} {short(probe)}: e.g. lambda ps: torch.optim.AdamW(ps, lr=3e-4)")
     name = type(probe).__name__.lower()
     if "adafactor" in name:
         return "adafactor"
@@ -148,6 +151,9 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
                 gpus_per_node and gpu become the cluster
     """
     if config is not None:
+        if not isinstance(config, (str, os.PathLike)):
+            raise HybridError(f"config must be the path of a job file (`hybrid plan --save-config job.yaml`), got "
+                              f"{type(config).__name__} {short(config)}")
         return _with_job_file(config, locals())
     from .config.options import WRAP_KEYS, or_default
     from .config.jobfile import check_arguments
@@ -161,6 +167,8 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     model = unwrap(model)
     optimizer = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=3e-4))
     check_optimizer_factory(optimizer)
+    kind = optimizer_kind(optimizer)
+    cluster = as_cluster(cluster)
     _check_loop_args(max_grad_norm, scheduler)
     check_max_bad_steps(max_bad_steps)
     if cluster is None or cluster.expandable_segments:
@@ -182,7 +190,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     pin = micro_batch if gb is not None else None
     here = cluster if runtime.device.type == "cuda" else detect()     # CPU ranks train in fp32 whatever is planned
     spec = TrainSpec(micro_batch=or_default("micro_batch", micro_batch), seq_len=seq_len,
-                     precision=precision or default_precision(here), optimizer=optimizer_kind(optimizer),
+                     precision=precision or default_precision(here), optimizer=kind,
                      activation_checkpointing=or_default("activation_checkpointing", activation_checkpointing),
                      attention=attention, global_batch=gb, compile=compile, float8=float8,
                      gradient_accumulation=or_default("gradient_accumulation", gradient_accumulation),

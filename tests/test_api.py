@@ -58,3 +58,20 @@ def test_bad_training_argument_is_one_line():
         hybrid.estimate(42)
     with pytest.raises(HybridError, match="no bf16"):
         hybrid.plan("gpt2", cluster=hybrid.Cluster.build(1, 8, "v100-32gb"), precision="bf16-mixed")
+
+
+@pytest.mark.torch      # auto_wrap refuses these before any process group starts
+@pytest.mark.parametrize("kw,match", [
+    ({"cluster": "big"}, r"cluster must be a hybrid.Cluster, e\.g\. hybrid.Cluster.build\(8, 8, .*got str 'big'"),
+    ({"config": 123}, r"config must be the path of a job file .* got int 123"),
+    ({"optimizer": lambda ps: None}, r"optimizer must be a callable that returns a torch.optim.Optimizer; it returned "
+                                     r"NoneType None")])
+def test_auto_wrap_arguments_are_one_line_errors(kw, match):
+    """They were an AttributeError, a read of file descriptor 123, and an optimizer accepted as None."""
+    import torch
+
+    import hybrid
+    from hybrid.model.decoder import build_decoder
+    kw = {"optimizer": lambda ps: torch.optim.AdamW(ps), **kw}
+    with pytest.raises(hybrid.HybridError, match=match):
+        hybrid.auto_wrap(build_decoder("tiny-llama"), seq_len=16, verbose=False, **kw)

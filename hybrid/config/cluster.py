@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
-from ..errors import HybridError, unknown_name
+from ..errors import HybridError, short, unknown_name
 from ..units import GiB, MiB, fmt_bytes, parse_bytes
 
 
@@ -237,6 +237,14 @@ def allocator_expandable(environ=os.environ) -> bool:
         return True
     opts = dict(kv.split(":", 1) for kv in conf.replace(" ", "").split(",") if ":" in kv)
     return opts.get("expandable_segments", "False").lower() == "true"
+
+
+def as_cluster(value) -> "Cluster | None":
+    """A Cluster as given (None stays None), or one line naming what was given instead."""
+    if value is None or isinstance(value, Cluster):
+        return value
+    raise HybridError(f"cluster must be a hybrid.Cluster, e.g. hybrid.Cluster.build(8, 8, 'h100-80gb') for 8 "
+                      f"nodes of 8 GPUs, got {type(value).__name__} {short(value)}")
 
 
 def detect(gpu_memory: str | int | None = None) -> Cluster:
