@@ -10,9 +10,13 @@ from .base import Handoff, provenance, user_checkpointing
 
 class DeepSpeedHandoff(Handoff):
     def emit_notes(self, c, target="engine"):
-        """With --for trainer: what to set in TrainingArguments beside deepspeed="ds.json"."""
+        """Where DeepSpeed builds its ops; with --for trainer, what to set in TrainingArguments
+        beside deepspeed="ds.json"."""
+        cache = ("hybrid: DeepSpeed JIT-builds its ops into TORCH_EXTENSIONS_DIR, by default one per-user cache "
+                 "that every environment shares (an interrupted build's lock there stalls later runs): export "
+                 "TORCH_EXTENSIONS_DIR=<the job's venv>/torch_extensions where it runs")
         if target != "trainer":
-            return []
+            return [cache]
         kw = [f"per_device_train_batch_size={c.spec.micro_batch}",
               f"gradient_accumulation_steps={c.spec.gradient_accumulation}"]
         if c.spec.precision == "bf16-mixed":
@@ -24,7 +28,7 @@ class DeepSpeedHandoff(Handoff):
         if c.spec.activation_checkpointing != "none":
             # transformers 5 renamed the field (the old name still works, with a FutureWarning)
             kw.append("gradient_checkpointing=True (transformers >= 5: activation_checkpointing=True)")
-        return ["hybrid: with --for trainer, set TrainingArguments(deepspeed=\"ds.json\", " + ", ".join(kw) + ")"]
+        return [cache, 'hybrid: with --for trainer, set TrainingArguments(deepspeed="ds.json", ' + ", ".join(kw) + ")"]
 
     def emit(self, c, plan, profile, target="engine"):
         """The DeepSpeed JSON config of the candidate. target "engine": concrete values for

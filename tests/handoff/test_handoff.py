@@ -80,6 +80,7 @@ def test_deepspeed_for_the_trainer_leaves_its_values_auto(capsys):
     assert cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
     assert "TrainingArguments(deepspeed=" in err and "bf16=True" in err
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in err    # the plan's allocator, said
+    assert "export TORCH_EXTENSIONS_DIR=" in err     # DeepSpeed's op builds go to the job's own cache
     assert "the plan's choice is fsdp+tp4" in err                  # says why it differs from the choice
     engine = json.loads(_run(capsys, "plan", "llama2-7b", "--nodes", "8", "--emit", "deepspeed")[0])
     assert engine["train_batch_size"] == 64 and engine["gradient_clipping"] == 0.0
