@@ -24,7 +24,7 @@ import threading
 
 from .folder import check_files, first_line, read_meta, reader, short
 from ..errors import HybridError
-from .space import why_write_failed
+from .space import causes, why_write_failed
 from ..units import parse_bytes
 
 _LLAMA = [(r"^embed\.", "model.embed_tokens."), (r"^blocks\.(\d+)\.norm1\.", r"model.layers.\1.input_layernorm."),
@@ -212,6 +212,9 @@ def export(ckpt: str, out: str, dtype: str | None = None, max_shard: str = "5GB"
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+                stop = next((x for x in causes(e) if isinstance(x, (KeyboardInterrupt, SystemExit))), None)
+                if stop is not None:        # a signal that landed inside DCP, which wrapped it
+                    raise stop from None
                 raise _read_or_write_error(ckpt, meta, tmp, out, e) from None
             _place(tmp, out, old, overwrite)
         except HybridError:

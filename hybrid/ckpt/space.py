@@ -14,9 +14,11 @@ from ..units import fmt_bytes
 
 FULL_BELOW = 16 << 20
 """Free bytes under which a write that failed without an errno is taken for a full disk."""
+_WRITING = ("write", "inline_container", "serializ")
+"""Words of a failed write's message where it has no errno (torch.save, DCP, safetensors)."""
 
 
-def _causes(e: BaseException):
+def causes(e: BaseException):
     """e, the first cause DCP's CheckpointException carries, and their __cause__/__context__ chains."""
     seen, todo = set(), [e]
     while todo:
@@ -54,7 +56,7 @@ def _free(path: str) -> tuple[int, int] | None:
 def why_write_failed(e: BaseException, path: str) -> str | None:
     """'no space left on the disk ...; free space there ...' where `e` is a full disk, a quota or a
     file-size limit for a write below `path`; None for any other failure."""
-    codes = {x.errno for x in _causes(e) if isinstance(x, OSError)}
+    codes = {x.errno for x in causes(e) if isinstance(x, OSError)}
     free = _free(path)
     where = mount_of(path)
     if errno.EDQUOT in codes:
@@ -63,7 +65,7 @@ def why_write_failed(e: BaseException, path: str) -> str | None:
         return ("a file would pass the file-size limit (`ulimit -f`, or the file system's largest file); raise "
                 "the limit, or save somewhere else")
     if errno.ENOSPC in codes or (not codes and free is not None and free[0] < FULL_BELOW and any(
-            "write" in str(x).lower() for x in _causes(e))):
+            w in str(x).lower() for x in causes(e) for w in _WRITING)):
         left = f" ({fmt_bytes(free[0])} free of {fmt_bytes(free[1])})" if free else ""
         return f"the disk holding it is full: no space left on {where!r}{left}; free space there, or save " \
                "somewhere else"
