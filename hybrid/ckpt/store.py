@@ -17,6 +17,9 @@ Trust: `save` removes only version folders it can prove it wrote: named in meta.
 (recorded before the folder is created, so a crashed save's folder is provable too) and carrying a
 marker that names the folder itself (a copy the user keeps beside it is never touched). It refuses
 a directory holding anything else unless `overwrite=True` (which still deletes nothing foreign).
+One job writes a directory at a time: rank 0 holds its lock (hybrid/ckpt/lock.py) from before it
+reads the directory until the save ends, so a version folder is deleted only by the save that made
+it or, once its writer is gone, by a later one.
 `load` never runs code from the files and never reads outside the version folder
 (hybrid/ckpt/folder.py, hybrid/ckpt/safeio.py), and checks everything it will apply before it changes the
 model, optimizer, scheduler or RNG; DeepSpeed's own pickled checkpoint format is neither written nor read.
