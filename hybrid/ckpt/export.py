@@ -278,7 +278,8 @@ def _place(tmp: str, out: str, old: str, overwrite: bool) -> None:
             raise HybridError(f"export target {out!r} was filled by another export while this one ran; it is left as "
                               "it is: export to a new directory, or pass --overwrite to replace it")
     else:
-        stranger = os.path.basename(out)
+        raise HybridError(f"export target {out!r} changed while the export ran (it is now a file or a link); it is "
+                          "left as it is: export to a new directory")
     if stranger is not None:
         raise HybridError(f"export target {out!r} changed while the export ran (it now holds {short(stranger)}); it "
                           "is left as it is: export to a new directory")

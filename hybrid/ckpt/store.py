@@ -167,9 +167,11 @@ def _prepare(path: str, name: str, overwrite: bool) -> tuple[str | None, list[st
         os.makedirs(os.path.join(path, name))
         with open(os.path.join(path, name, MARKER), "w") as f:
             f.write(f"{FORMAT}\n{name}\n")
-    except (OSError, HybridError) as e:
+    except BaseException as e:
         if lock is not None:
             lock.release()
+        if not isinstance(e, (OSError, HybridError)):
+            raise
         if isinstance(e, HybridError):
             return str(e), [], None
         why = why_write_failed(e, path) or f"{e.strerror or e}; choose a writable directory"
