@@ -2,12 +2,13 @@
 
 `.hybrid-lock` is created with O_CREAT|O_EXCL (atomic on local file systems and NFSv3+) and holds
 one JSON line: host, pid, the process's start time (Linux: /proc/<pid>/stat, so a reused pid is not
-taken for the owner) and a random token. A lock whose owner is on this host and no longer runs is
-stale: the next writer takes it over with a log line. Taking over is itself exclusive: the breaker
-first creates `.hybrid-lock.break-<token of the stale lock>` with O_EXCL, so two writers that find
-the same stale lock cannot remove a fresh one. A live owner, or an owner on another host (whose
-liveness cannot be proven from here), is a one-line refusal naming it and the fix. Nothing waits
-longer than `GRACE_S`. No torch here.
+taken for the owner), its PID namespace and a random token. A lock whose owner is on this host, in
+this PID namespace, and no longer runs is stale: the next writer takes it over with a log line.
+Taking over is itself exclusive: the breaker first creates `.hybrid-lock.break-<token of the stale
+lock>` with O_EXCL, so two writers that find the same stale lock cannot remove a fresh one. A live
+owner, or one on another host or in another PID namespace (a container: its liveness cannot be
+proven from here), is a one-line refusal naming it and the fix. Nothing waits longer than
+`GRACE_S`. No torch here.
 """
 from __future__ import annotations
 
@@ -39,6 +40,14 @@ def _start_time(pid: int) -> str | None:
             stat = f.read(_LIMIT).decode("ascii", "replace")
         return stat.rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
+        return None
+
+
+def _pid_namespace() -> str | None:
+    """This process's PID namespace (Linux /proc/self/ns/pid), or None."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
         return None
 
 
@@ -95,7 +104,7 @@ class DirLock:
         attempts (one per stale lock taken over), each bounded by GRACE_S."""
         path = os.path.join(directory, LOCK)
         me = {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid()),
-              "token": uuid.uuid4().hex}
+              "ns": _pid_namespace(), "token": uuid.uuid4().hex}
         for _ in range(4):
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
@@ -112,6 +121,14 @@ class DirLock:
             return cls(directory, me["token"])
         raise HybridError(f"could not take the checkpoint lock {path!r}: other saves keep taking it; save one job "
                           "at a time into a directory")
+
+    def held(self) -> bool:
+        """Whether the lock file still holds this lock's token (no other writer took it over)."""
+        try:
+            owner = _read(self.path)
+        except HybridError:
+            return False
+        return owner is not None and owner["token"] == self.token
 
     def release(self) -> None:
         """Remove the lock if it is still ours (a lock another writer holds is never removed)."""
@@ -132,7 +149,8 @@ class DirLock:
 def _take_over_or_refuse(directory: str, path: str, owner: dict, host: str) -> None:
     """Remove a stale lock (its owner on this host, gone), exclusively; HybridError for a live one."""
     who = f"host {short(owner['host'], 60)}, pid {owner['pid']}"
-    if owner["host"] != host:
+    ns = _pid_namespace()
+    if owner["host"] != host or (isinstance(owner.get("ns"), str) and ns is not None and owner["ns"] != ns):
         raise HybridError(f"checkpoint directory {directory!r} is being saved by another job ({who}); "
                           f"save there when it has finished, or elsewhere (if that job is gone, remove {path!r})")
     start = owner.get("start") if isinstance(owner.get("start"), str) else None

@@ -243,13 +243,14 @@ def save(wrapped, path: str, extra: dict | None = None, overwrite: bool = False)
         name, error = _broadcast((name, error), rank)     # a refusal (the lock's owner...) is raised on every rank
         if error:
             raise HybridError(error)
-        return _write_version(wrapped, path, name, history, extra)
+        return _write_version(wrapped, path, name, history, extra, lock)
     finally:
         if lock is not None:            # on success and on any failure; a killed writer leaves it stale
             lock.release()
 
 
-def _write_version(wrapped, path: str, name: str, history: list[str], extra: dict | None) -> str:
+def _write_version(wrapped, path: str, name: str, history: list[str], extra: dict | None,
+                   lock: DirLock | None) -> str:
     """The data, the sizes and CRCs, the commit and the removal of superseded versions, with the
     directory's lock held by rank 0."""
     import torch.distributed.checkpoint as dcp
@@ -295,10 +296,14 @@ def _write_version(wrapped, path: str, name: str, history: list[str], extra: dic
                 "files": {k: v for g in gathered for k, v in g.items()}, "extra": extra or {},
                 "history": [name, *history]}
         try:
+            if not lock.held():     # taken over meanwhile (by a job that could not see this one): commit nothing
+                raise HybridError(f"checkpoint directory {path!r}: another job took its lock over while this save "
+                                  "ran (one that cannot see this process: another PID namespace?); this version was "
+                                  "not committed: save one job at a time into a directory")
             _write_meta(path, meta)          # the commit
-        except OSError as e:
+        except (OSError, HybridError) as e:
             shutil.rmtree(data, ignore_errors=True)
-            error = _write_error(path, e)
+            error = str(e) if isinstance(e, HybridError) else _write_error(path, e)
         else:
             for old in history:        # superseded versions this save can prove it wrote, after the switch
                 if _provably_ours(path, old, history):

@@ -173,3 +173,39 @@ def test_random_concurrent_saves_leave_one_loadable_checkpoint_and_nothing_orpha
     assert _versions(path) == [meta["data"]], (_versions(path), meta["data"])     # nothing orphaned
     assert not [e for e in os.listdir(path) if e.startswith((".hybrid-lock", ".meta.json."))], os.listdir(path)
     assert run_ranks(1, load_bad, path)[0] is None
+
+
+def save_losing_the_lock(path):
+    """A first version, then a save whose lock another job (one that could not see this process)
+    takes over before the commit; its one-line error."""
+    import hybrid.ckpt.store as store
+    w = _wrap("ddp")
+    _train(w)
+    w.save(path)
+    real = store._files
+
+    def taken_over(root):
+        lock = os.path.join(path, ".hybrid-lock")
+        with open(lock) as f:
+            owner = json.load(f)
+        with open(lock, "w") as f:
+            json.dump(dict(owner, host="node-7", pid=4242, token="cd" * 16), f)
+        return real(root)
+    store._files = taken_over
+    try:
+        w.save(path)
+    except HybridError as e:
+        return str(e)
+    finally:
+        store._files = real
+
+
+def test_a_save_whose_lock_was_taken_over_commits_nothing(tmp_path):
+    path = str(tmp_path / "c")
+    msg = run_ranks(1, save_losing_the_lock, path)[0]
+    assert msg and "\n" not in msg and "took its lock over while this save ran" in msg, msg
+    meta = _meta(path)
+    assert _versions(path) == [meta["data"]] and meta["history"][0] == meta["data"]     # the first version
+    with open(os.path.join(path, ".hybrid-lock")) as f:
+        assert json.load(f)["host"] == "node-7"          # the other job's lock is left as it is
+    assert run_ranks(1, load_bad, path)[0] is None

@@ -101,3 +101,13 @@ def test_release_never_removes_a_lock_that_is_no_longer_ours(tmp_path, caplog):
         lock.release()
     assert json.loads((tmp_path / LOCK).read_text()) == other
     assert "no longer this save's" in caplog.text
+
+
+def test_a_lock_of_another_pid_namespace_is_never_taken_for_stale(tmp_path):
+    from hybrid.ckpt.lock import _pid_namespace
+    if _pid_namespace() is None:
+        pytest.skip("no /proc/self/ns/pid here")
+    pid = _gone_pid()           # gone here; in another namespace (a container) the same number may be alive
+    _plant(tmp_path, pid=pid, ns="pid:[1]")
+    with pytest.raises(HybridError, match=rf"another job \(host .*, pid {pid}\).*if that job is gone, remove"):
+        DirLock.acquire(str(tmp_path))
