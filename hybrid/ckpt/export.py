@@ -182,7 +182,7 @@ def export(ckpt: str, out: str, dtype: str | None = None, max_shard: str = "5GB"
     """Write the export; returns the files written. No process group, no GPU. The checkpoint is
     checked whole first; the files are written into a fresh temporary directory beside `out` and
     renamed into place at the end, so a failed or interrupted export leaves `out` as it was; a
-    non-empty `out` needs overwrite=True."""
+    non-empty `out` needs overwrite=True, and `out` is checked again at the rename (`_place`)."""
     import shutil
     import uuid
 
