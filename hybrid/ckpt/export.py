@@ -15,6 +15,7 @@ failure, SIGTERM and Ctrl-C included; files get the permissions the umask gives.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -23,6 +24,7 @@ import threading
 
 from .folder import check_files, first_line, read_meta, reader, short
 from ..errors import HybridError
+from .space import causes, why_write_failed
 from ..units import parse_bytes
 
 _LLAMA = [(r"^embed\.", "model.embed_tokens."), (r"^blocks\.(\d+)\.norm1\.", r"model.layers.\1.input_layernorm."),
@@ -180,7 +182,7 @@ def export(ckpt: str, out: str, dtype: str | None = None, max_shard: str = "5GB"
     """Write the export; returns the files written. No process group, no GPU. The checkpoint is
     checked whole first; the files are written into a fresh temporary directory beside `out` and
     renamed into place at the end, so a failed or interrupted export leaves `out` as it was; a
-    non-empty `out` needs overwrite=True."""
+    non-empty `out` needs overwrite=True, and `out` is checked again at the rename (`_place`)."""
     import shutil
     import uuid
 
@@ -205,25 +207,100 @@ def export(ckpt: str, out: str, dtype: str | None = None, max_shard: str = "5GB"
     with _signals_unwind():
         try:
             os.mkdir(tmp)                   # 0777 less the umask, as any output directory
-            written = _write(ckpt, r, tmp, dtype, cast, keys, entries, config, limit)
-            if os.path.isdir(out):          # overwrite=True was given
-                os.rename(out, old)
-            os.rename(tmp, out)
+            try:
+                written = _write(ckpt, r, tmp, dtype, cast, keys, entries, config, limit)
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+                stop = next((x for x in causes(e) if isinstance(x, (KeyboardInterrupt, SystemExit))), None)
+                if stop is not None:        # a signal that landed inside DCP, which wrapped it
+                    raise stop from None
+                raise _read_or_write_error(ckpt, meta, tmp, out, e) from None
+            _place(tmp, out, old, overwrite)
         except HybridError:
             raise
         except OSError as e:
-            raise HybridError(f"cannot export to {out!r}: {e.strerror or e}") from None
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-            raise HybridError(f"cannot export {ckpt!r}: {first_line(e)}") from None
+            raise HybridError(f"cannot export to {out!r}: {why_write_failed(e, parent) or e.strerror or e}") from None
         finally:
             if os.path.isdir(old) and not os.path.lexists(out):
                 os.rename(old, out)         # stopped between the two renames: the previous export back
-            for leftover in (tmp, old):
-                if os.path.isdir(leftover) and not os.path.islink(leftover):
+            for leftover in (tmp, old):     # `old` goes only where it holds nothing but an earlier export
+                if os.path.isdir(leftover) and not os.path.islink(leftover) and (
+                        leftover == tmp or _only_exported(leftover) is None):
                     shutil.rmtree(leftover, ignore_errors=True)
     return written
+
+
+def _read_or_write_error(ckpt: str, meta: dict, tmp: str, out: str, e: BaseException) -> HybridError:
+    """What stopped the export as one line: a save that replaced the version being read, a full
+    disk (or quota, or file-size limit), else the first cause."""
+    try:
+        now = read_meta(ckpt)["data"]
+    except HybridError:
+        now = None
+    if now != meta["data"] or not os.path.isdir(os.path.join(ckpt, meta["data"])):
+        return HybridError(f"checkpoint {ckpt!r} changed while it was exported (a save replaced version "
+                           f"{short(meta['data'])}); {out!r} is left as it was: export again when no save is running")
+    why = why_write_failed(e, tmp)
+    if why:
+        return HybridError(f"cannot export to {out!r}: {why}")
+    if isinstance(e, HybridError):
+        return e
+    if isinstance(e, OSError):
+        return HybridError(f"cannot export to {out!r}: {e.strerror or e}")
+    return HybridError(f"cannot export {ckpt!r}: {first_line(e)}")
+
+
+def _only_exported(path: str) -> str | None:
+    """The first entry of directory `path` an export does not write (or that is not a regular
+    file), or None where it holds only an export's files."""
+    for name in sorted(os.listdir(path)):
+        if not _EXPORTED.fullmatch(name) or not os.path.isfile(os.path.join(path, name)) \
+                or os.path.islink(os.path.join(path, name)):
+            return name
+    return None
+
+
+def _place(tmp: str, out: str, old: str, overwrite: bool) -> None:
+    """Rename the finished export `tmp` to `out`, re-checking `out` at that moment: absent or empty
+    (rename(2) replaces only an empty directory, atomically), or with overwrite an earlier export
+    (moved aside to `old`, checked there, removed by the caller); anything else is a HybridError
+    and `out` is left as it is."""
+    try:
+        os.rename(tmp, out)
+        return
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise
+    if os.path.isdir(out) and not os.path.islink(out):
+        stranger = _only_exported(out)
+        if stranger is None and not overwrite:
+            raise HybridError(f"export target {out!r} was filled by another export while this one ran; it is left as "
+                              "it is: export to a new directory, or pass --overwrite to replace it")
+    else:
+        raise HybridError(f"export target {out!r} changed while the export ran (it is now a file or a link); it is "
+                          "left as it is: export to a new directory")
+    if stranger is not None:
+        raise HybridError(f"export target {out!r} changed while the export ran (it now holds {short(stranger)}); it "
+                          "is left as it is: export to a new directory")
+    os.rename(out, old)                 # an earlier export: aside, checked again where nobody else writes
+    stranger = _only_exported(old)
+    if stranger is None:
+        try:
+            os.rename(tmp, out)
+            return
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise
+            raise HybridError(f"export target {out!r} was created again while the export ran; it is left as it is, "
+                              "and the earlier export it replaced is removed: export again") from None
+    try:
+        os.rename(old, out)             # a file appeared in the instant before: everything back
+    except OSError:
+        raise HybridError(f"export target {out!r} changed while the export ran; what it held is now in {old!r} "
+                          "(nothing was deleted): move it back and export to a new directory") from None
+    raise HybridError(f"export target {out!r} changed while the export ran (it now holds {short(stranger)}); it is "
+                      "left as it is: export to a new directory")
 
 
 def _write(ckpt, r, out, dtype, cast, keys, entries, config, limit) -> list[str]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import io
+import logging
 import os
 import pickle
 import stat
@@ -338,7 +339,22 @@ class SafePlanner(DefaultLoadPlanner):
         self.load_bytes_checked(read_item, _load_item(value.getvalue(), None, read_item.dest_index.fqn))
 
 
+class _NoMetadataTracebacks(logging.Filter):
+    """Drops DCP's "Global metadata is not found" / "Rank local metadata is not found" warnings:
+    torch 2.13's state_dict_loader logs each with its traceback on the root logger before it raises
+    the same failure, which reaches the user as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.pathname.replace(os.sep, "/").endswith("distributed/checkpoint/state_dict_loader.py")
+                    and "metadata is not found" in str(record.msg))
+
+
 def dcp_load(state: dict, reader: SafeReader, no_dist: bool = False) -> None:
     """dcp.load through the confined reader and the safe planner."""
     import torch.distributed.checkpoint as dcp
-    dcp.load(state, storage_reader=reader, planner=SafePlanner(), no_dist=no_dist)
+    quiet = _NoMetadataTracebacks()
+    logging.getLogger().addFilter(quiet)
+    try:
+        dcp.load(state, storage_reader=reader, planner=SafePlanner(), no_dist=no_dist)
+    finally:
+        logging.getLogger().removeFilter(quiet)

@@ -17,6 +17,9 @@ Trust: `save` removes only version folders it can prove it wrote: named in meta.
 (recorded before the folder is created, so a crashed save's folder is provable too) and carrying a
 marker that names the folder itself (a copy the user keeps beside it is never touched). It refuses
 a directory holding anything else unless `overwrite=True` (which still deletes nothing foreign).
+One job writes a directory at a time: rank 0 holds its lock (hybrid/ckpt/lock.py) from before it
+reads the directory until the save ends, so a version folder is deleted only by the save that made
+it or, once its writer is gone, by a later one.
 `load` never runs code from the files and never reads outside the version folder
 (hybrid/ckpt/folder.py, hybrid/ckpt/safeio.py), and checks everything it will apply before it changes the
 model, optimizer, scheduler or RNG; DeepSpeed's own pickled checkpoint format is neither written nor read.
@@ -38,7 +41,9 @@ from ..errors import HybridError
 from .folder import (FORMAT, MARKER, META, _crc, check_files, check_items, check_loop, check_rng, dcp_files,
                        first_line, plan_load, read_meta, read_plain, reader, short, validate_meta)
 from ..log import get_logger
+from .lock import BREAK, LOCK, DirLock
 from .safeio import dcp_load, read_bounded
+from .space import why_write_failed
 
 log = get_logger(__name__)
 
@@ -99,7 +104,7 @@ def _is_ours(path: str, entry: str) -> bool:
         except (HybridError, ValueError, RecursionError):
             return False
         return isinstance(meta, dict) and meta.get("format") == FORMAT
-    if _TEMP.fullmatch(entry):
+    if _TEMP.fullmatch(entry) or entry == LOCK or BREAK.fullmatch(entry):
         return True
     return entry.startswith("data-") and _marker(path, entry) is not None
 
@@ -129,21 +134,26 @@ def _write_meta(path: str, meta: dict) -> None:
         raise
 
 
-def _prepare(path: str, name: str, overwrite: bool) -> tuple[str | None, list[str]]:
-    """Rank 0: check the target, record `name` in the history and create this version's folder.
-    (error message or None, the history of version folders this save may delete)."""
+def _prepare(path: str, name: str, overwrite: bool) -> tuple[str | None, list[str], DirLock | None]:
+    """Rank 0: check the target, take its lock, record `name` in the history and create this
+    version's folder. (error message or None, the history of version folders this save may delete,
+    the lock held: released by the caller; on an error it is released here)."""
     if os.path.exists(path) and not os.path.isdir(path):
-        return f"checkpoint path {path!r} is a file; give a directory (it is created if missing)", []
+        return f"checkpoint path {path!r} is a file; give a directory (it is created if missing)", [], None
+    lock = None
     try:
         os.makedirs(path, exist_ok=True)
+        lock = DirLock.acquire(path)        # one writer: what follows sees no other save's half-made folder
         foreign = sorted(e for e in os.listdir(path) if not _is_ours(path, e))
         if META in foreign:
+            lock.release()
             return (f"{path!r} holds a {META} that hybrid did not write; save somewhere else (hybrid's commit "
-                    f"point would replace it, overwrite=True or not)"), []
+                    f"point would replace it, overwrite=True or not)"), [], None
         if foreign and not overwrite:
+            lock.release()
             return (f"{path!r} holds files hybrid did not write ({', '.join(short(f, 40) for f in foreign[:3])}"
                     f"{', ...' if len(foreign) > 3 else ''}); save into an empty or hybrid-only directory, or "
-                    "pass overwrite=True to write beside them (they are never deleted)"), []
+                    "pass overwrite=True to write beside them (they are never deleted)"), [], None
         for entry in os.listdir(path):      # temporary files of our own saves that crashed
             if _TEMP.fullmatch(entry) and os.path.isfile(os.path.join(path, entry)) \
                     and not os.path.islink(os.path.join(path, entry)):
@@ -157,9 +167,16 @@ def _prepare(path: str, name: str, overwrite: bool) -> tuple[str | None, list[st
         os.makedirs(os.path.join(path, name))
         with open(os.path.join(path, name, MARKER), "w") as f:
             f.write(f"{FORMAT}\n{name}\n")
-    except OSError as e:
-        return f"cannot write a checkpoint to {path!r}: {e.strerror or e}; choose a writable directory", []
-    return None, list(dict.fromkeys(history))
+    except BaseException as e:
+        if lock is not None:
+            lock.release()
+        if not isinstance(e, (OSError, HybridError)):
+            raise
+        if isinstance(e, HybridError):
+            return str(e), [], None
+        why = why_write_failed(e, path) or f"{e.strerror or e}; choose a writable directory"
+        return f"cannot write a checkpoint to {path!r}: {why}", [], None
+    return None, list(dict.fromkeys(history)), lock
 
 
 def _model_info(module) -> dict:
@@ -208,21 +225,37 @@ def _rank0_buffers(module, model_state: dict) -> None:
 
 
 def _write_error(path: str, e: BaseException) -> str:
+    why = why_write_failed(e, path)
+    if why:
+        return f"cannot write checkpoint {path!r}: {why}; the previous version is still in force"
     return (f"cannot write checkpoint {path!r}: {first_line(e)}; the previous version is still in force "
             "(free space, or save somewhere else)")
 
 
 def save(wrapped, path: str, extra: dict | None = None, overwrite: bool = False) -> str:
-    """Write a new version of the checkpoint at `path` (collective: every rank calls it)."""
+    """Write a new version of the checkpoint at `path` (collective: every rank calls it); one job
+    at a time per directory (hybrid/ckpt/lock.py)."""
+    rank = dist.get_rank()
+    path = os.path.abspath(path)
+    name = f"data-{wrapped.step_count:08d}-{uuid.uuid4().hex[:8]}"
+    error, history, lock = _prepare(path, name, overwrite) if rank == 0 else (None, [], None)
+    try:
+        name, error = _broadcast((name, error), rank)     # a refusal (the lock's owner...) is raised on every rank
+        if error:
+            raise HybridError(error)
+        return _write_version(wrapped, path, name, history, extra, lock)
+    finally:
+        if lock is not None:            # on success and on any failure; a killed writer leaves it stale
+            lock.release()
+
+
+def _write_version(wrapped, path: str, name: str, history: list[str], extra: dict | None,
+                   lock: DirLock | None) -> str:
+    """The data, the sizes and CRCs, the commit and the removal of superseded versions, with the
+    directory's lock held by rank 0."""
     import torch.distributed.checkpoint as dcp
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    path = os.path.abspath(path)
-    name = f"data-{wrapped.step_count:08d}-{uuid.uuid4().hex[:8]}"
-    error, history = _prepare(path, name, overwrite) if rank == 0 else (None, [])
-    name, error = _broadcast((name, error), rank)
-    if error:
-        raise HybridError(error)
     data = os.path.join(path, name)
     engine = wrapped.engine
     state = engine.checkpoint_state()
@@ -263,10 +296,14 @@ def save(wrapped, path: str, extra: dict | None = None, overwrite: bool = False)
                 "files": {k: v for g in gathered for k, v in g.items()}, "extra": extra or {},
                 "history": [name, *history]}
         try:
+            if not lock.held():     # taken over meanwhile (by a job that could not see this one): commit nothing
+                raise HybridError(f"checkpoint directory {path!r}: another job took its lock over while this save "
+                                  "ran (one that cannot see this process: another PID namespace?); this version was "
+                                  "not committed: save one job at a time into a directory")
             _write_meta(path, meta)          # the commit
-        except OSError as e:
+        except (OSError, HybridError) as e:
             shutil.rmtree(data, ignore_errors=True)
-            error = _write_error(path, e)
+            error = str(e) if isinstance(e, HybridError) else _write_error(path, e)
         else:
             for old in history:        # superseded versions this save can prove it wrote, after the switch
                 if _provably_ours(path, old, history):
