@@ -1,4 +1,4 @@
-"""Parsing and printing of byte sizes and counts (pure, no torch)."""
+"""Parsing and printing of byte sizes, counts and seconds (pure, no torch)."""
 from __future__ import annotations
 
 import re
@@ -68,3 +68,16 @@ def fmt_bytes(n: int | float | None) -> str:
     return f"{int(n)} B"
 
 
+def env_seconds(environ, name: str, default: float, example: str) -> float:
+    """A positive number of seconds from environment variable `name` (`default` when unset), or
+    one line naming the value and an example."""
+    value = environ.get(name)
+    if value is None:
+        return default
+    try:
+        t = float(value)
+    except ValueError:
+        t = -1.0
+    if not 0 < t < 1e7:
+        raise HybridError(f"{name}={value!r} must be a positive number of seconds, e.g. {example}")
+    return t

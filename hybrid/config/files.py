@@ -72,6 +72,15 @@ def read_text(path: str, what: str, limit: int, why: str) -> str:
         raise HybridError(f"{what} {str(path)[:200]!r} is not UTF-8 text") from None
 
 
+def read_yaml(path: str, what: str, why: str):
+    """(the YAML document, its text) of a file read under YAML_LIMITS; invalid YAML is one line."""
+    text = read_text(path, what, YAML_LIMITS["bytes"], why)
+    try:
+        return load_yaml(text), text
+    except yaml.YAMLError as e:
+        raise HybridError(f"{path}: not valid YAML: {str(e).splitlines()[0][:200]}") from None
+
+
 def load_json(text: str, limits: dict = JSON_LIMITS):
     """json.loads under `limits` (raises ValueError past them: larger, more values, deeper; and for
     what json refuses: bad syntax, an integer of thousands of digits, nesting past the stack)."""

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import yaml
 
-from ..config.files import YAML_LIMITS, load_yaml, read_text
+from ..config.files import read_yaml
 from ..errors import HybridError, short
 from .fitting import ADDITIVE, fit
 
@@ -169,11 +169,7 @@ def load(path: str) -> Calibration:
     if not os.path.lexists(path):
         raise HybridError(f"calibration file {str(path)[:200]!r} does not exist (write one with hybrid tune "
                           "--save-calibration)")
-    text = read_text(path, "calibration file", YAML_LIMITS["bytes"], "hybrid tune writes a few KB")
-    try:
-        data = load_yaml(text)
-    except yaml.YAMLError as e:
-        raise HybridError(f"{path}: not valid YAML: {str(e).splitlines()[0][:200]}") from None
+    data, _ = read_yaml(path, "calibration file", "hybrid tune writes a few KB")
     if not isinstance(data, dict):
         raise HybridError(f"{path}: a calibration file is a mapping (hybrid tune --save-calibration writes one), "
                           f"got {type(data).__name__}")

@@ -7,9 +7,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-import yaml
 
-from ..config.files import YAML_LIMITS, key_lines, load_yaml, read_text
+from ..config.files import key_lines, read_yaml
 from ..errors import HybridError, short, unknown_name
 from . import FAMILIES, get_family
 from .base import FamilyConfig
@@ -131,11 +130,7 @@ def _type_ok(t: str, key: str, value) -> bool:
 
 
 def load_file(path: str) -> Strategy:
-    text = read_text(path, "strategy file", YAML_LIMITS["bytes"], "a strategy is a few lines of knob: value")
-    try:
-        data = load_yaml(text)
-    except yaml.YAMLError as e:
-        raise HybridError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+    data, text = read_yaml(path, "strategy file", "a strategy is a few lines of knob: value")
     if not isinstance(data, dict):
         raise HybridError(f"{path}: a strategy file must be a mapping of knob: value")
     lines = key_lines(text)

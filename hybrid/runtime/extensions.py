@@ -17,6 +17,7 @@ import sys
 import time
 
 from ..errors import HybridError
+from ..units import env_seconds
 
 log = logging.getLogger(__name__)     # not log.get_logger: the test conftest imports this before pytest's log capture
 
@@ -70,16 +71,7 @@ def default_root(environ=os.environ) -> str:
 
 def build_timeout(environ=os.environ) -> float:
     """BUILD_TIMEOUT_S, or HYBRID_BUILD_TIMEOUT seconds."""
-    value = environ.get("HYBRID_BUILD_TIMEOUT")
-    if value is None:
-        return BUILD_TIMEOUT_S
-    try:
-        t = float(value)
-    except ValueError:
-        t = -1.0
-    if not 0 < t < 1e7:
-        raise HybridError(f"HYBRID_BUILD_TIMEOUT={value!r} must be a positive number of seconds, e.g. 600")
-    return t
+    return env_seconds(environ, "HYBRID_BUILD_TIMEOUT", BUILD_TIMEOUT_S, "600")
 
 
 def locks(root: str) -> list[str]:
@@ -208,8 +200,13 @@ def build_op(root: str, timeout: float = BUILD_TIMEOUT_S) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)
         child.wait()
+        deadline = time.monotonic() + 2.0       # the killed group's compilers may take a moment to exit
         for lock in locks(root):
-            if os.path.basename(os.path.dirname(lock)) == SHM_OP and not holders(lock)[0]:
+            if os.path.basename(os.path.dirname(lock)) != SHM_OP:
+                continue
+            while holders(lock)[0] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not holders(lock)[0]:
                 _remove(lock)
         raise HybridError(f"DeepSpeed's {SHM_OP} op build did not finish within {timeout:g} s (killed); "
                           f"build it once with setup.sh, or raise HYBRID_BUILD_TIMEOUT") from None

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import HybridError
 from ..layout.dims import ParallelDims, validate_shard_size
+from ..units import env_seconds
 
 
 @dataclass(frozen=True)
@@ -61,16 +62,7 @@ def default_timeout(cuda: bool) -> float:
     """Seconds any collective (and shutdown) may wait for a peer before failing: HYBRID_TIMEOUT,
     else 60 on CPU ranks (gloo) and 600 on GPUs (the first NCCL collectives and large checkpoint
     writes can take minutes)."""
-    value = os.environ.get("HYBRID_TIMEOUT")
-    if value is None:
-        return 600.0 if cuda else 60.0
-    try:
-        t = float(value)
-    except ValueError:
-        t = -1.0
-    if not 0 < t < 1e7:
-        raise HybridError(f"HYBRID_TIMEOUT={value!r} must be a positive number of seconds, e.g. 60")
-    return t
+    return env_seconds(os.environ, "HYBRID_TIMEOUT", 600.0 if cuda else 60.0, "60")
 
 
 def init_distributed(timeout_s: float | None = None) -> Runtime:
