@@ -208,6 +208,8 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
         the_plan = make_plan(profile, spec, cluster, catalogue, shard_size, search_checkpointing=search,
                              **runtime_degrees({"tp": tp, "pp": pp, "cp": cp, "ep": ep or 1}), schedule=schedule,
                              calibration=cal, micro_batch=pin)
+        if the_plan.chosen is None and the_plan.missing:
+            the_plan = _choose_on_states(the_plan, profile, runtime)
         if the_plan.chosen is None:
             fixes = "; ".join(the_plan.suggestions) or "none found"
             raise HybridError(f"no strategy fits {profile.name} in {cluster.describe()}. Smallest changes that "
@@ -264,6 +266,20 @@ def _with_job_file(path: str, given: dict) -> Wrapped:
         log.info("hybrid: %s: %s describe what `hybrid plan` estimates; auto_wrap uses the module and the "
                  "optimizer it is given", path, ", ".join(plan_only))
     return auto_wrap(**args)
+
+
+def _choose_on_states(the_plan, profile, runtime):
+    """A module whose activations nothing could estimate (no repeating block to measure): the
+    fastest layout whose model states fit, said on rank 0 with what is missing, never silently."""
+    from .planning.planner import choose
+    chosen = choose(the_plan.candidates, the_plan.tie, known=False)
+    if chosen is None:
+        return the_plan
+    if runtime.rank == 0:
+        log.warning("hybrid: warning: %s of %s unknown (no repeating block to measure): %s chosen on its model "
+                    "states alone; pass strategy= to choose yourself", ", ".join(the_plan.missing), profile.name,
+                    chosen.label)
+    return dataclasses.replace(the_plan, chosen=chosen)
 
 
 def _agree(chosen, runtime, strategy, cluster):

@@ -156,10 +156,12 @@ class Candidate:
         }
 
 
-def fastest_fitting(cands) -> Candidate | None:
-    """The candidate known to fit that is predicted fastest, among those that fit with room when
-    any does (tight ones run only by the allocator's retries)."""
-    fitting = [c for c in cands if c.known_to_fit and not c.tight] or [c for c in cands if c.known_to_fit]
+def fastest_fitting(cands, known: bool = True) -> Candidate | None:
+    """The candidate known to fit (with known=False: whose estimated part fits) that is predicted
+    fastest, among those that fit with room when any does (tight ones run only by the allocator's
+    retries)."""
+    ok = (lambda c: c.known_to_fit) if known else (lambda c: c.fits)
+    fitting = [c for c in cands if ok(c) and not c.tight] or [c for c in cands if ok(c)]
     return min(fitting, key=lambda c: c.cost.time_per_token) if fitting else None
 
 
@@ -186,8 +188,11 @@ class Plan:
 
     @property
     def missing(self) -> tuple[str, ...]:
-        """What was not estimated, when that alone kept every candidate from being chosen."""
+        """What was not estimated, when that alone kept every candidate from being chosen (or the
+        choice was made without it: auto_wrap's, on model states alone)."""
         if self.chosen is None and any(c.fits and c.memory.activations is None for c in self.candidates):
+            return ("activations",)
+        if self.chosen is not None and self.chosen.memory.activations is None:
             return ("activations",)
         return ()
 

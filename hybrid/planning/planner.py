@@ -156,15 +156,15 @@ def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, 
     return out
 
 
-def choose(cands, tie: float = TIE) -> Candidate | None:
+def choose(cands, tie: float = TIE, known: bool = True) -> Candidate | None:
     """The fastest candidate that fits; those predicted within `tie` of it (the model's error)
     are a tie that goes to the simpler one. Tight candidates (they run only by the allocator's
     retries) are chosen only when none fits with room."""
-    fastest = fastest_fitting(cands)
+    fastest = fastest_fitting(cands, known)
     if fastest is None:
         return None
     best = fastest.cost.time_per_token
-    close = [c for c in cands if c.known_to_fit and c.tight == fastest.tight
+    close = [c for c in cands if (c.known_to_fit or not known and c.fits) and c.tight == fastest.tight
              and c.cost.time_per_token <= best * (1 + tie)]
     return min(close, key=lambda c: (c.layout.simplicity, c.cost.time_per_token))
 

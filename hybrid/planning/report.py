@@ -140,7 +140,8 @@ def format_plan(p: Plan, summary: bool = False, top: int | None = None) -> str:
     out.append("")
     c = p.chosen
     if c:
-        verdict = "fastest that fits"
+        verdict = "fastest that fits" if c.memory.activations is not None else \
+            "chosen by auto_wrap on its model states alone (activations unknown)"
         if c.tight:
             verdict = ("nothing fits with the allocator's full reserve; fastest that fits tightly (it runs on "
                        "the allocator's retries)")
