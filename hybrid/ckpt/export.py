@@ -261,6 +261,10 @@ def _only_exported(path: str) -> str | None:
     return None
 
 
+_OCCUPIED = (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR)
+"""What rename(2) says when its target is there and not an empty folder."""
+
+
 def _place(tmp: str, out: str, old: str, overwrite: bool) -> None:
     """Rename the finished export `tmp` to `out`, re-checking `out` at that moment: absent or empty
     (rename(2) replaces only an empty directory, atomically), or with overwrite an earlier export
@@ -270,7 +274,7 @@ def _place(tmp: str, out: str, old: str, overwrite: bool) -> None:
         os.rename(tmp, out)
         return
     except OSError as e:
-        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+        if e.errno not in _OCCUPIED:
             raise
     if os.path.isdir(out) and not os.path.islink(out):
         stranger = _only_exported(out)
@@ -290,7 +294,7 @@ def _place(tmp: str, out: str, old: str, overwrite: bool) -> None:
             os.rename(tmp, out)
             return
         except OSError as e:
-            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            if e.errno not in _OCCUPIED:
                 raise
             raise HybridError(f"export target {out!r} was created again while the export ran; it is left as it is, "
                               "and the earlier export it replaced is removed: export again") from None
