@@ -265,17 +265,24 @@ _OCCUPIED = (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR)
 """What rename(2) says when its target is there and not an empty folder."""
 
 
+def _moved(tmp: str, out: str) -> bool:
+    """Rename `tmp` to `out`; False (nothing moved) when `out` is there and not an empty folder."""
+    try:
+        os.rename(tmp, out)
+        return True
+    except OSError as e:
+        if e.errno not in _OCCUPIED:
+            raise
+        return False
+
+
 def _place(tmp: str, out: str, old: str, overwrite: bool) -> None:
     """Rename the finished export `tmp` to `out`, re-checking `out` at that moment: absent or empty
     (rename(2) replaces only an empty directory, atomically), or with overwrite an earlier export
     (moved aside to `old`, checked there, removed by the caller); anything else is a HybridError
     and `out` is left as it is."""
-    try:
-        os.rename(tmp, out)
+    if _moved(tmp, out):
         return
-    except OSError as e:
-        if e.errno not in _OCCUPIED:
-            raise
     if os.path.isdir(out) and not os.path.islink(out):
         stranger = _only_exported(out)
         if stranger is None and not overwrite:
@@ -290,14 +297,10 @@ def _place(tmp: str, out: str, old: str, overwrite: bool) -> None:
     os.rename(out, old)                 # an earlier export: aside, checked again where nobody else writes
     stranger = _only_exported(old)
     if stranger is None:
-        try:
-            os.rename(tmp, out)
-            return
-        except OSError as e:
-            if e.errno not in _OCCUPIED:
-                raise
+        if not _moved(tmp, out):
             raise HybridError(f"export target {out!r} was created again while the export ran; it is left as it is, "
-                              "and the earlier export it replaced is removed: export again") from None
+                              "and the earlier export it replaced is removed: export again")
+        return
     try:
         os.rename(old, out)             # a file appeared in the instant before: everything back
     except OSError:
