@@ -83,11 +83,11 @@ def train_spec(profile: ModelProfile, cluster: Cluster, **train) -> TrainSpec:
 
 
 def plan(model, cluster: Cluster | None = None, *, strategies: list[str] | None = None, tp: int | None = None,
-         pp: int | None = None, schedule: str | None = None, shard_size: int | None = None,
+         pp: int | None = None, ep: int | None = None, schedule: str | None = None, shard_size: int | None = None,
          efficiency: float | None = None, strategies_dir: tuple[str, ...] = (), **train):
     """Every candidate layout for `model` on `cluster` (default one node of 8 H100-80GB), ranked,
     with the choice and why: what `hybrid plan` prints. Checkpointing is searched unless
-    `activation_checkpointing=` pins it; tp and pp are searched unless pinned. With
+    `activation_checkpointing=` pins it; tp, pp and (for an MoE decoder) ep are searched unless pinned. With
     `global_batch=` (sequences per step) or `global_batch_tokens=` every layout trains that batch
     at its own micro-batch and accumulation (searched; `micro_batch=` pins the micro-batch)."""
     from .planning.batch import global_batch_of
@@ -99,7 +99,7 @@ def plan(model, cluster: Cluster | None = None, *, strategies: list[str] | None 
                           f"got {type(strategies).__name__} {short(strategies)}")
     for name in strategies or ():
         OPTIONS["strategy"].check(name, "strategies")
-    check_arguments(tp=tp, pp=pp, schedule=schedule, shard_size=shard_size, efficiency=efficiency,
+    check_arguments(tp=tp, pp=pp, ep=ep, schedule=schedule, shard_size=shard_size, efficiency=efficiency,
                     global_batch_tokens=train.get("global_batch_tokens"))
     strategies_dir = _check_dirs(strategies_dir)
     profile = profile_of(model)
@@ -111,7 +111,7 @@ def plan(model, cluster: Cluster | None = None, *, strategies: list[str] | None 
     pin = train.get("micro_batch") if train.get("global_batch") is not None else None
     spec = train_spec(profile, cluster, **train)
     return _plan(profile, spec, cluster, load_catalogue(strategies_dir), shard_size, strategies=strategies,
-                 tp=tp, pp=pp, schedule=schedule, efficiency=efficiency, micro_batch=pin,
+                 tp=tp, pp=pp, ep=ep, schedule=schedule, efficiency=efficiency, micro_batch=pin,
                  search_checkpointing=train.get("activation_checkpointing") is None)
 
 

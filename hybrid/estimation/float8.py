@@ -25,4 +25,4 @@ def check_float8(spec, cluster) -> None:
 
 def linear_params(d) -> int:
     """Elements of the block linears float8 converts (every block matrix; the head stays bf16)."""
-    return d.layers * sum(m[0] * m[1] for m in d.block_matrices() if len(m) == 2)
+    return d.block_matmul_params

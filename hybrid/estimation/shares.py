@@ -47,7 +47,8 @@ def stage_share(profile: ModelProfile, pipeline, rank: int) -> ModelProfile:
     head = d.vocab * d.hidden
     norm = max(profile.root_params - embed - (0 if d.tied else head), 0)
     root = (embed if st.first else 0) + ((norm + head) if st.last else 0)
-    params = st.blocks * profile.block_params + root
+    held = d.pick([i for s in pipeline.rank_stages(rank) for i in range(*pipeline.stage_range(s))], head=st.last)
+    params = (held.params - held.root_params if d.stack else st.blocks * profile.block_params) + root
     frac = params / profile.params
     return dataclasses.replace(
         profile, name=f"{profile.name} [pp rank {rank}]", params=params,
@@ -55,7 +56,7 @@ def stage_share(profile: ModelProfile, pipeline, rank: int) -> ModelProfile:
         dtype_bytes=tuple((k, round(v * frac)) for k, v in profile.dtype_bytes), num_blocks=st.blocks,
         root_params=root,
         factored_state=None if profile.factored_state is None else round(profile.factored_state * frac),
-        tied_groups=(), decoder=dataclasses.replace(d, layers=st.blocks))
+        tied_groups=(), decoder=held)
 
 
 def stage_of(profile: ModelProfile, pipeline, rank: int) -> StageShare:
@@ -122,12 +123,12 @@ def tp_share(profile: ModelProfile, tp: int, stage=None) -> ModelProfile:
     if d is None:
         raise HybridError(f"tensor parallelism needs a transformer's dimensions; {profile.name} has none: use tp 1")
     import dataclasses
-    matrices = sum(m[0] * m[1] for m in d.block_matrices() if len(m) == 2)
+    matrices = sum(m[0] * m[1] for m in d.block_matrices() if len(m) == 2)      # the largest block's
     if stage is None:
         head = d.vocab * d.hidden * (1 if d.tied else 2)      # embedding and (untied) head
     else:                                                      # a pipeline rank's embedding and/or head
         head = d.vocab * d.hidden * (stage.first + stage.last)
-    sharded = d.layers * matrices + head
+    sharded = d.block_matmul_params + head
     cut = sharded - sharded // tp
     frac = (profile.params - cut) / profile.params
     return dataclasses.replace(

@@ -46,10 +46,20 @@ def _pick_torchtitan(p: Plan, name: str | None) -> Candidate:
     return min(fitting, key=lambda c: c.cost.time_per_token)
 
 
-TORCHTITAN_CONFIGS = {"llama3-8b": "llama3_8b", "llama3-70b": "llama3_70b"}
-"""Presets torchtitan 0.3 has a config_registry function for that trains what the plan estimates
-(torchtitan/models/llama3/config_registry.py; its llama3_405b converts the linears to float8 and
-compiles, which the plan does not model)."""
+TORCHTITAN_CONFIGS = {"llama3-8b": ("llama3", "llama3_8b"), "llama3.1-8b": ("llama3", "llama3_8b"),
+                      "llama3-70b": ("llama3", "llama3_70b"), "llama3.1-70b": ("llama3", "llama3_70b"),
+                      "llama3.1-405b": ("llama3", "llama3_405b"), "deepseek-v3": ("deepseek_v3", "deepseek_v3_671b"),
+                      "gpt-oss-20b": ("gpt_oss", "gpt_oss_20b"), "gpt-oss-120b": ("gpt_oss", "gpt_oss_120b"),
+                      "qwen3-30b-a3b": ("qwen3", "qwen3_30b_a3b")}
+"""Presets torchtitan 0.3 has a model and config_registry function for (torchtitan/models/<module>/
+config_registry.py), as (--module, --config); the options after them override its parallelism,
+batch, precision, compile and checkpointing with the plan's."""
+TORCHTITAN_DIFFERS = {
+    "llama3_405b": "its registry function converts the linears to float8 (Float8LinearConverter) and enables "
+                   "async tensor parallelism, which this bf16 plan does not price: expect less memory and a "
+                   "faster step than predicted",
+    "deepseek_v3_671b": "its registry function sets flex attention (attn_backend='flex'), priced here as SDPA's"}
+"""What a registry function fixes in code that the command line cannot override, said in the script."""
 
 
 TORCHTITAN_AC = {"none": "none", "full": "full", "op": "selective", "selective": "selective"}
@@ -74,8 +84,8 @@ def _torchtitan_groups(c: Candidate, p: Plan) -> list[list[str]]:
     if ac not in TORCHTITAN_AC:
         raise HybridError(f"torchtitan 0.3 checkpoints every block or none (activation-checkpoint:selective|full|"
                           f"memory-budget|none), not {ac}; plan with --activation-checkpointing full or op")
-    config = TORCHTITAN_CONFIGS.get(p.model.name)
-    args = [["--module", "llama3" if config else "${TT_MODULE:?your torchtitan model module}"],
+    module, config = TORCHTITAN_CONFIGS.get(p.model.name, (None, None))
+    args = [["--module", module or "${TT_MODULE:?your torchtitan model module}"],
             ["--config", config or "${TT_CONFIG:?your config_registry function}"],
             ["--parallelism.data_parallel_replicate_degree", str(d.dp_replicate)],
             ["--parallelism.data_parallel_shard_degree", str(d.dp_shard)],
@@ -116,6 +126,10 @@ def torchtitan_command(c: Candidate, p: Plan) -> str:
     if p.model.name not in TORCHTITAN_CONFIGS:
         head.append(f"# torchtitan 0.3 has no config_registry function for {p.model.name}: set TT_MODULE and "
                     "TT_CONFIG to the module and function that build it")
+    else:
+        config = TORCHTITAN_CONFIGS[p.model.name][1]
+        if config in TORCHTITAN_DIFFERS:
+            head.append(f"# torchtitan's {config}: {TORCHTITAN_DIFFERS[config]}")
     if c.spec.activation_checkpointing == "selective":
         head.append("# torchtitan's selective is the per-op policy (hybrid's `op`): it keeps every second matmul "
                     "output, less than this plan's selective")

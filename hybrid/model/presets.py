@@ -5,10 +5,14 @@ here are checked in tests against the same model built for real on the meta devi
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import functools
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 from ..errors import HybridError, short, unknown_name
+from .anatomy import Layer
 
 Style = Literal["llama", "gpt2"]
 
@@ -60,6 +64,15 @@ class DecoderConfig:
     """Experts each token is routed to (num_experts_per_tok)."""
     moe_ffn: int = 0
     """Intermediate size of one expert (Mixtral: intermediate_size; Qwen/OLMoE: moe_intermediate_size)."""
+    stack: tuple[Layer, ...] = ()
+    """The anatomy layer by layer (hybrid/model/anatomy.py) when it was read from the module: then
+    the counts, FLOPs and activations are summed over these layers, and the fields above hold a
+    representative layer's figures (the MoE layers' experts, the largest attention) for the rules
+    that need one number. () = `layers` identical blocks described by the fields above."""
+    hf_json: str | None = None
+    """The transformers config (JSON) a read model is built from again."""
+    head: bool = True
+    """Whether this piece of the model ends in the LM head (False on pipeline ranks before the last)."""
 
     def __post_init__(self):
         for attr, (lo, hi) in SHAPE_RANGES.items():     # before any count that scales with them
@@ -75,6 +88,10 @@ class DecoderConfig:
                 raise HybridError(f"decoder {attr} must be a positive finite number, got {short(v)}")
         if self.gelu not in ("new", "tanh"):
             raise HybridError(f"gelu must be 'new' or 'tanh', got {self.gelu!r}")
+        if self.stack:
+            if len(self.stack) != self.layers:
+                raise HybridError(f"decoder has {self.layers} layers but {len(self.stack)} described")
+            return
         if self.hidden % self.heads:
             raise HybridError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
         if self.heads % self.n_kv_heads:
@@ -107,17 +124,64 @@ class DecoderConfig:
     @property
     def expert_params(self) -> int:
         """Parameters of one expert: gate, up and down projections (SwiGLU)."""
-        return 3 * self.hidden * self.moe_ffn
+        moe = [ly.mlp for ly in self.stack if ly.mlp.moe]
+        return moe[0].expert_params(self.hidden) if moe else 3 * self.hidden * self.moe_ffn
+
+    @property
+    def moe_layers(self) -> int:
+        """Blocks whose MLP is a mixture of experts (DeepSeek-V3: 58 of 61; Llama 4 Maverick: every other)."""
+        if self.stack:
+            return sum(ly.mlp.moe for ly in self.stack)
+        return self.layers if self.moe else 0
 
     @property
     def active_params(self) -> int:
         """Parameters one token passes through: all but the experts it is not routed to (the
         published 'active' count, e.g. Mixtral-8x7B's 12.9B of 46.7B)."""
+        if self.stack:
+            return self.params - sum(n * ly.mlp.inactive_params(self.hidden) for ly, n in _kinds(self))
         return self.params - self.layers * (self.experts - self.top_k) * self.expert_params
+
+    def layer_list(self) -> tuple[Layer, ...]:
+        """Every block's anatomy: as read, or `layers` identical blocks of the fields' shape."""
+        if self.stack:
+            return self.stack
+        from .anatomy import MLP, Attention
+        gpt2 = self.style == "gpt2"
+        window = self.sliding_window or 0
+        attn = Attention(self.heads, self.n_kv_heads, self.head_dim, qkv_bias=gpt2, out_bias=gpt2,
+                         qk_norm=self.qk_norm, window=window, rope=not gpt2)
+        if self.moe:
+            mlp = MLP("moe", experts=self.experts, top_k=self.top_k, moe_ffn=self.moe_ffn,
+                      renorm=self.hf_model_type != "olmoe")
+        else:
+            mlp = MLP("dense", self.ffn, gated=not gpt2, act="gelu_new" if gpt2 else "silu", bias=gpt2)
+        return (Layer(attn, mlp, norm="layer" if gpt2 else "rms"),) * self.layers
+
+    def sliced(self, first: int, count: int) -> "DecoderConfig":
+        """Blocks first..first+count-1 (a shorter model for a trace)."""
+        return self.pick(range(first, first + count))
+
+    def pick(self, indices, head: bool = True) -> "DecoderConfig":
+        """The blocks at these indices (a pipeline rank's stages), with or without the LM head."""
+        indices = list(indices)
+        if not self.stack:
+            return replace(self, layers=len(indices), head=head)
+        return replace(self, layers=len(indices), stack=tuple(self.stack[i] for i in indices), head=head)
+
+    @property
+    def block_matmul_params(self) -> int:
+        """2-D weight elements of all blocks (what autocast caches in bf16 and float8 converts;
+        an MoE block's router, not its stacked experts)."""
+        if self.stack:
+            return sum(n * m[0] * m[1] for ly, n in _kinds(self) for m in ly.matrices(self.hidden) if len(m) == 2)
+        return self.layers * sum(m[0] * m[1] for m in self.block_matrices() if len(m) == 2)
 
     # --- closed-form parameter accounting (each matrix listed once, tied weights once) --------
     def block_matrices(self) -> list[tuple[int, ...]]:
-        """Shapes of one block's parameters, in (out, in) / (n,) form."""
+        """Shapes of one block's parameters, in (out, in) / (n,) form (a read stack: its largest block's)."""
+        if self.stack:
+            return max(set(self.stack), key=lambda ly: ly.params(self.hidden)).matrices(self.hidden)
         h, f, kv, q = self.hidden, self.ffn, self.kv_dim, self.q_dim
         if self.style == "llama":
             attn = [(h,), (q, h), (kv, h), (kv, h), (q, h)]
@@ -139,6 +203,9 @@ class DecoderConfig:
 
     @property
     def block_params(self) -> int:
+        """Parameters of the largest block."""
+        if self.stack:
+            return max(ly.params(self.hidden) for ly in set(self.stack))
         return sum(_numel(s) for s in self.block_matrices())
 
     @property
@@ -147,10 +214,14 @@ class DecoderConfig:
 
     @property
     def params(self) -> int:
+        if self.stack:
+            return sum(n * ly.params(self.hidden) for ly, n in _kinds(self)) + self.root_params
         return self.layers * self.block_params + self.root_params
 
     @property
     def largest_param(self) -> int:
+        if self.stack:
+            return max(_numel(s) for ly in set(self.stack) for s in ly.matrices(self.hidden) + self.root_matrices())
         return max(_numel(s) for s in self.block_matrices() + self.root_matrices())
 
     def matrices(self) -> list[tuple[int, int]]:
@@ -169,11 +240,20 @@ class DecoderConfig:
         the full size of vectors."""
         def fact(s):
             return s[-2] + s[-1] if len(s) == 2 else (s[0] * (s[1] + s[2]) if len(s) == 3 else s[0])
+        if self.stack:
+            return (sum(fact(s) for ly in self.stack for s in ly.matrices(self.hidden))
+                    + sum(fact(s) for s in self.root_matrices()))
         return (self.layers * sum(fact(s) for s in self.block_matrices())
                 + sum(fact(s) for s in self.root_matrices()))
 
     def hf_config(self) -> dict:
         """The transformers config dict of this shape (for AutoConfig.for_model)."""
+        if self.hf_json:
+            hf = json.loads(self.hf_json)
+            hf["num_hidden_layers"] = self.layers
+            if isinstance(hf.get("layer_types"), list):
+                hf["layer_types"] = hf["layer_types"][:self.layers]
+            return hf
         if self.style == "gpt2":
             return {"model_type": "gpt2", "vocab_size": self.vocab, "n_embd": self.hidden,
                     "n_layer": self.layers, "n_head": self.heads, "n_positions": self.max_positions,
@@ -206,7 +286,25 @@ class DecoderConfig:
                 "mlp_only_layers": [], "use_sliding_window": False, "sliding_window": None}
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("hf_json")
+        d["stack"] = [asdict(ly) for ly in self.stack]
+        return d
+
+    def flops_per_token(self, seq: int) -> float:
+        """Training FLOPs per token (forward and backward: 3x the forward), counting the matmuls a
+        token goes through - every block's projections, an MoE block's router, top-k and shared
+        experts only, the LM head (the input embedding is a lookup) - and each layer's attention over
+        the keys it attends (its window or chunk where shorter than the sequence). PaLM's 6N + 12LHQT
+        (arXiv 2204.02311, App. B) is this for a dense decoder with full attention."""
+        fwd = sum(n * ly.forward_flops(self.hidden, seq) for ly, n in _kinds(self))
+        return 3 * (fwd + (2 * self.vocab * self.hidden if self.head else 0))
+
+
+@functools.lru_cache(maxsize=512)
+def _kinds(d: DecoderConfig) -> tuple[tuple[Layer, int], ...]:
+    """The distinct layers of a decoder and how many times each occurs (a plan asks per candidate)."""
+    return tuple(Counter(d.layer_list()).items())
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -55,11 +55,29 @@ class ModelProfile:
     def max_positions(self) -> int | None:
         return self.decoder.max_positions if self.decoder else None
 
+    @property
+    def active_params(self) -> int:
+        """Parameters one token's computation uses: all but the routed experts it is not sent to
+        (an MoE decoder's published 'active' count); a multimodal model's text decoder only. A model
+        without a readable decoder: all of them."""
+        return self.decoder.active_params if self.decoder is not None else self.params
+
+    @property
+    def active_non_embedding_params(self) -> int:
+        """active_params without the input embedding, a lookup (gpt-oss's model card counts this way;
+        Meta's and DeepSeek's count the embeddings)."""
+        d = self.decoder
+        if d is None:
+            return self.params
+        return self.active_params - d.vocab * d.hidden * (0 if d.tied else 1)
+
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("name", "params", "trainable_params", "param_bytes",
                                            "buffer_bytes", "block_class", "num_blocks", "block_params",
                                            "root_params", "largest_layer_params", "largest_param",
                                            "factored_state", "activation_bytes_per_sample", "source")}
+        d["active_params"] = self.active_params
+        d["active_non_embedding_params"] = self.active_non_embedding_params
         d["dtype_bytes"] = dict(self.dtype_bytes)
         d["tied_groups"] = [list(g) for g in self.tied_groups]
         d["decoder"] = self.decoder.to_dict() if self.decoder else None
@@ -91,6 +109,8 @@ def tp_degrees(profile: ModelProfile, gpus_per_node: int) -> list[int]:
     decoder (GPT-2's fused qkv has no plan); [1] for anything else."""
     d = profile.decoder
     if d is None or d.style != "llama" or d.moe:          # MoE: experts are split by ep, not tp (yet)
+        return [1]
+    if d.stack:      # read from a transformers module: the runtime's tp plan is our decoder's (runtime/backends/tp.py)
         return [1]
     return [t for t in TP_DEGREES if gpus_per_node % t == 0 and d.heads % t == 0 and d.n_kv_heads % t == 0]
 
@@ -170,7 +190,7 @@ def profile_module(module, name: str | None = None) -> ModelProfile:
     dtype_bytes: Counter = Counter()
     for p in params:
         dtype_bytes[str(p.dtype).replace("torch.", "")] += p.numel() * p.element_size()
-    cls, blocks = find_blocks(module)
+    cls, blocks = find_blocks(text_decoder(module))
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     block_sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
     own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()]
@@ -190,14 +210,68 @@ def profile_module(module, name: str | None = None) -> ModelProfile:
         decoder=decoder_of(module), source="module")
 
 
+def text_decoder(module):
+    """A multimodal model's language model (what is planned: its blocks are the units), else the module."""
+    for owner in (module, getattr(module, "model", None)):
+        lm = getattr(owner, "language_model", None)
+        if lm is not None and hasattr(lm, "parameters"):
+            return lm
+    return module
+
+
 def decoder_of(module) -> DecoderConfig | None:
-    """The module's transformer shape, read from its config (no walk over the module)."""
+    """The module's transformer shape: our decoder's config; for a transformers model the closed
+    form of the architectures we know it by (llama, mistral, gpt2, mixtral, qwen3_moe, olmoe: their
+    formulas are held byte-exact to the built modules), else its anatomy read block by block from
+    the module itself (hybrid/model/anatomy.py); None when there is no readable repeated block."""
     cfg = getattr(module, "config", None)
     if isinstance(cfg, DecoderConfig):
         return cfg
     if cfg is not None and hasattr(cfg, "to_dict"):
-        return from_hf_config(cfg.to_dict())
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        return from_hf_config(text.to_dict()) or read_decoder(module, text)
     return None
+
+
+_NOT_REBUILT = ("transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "auto_map")
+
+
+def read_decoder(module, cfg) -> DecoderConfig | None:
+    """A transformers decoder's shape read from the built module: every block's anatomy, with a
+    representative layer's figures in the scalar fields (see DecoderConfig.stack)."""
+    import json
+
+    from .anatomy import Unreadable, read_layers
+    from .presets import _rope_theta
+    emb = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
+    w = getattr(emb, "weight", None)
+    if w is None or w.dim() != 2:
+        return None
+    _, blocks = find_blocks(text_decoder(module))
+    if not blocks:
+        return None
+    vocab, hidden = int(w.shape[0]), int(w.shape[1])
+    try:
+        layers = read_layers(blocks, cfg, hidden)
+    except (Unreadable, AttributeError, TypeError, IndexError):
+        return None
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    tied = head is not None and getattr(head, "weight", None) is w
+    moe = [ly.mlp for ly in layers if ly.mlp.moe]
+    dense = [ly.mlp.ffn for ly in layers if not ly.mlp.moe]
+    attn = max((ly.attention for ly in layers), key=lambda a: a.heads * a.head_dim)
+    windows = [a.window or a.chunk for a in (ly.attention for ly in layers) if a.window or a.chunk]
+    d = cfg.to_dict()
+    hf = {k: v for k, v in d.items() if k not in _NOT_REBUILT}
+    max_pos = d.get("max_position_embeddings") or d.get("n_positions") or 4096
+    return DecoderConfig(
+        "llama", vocab, hidden, len(layers), attn.heads, max(dense) if dense else moe[0].moe_ffn,
+        min(int(max_pos), 1 << 30), kv_heads=attn.kv_heads, tied=tied,
+        norm_eps=float(d.get("rms_norm_eps") or d.get("layer_norm_eps") or 1e-5), rope_theta=_rope_theta(d),
+        hf_model_type=d.get("model_type"), sliding_window=min(windows) if windows else None,
+        head_size=attn.head_dim, qk_norm=attn.qk_norm if attn.qk_norm in ("head", "full") else None,
+        experts=moe[0].experts if moe else 0, top_k=moe[0].top_k if moe else 0,
+        moe_ffn=moe[0].moe_ffn if moe else 0, stack=layers, hf_json=json.dumps(hf, default=str, sort_keys=True))
 
 
 def build_profile(module, name: str | None = None) -> ModelProfile:

@@ -2,14 +2,16 @@
 bare parameter count, resolved to a ModelSource (its profile, and how to build it)."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..config.files import JSON_LIMITS, load_json, read_text
 from ..errors import HybridError, short
 from .presets import PRESETS, SHAPE_RANGES, DecoderConfig, from_hf_config
+from .published import PUBLISHED
 from .profile import ModelProfile, build_profile, profile_decoder, profile_module, profile_params
 
 
@@ -28,7 +30,7 @@ class ModelSource:
 
     def with_layers(self, layers: int) -> "ModelSource":
         """The same model with `layers` blocks (everything else identical)."""
-        cfg = replace(self.decoder_cfg, layers=layers)
+        cfg = self.decoder_cfg.sliced(0, layers)
         return ModelSource(profile_decoder(cfg, f"{self.profile.name} ({layers} blocks)", self.profile.source),
                            _decoder_builder(cfg), None, cfg)
 
@@ -40,27 +42,34 @@ def resolve_model(spec: str | None = None, params: str | int | None = None) -> M
         return ModelSource(profile_params(params, name=spec))
     if not spec:
         raise HybridError("no model given: name a preset, a config.json, package.module:factory, "
-                          f"or pass --params. Presets: {', '.join(PRESETS)}")
+                          f"or pass --params. Presets: {', '.join(preset_names())}")
     if spec.lower() in PRESETS:
         cfg = PRESETS[spec.lower()]
         return ModelSource(profile_decoder(cfg, spec.lower()), _decoder_builder(cfg), spec, cfg)
+    if spec.lower() in PUBLISHED:
+        return _from_hf_dict(dict(PUBLISHED[spec.lower()]), spec.lower(), spec, source="preset")
     path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
     if path.endswith(".json"):
         return _from_config_json(path)
     if ":" in spec:
         return _from_factory(spec)
-    raise HybridError(f"unknown model {spec!r}. Give a preset ({', '.join(PRESETS)}), a HF "
-                      "config.json path, package.module:factory, or --params N")
+    raise HybridError(f"unknown model {spec!r}. Give a preset "
+                      f"({', '.join(preset_names())}), a HF config.json path, package.module:factory, or --params N")
+
+
+def preset_names() -> list[str]:
+    """Every preset: the closed-form shapes and the published config.json files."""
+    return [*PRESETS, *PUBLISHED]
 
 
 def _decoder_builder(cfg: DecoderConfig):
     def build(device="meta", attention="sdpa", prefer_hf=False, dtype=None):
-        if (prefer_hf or cfg.moe or cfg.qk_norm or cfg.head_size) and cfg.hf_model_type:
+        if (prefer_hf or cfg.moe or cfg.qk_norm or cfg.head_size or cfg.stack) and cfg.hf_model_type:
             try:
                 from .decoder import build_hf
                 return build_hf(cfg, device=device, attention=attention, dtype=dtype), "transformers"
             except ImportError:
-                if cfg.moe or cfg.qk_norm or cfg.head_size:
+                if cfg.moe or cfg.qk_norm or cfg.head_size or cfg.stack:
                     raise HybridError(f"{cfg.hf_model_type} models are built with transformers: "
                                       "pip install 'hybrid[hf]'") from None
         from .decoder import build_decoder
@@ -140,35 +149,54 @@ def _from_config_json(path: str) -> ModelSource:
         raise HybridError(f"model config {path!r} is not valid JSON: {str(e)[:200]}") from None
     _check_hf_config(cfg, path)
     name = cfg.get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(path))) or path
+    return _from_hf_dict(cfg, name, path, source="hf-config")
+
+
+def _from_hf_dict(cfg: dict, name: str, ref: str, source: str) -> ModelSource:
+    """A transformers config dict: the closed form of the architectures we know it by, else the
+    model built on the meta device and its anatomy read from the module. A multimodal config (a
+    `text_config` beside a vision one) builds the whole model, whose parameters all count, and is
+    planned on its text decoder."""
     dec = from_hf_config(cfg)
     if dec is not None:
-        return ModelSource(profile_decoder(dec, name, source="hf-config"), _decoder_builder(dec), path, dec)
+        return ModelSource(profile_decoder(dec, name, source=source), _decoder_builder(dec), ref, dec)
+    multimodal = isinstance(cfg.get("text_config"), dict)
 
     def build(device="meta", attention="sdpa", prefer_hf=True, dtype=None):
         import torch
 
         from .decoder import default_dtype
         try:
-            from transformers import AutoConfig, AutoModelForCausalLM
+            from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
         except ImportError:
-            raise HybridError(f"model_type {cfg.get('model_type')!r} in {path} needs transformers: "
+            raise HybridError(f"model_type {cfg.get('model_type')!r} in {ref} needs transformers: "
                               "pip install 'hybrid[hf]'") from None
         c = dict(cfg)
+        auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+        config = AutoConfig.for_model(c.pop("model_type"), **c)
         with torch.device(device), default_dtype(dtype):
-            return AutoModelForCausalLM.from_config(
-                AutoConfig.for_model(c.pop("model_type"), **c), attn_implementation=attention), "transformers"
+            try:
+                return auto.from_config(config, attn_implementation=attention), "transformers"
+            except ValueError as e:
+                # a model with no SDPA path (gpt-oss: its sinks need the eager softmax) runs eager;
+                # the estimate prices those layers' attention eager (anatomy Attention.sinks)
+                if attention != "sdpa" or "attention implementation" not in str(e):
+                    raise
+                return auto.from_config(config, attn_implementation="eager"), "transformers"
 
     try:
         model, _ = build()
     except HybridError:
         raise
     except Exception as e:  # noqa: BLE001 - transformers rejects the config: say so in one line
-        raise HybridError(f"cannot build a causal language model from {path!r} (model_type "
+        raise HybridError(f"cannot build a causal language model from {ref!r} (model_type "
                           f"{cfg.get('model_type')!r}): {type(e).__name__}: "
                           f"{str(e).splitlines()[0][:200] if str(e) else ''}. "
                           "config.json must describe a transformers causal LM; for other models give "
                           "package.module:factory") from None
-    return ModelSource(profile_module(model, name), build, path)
+    profile = dataclasses.replace(profile_module(model, name), source=source)
+    dec = profile.decoder
+    return ModelSource(profile, build, ref, None if multimodal or dec is None else dec)
 
 
 def _from_factory(spec: str) -> ModelSource:

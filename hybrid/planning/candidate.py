@@ -197,6 +197,13 @@ class Plan:
         return ()
 
     @property
+    def model_flops_per_token(self) -> float:
+        """Training FLOPs per token, forward and backward, without recomputation (the MFU numerator:
+        hybrid.estimation.cost.step.model_flops_per_token)."""
+        from ..estimation.cost.step import model_flops_per_token
+        return model_flops_per_token(self.model, self.spec.seq_len)
+
+    @property
     def dp_size(self) -> int:
         """Data-parallel ranks of the chosen layout (the world when nothing was chosen)."""
         return self.chosen.parallel.dp_size if self.chosen else self.cluster.world_size
@@ -218,7 +225,8 @@ class Plan:
         """The JSON contract shared by `hybrid estimate` and `hybrid plan` (see README)."""
         c = self.chosen
         return {
-            "model": self.model.name, "params": self.model.params, "world_size": self.cluster.world_size,
+            "model": self.model.name, "params": self.model.params, "active_params": self.model.active_params,
+            "model_flops_per_token": self.model_flops_per_token, "world_size": self.cluster.world_size,
             "capacity_bytes": self.cluster.capacity_bytes,
             "chosen": c.name if c else None,
             "chosen_candidate": ({"name": c.name, "shard_size": c.shard_size, "parallel": c.parallel.to_dict(),

@@ -22,16 +22,23 @@ def _header(p: Plan) -> list[str]:
     return lines
 
 
+def _counts(model) -> str:
+    """'N params', and for a mixture of experts the parameters a token uses beside it."""
+    if model.active_params != model.params:
+        return f"{model.params:,} params ({model.active_params:,} active)"
+    return f"{model.params:,} params"
+
+
 def _spec_lines(p: Plan) -> list[str]:
     s = p.spec
     if s.global_batch is not None:
-        return [f"model {p.model.name}: {p.model.params:,} params; global batch {s.global_batch} x seq {s.seq_len}, "
+        return [f"model {p.model.name}: {_counts(p.model)}; global batch {s.global_batch} x seq {s.seq_len}, "
                 f"{s.precision}, {s.optimizer}, activation checkpointing {s.activation_checkpointing}, "
                 f"attention {s.attention}",
                 f"global batch {s.global_batch} sequences per step in every row = micro-batch x accumulation x "
                 "data-parallel ranks (batch: micro-batch x accumulation, and the largest micro-batch that fits)",
                 f"cluster {p.cluster.describe()}; memory method {p.method}", *_speed(p), ""]
-    return [f"model {p.model.name}: {p.model.params:,} params; micro-batch {s.micro_batch} x seq {s.seq_len}, "
+    return [f"model {p.model.name}: {_counts(p.model)}; micro-batch {s.micro_batch} x seq {s.seq_len}, "
             f"{s.precision}, {s.optimizer}, activation checkpointing {s.activation_checkpointing}, "
             f"attention {s.attention}",
             f"global batch {p.global_batch} sequences = micro-batch {s.micro_batch} x accumulation "

@@ -54,6 +54,29 @@ def test_torchtitan_command_loads_in_torchtitan(capsys, argv, world):
     assert cfg.parallelism.pipeline_parallel_degree == (2 if "--pp" in argv else 1)
 
 
+@pytest.mark.parametrize("argv,module,config", [
+    (("deepseek-v3", "--nodes", "8", "--seq-len", "4096"), "deepseek_v3", "deepseek_v3_671b"),
+    (("gpt-oss-120b", "--nodes", "8", "--seq-len", "4096"), "gpt_oss", "gpt_oss_120b"),
+    (("llama3.1-405b", "--nodes", "16", "--seq-len", "4096"), "llama3", "llama3_405b")])
+@pytest.mark.torch
+def test_torchtitan_command_names_its_registry_entry(capsys, argv, module, config):
+    """Models torchtitan 0.3 has are named by their module and config_registry function (no
+    placeholders), with the plan's ep; torchtitan's ConfigManager reads the command."""
+    out, _ = _run(capsys, "plan", *argv, "--emit", "torchtitan")
+    args = torchtitan_argv(out)
+    assert args[:4] == ["--module", module, "--config", config] and "TT_MODULE" not in out
+    if config == "llama3_405b":          # its registry function converts to float8: said in the script
+        assert "float8" in out.splitlines()[3]
+        pytest.importorskip("torchao")
+        import torch
+        if not torch.cuda.is_available():
+            pytest.skip("torchtitan's llama3_405b builds its Float8LinearConverter, which needs an SM89+ GPU")
+    cfg = torchtitan_config(args)
+    ep = int(args[args.index("--parallelism.expert_parallel_degree") + 1]) if "deepseek" in module or "oss" in module \
+        else 1
+    assert cfg.parallelism.expert_parallel_degree == ep and cfg.training.seq_len == 4096
+
+
 @pytest.mark.unit
 def test_torchtitan_command_says_what_it_cannot_express(capsys):
     assert main(["plan", "llama3-8b", "--nodes", "1", "--precision", "fp16-mixed", "--gpu", "v100-32gb",

@@ -98,13 +98,12 @@ class StepCost:
 
 
 def model_flops_per_token(profile: ModelProfile, seq_len: int, recompute: bool = False) -> float:
-    """Training FLOPs per token (forward + backward), PaLM's 6N + 12LHQT (arXiv 2204.02311, App. B)
-    with N the parameters a token passes through (an MoE block's top-k experts of its E, as the
-    MoE papers count 'active' parameters); +1 forward if recomputed."""
+    """Training FLOPs per token (forward + backward): a decoder's from its anatomy
+    (DecoderConfig.flops_per_token: the matmuls a token passes through, an MoE block's top-k experts
+    of its E, and each layer's attention; PaLM's 6N + 12LHQT, arXiv 2204.02311 App. B, for a dense
+    decoder), 6 per parameter for any other model; +1 forward if recomputed."""
     d = profile.decoder
-    attn = 12 * d.layers * d.q_dim * seq_len if d else 0
-    active = profile.params - (d.layers * (d.experts - d.top_k) * d.expert_params if d else 0)
-    base = 6 * active + attn
+    base = d.flops_per_token(seq_len) if d is not None else 6 * profile.params
     return base * (8 / 6) if recompute else base
 
 
@@ -327,11 +326,11 @@ def expert_parallel_terms(strategy: Strategy, profile: ModelProfile, spec: Train
     every = layer_every(mode)
     redone = 1.0 if mode == "full" else (checkpointed_blocks(d.layers, every) / d.layers if every else 0.0)
     cp_tokens = spec.micro_batch * spec.seq_len / cp      # a cp rank routes its S / cp tokens
-    expert_flops = 6 * d.layers * d.top_k * d.expert_params * (1 + redone / 3)
+    expert_flops = 6 * d.moe_layers * d.top_k * d.expert_params * (1 + redone / 3)
     straggler = (imb - 1) * expert_flops * cp_tokens / flops_per_s
     g, per = cluster.gpu, cluster.gpus_per_node
     nbytes = spec.bytes.compute * cp_tokens * d.top_k * d.hidden
     inside = min(ep, per)
     one = imb * nbytes * max((inside - 1) / ep / g.intra_node_bw, (ep - inside) / ep / g.inter_node_bw)
     one += Links(cluster).latency(ep)
-    return comm, straggler, (4 + 2 * redone) * d.layers * one
+    return comm, straggler, (4 + 2 * redone) * d.moe_layers * one

@@ -158,6 +158,86 @@ def _layer_compiled(d: DecoderConfig, spec: TrainSpec, c: int, mode: str) -> flo
     return c * (6 * h + 2 * kv + 3 * f) + 4 * c + F32 * a
 
 
+def _norm(kind: str, width: int, c: int, pre: bool) -> float:
+    """Bytes per token one norm keeps. RMSNorm as Llama writes it: its fp32 input (the upcast), the
+    rsqrt and the normalised value cast back (kept by the weight's multiply); Gemma's (1 + weight)
+    form multiplies in fp32, keeping the fp32 normalised value instead; LayerNorm: input, mean and
+    rstd. A pre-norm's output is kept by the projections after it; a post-norm's (Gemma 3, OLMo 2)
+    goes into the residual sum, which keeps nothing."""
+    if kind == "layer":
+        return c * width + 2 * F32 + (c * width if pre else 0)
+    body = (2 * F32 * width + F32) if kind == "rms1p" else (F32 * width + F32 + c * width)
+    return body + (c * width if pre else 0)
+
+
+def _attention_read(at, spec: TrainSpec, c: int) -> float:
+    """Bytes per token one read attention keeps (the projections' outputs backward needs and what
+    the attention kernel saves): SDPA's mask-free path keeps q, k, v, its output and a logsumexp per
+    head; with a mask (a window or chunk shorter than the sequence) k and v expanded to every head
+    and the float mask; eager attention (and sinks, which need it) the s-wide probabilities per
+    head. MLA keeps its two compressed projections and their norms, and the up-projected keys
+    (nope + rope), values and queries."""
+    s = spec.seq_len
+    a = at.heads
+    q, kv = a * at.head_dim, at.kv_heads * at.head_dim
+    v_width = at.kv_heads * at.v_dim
+    out = a * at.v_dim
+    extra = 0.0
+    if at.kind == "mla":
+        kv = a * at.head_dim
+        v_width = a * at.v_dim
+        # q_a's output is the q norm's input; kv_a's output is split: its compressed part feeds a norm
+        extra += (_norm("rms", at.q_lora, c, True) if at.q_lora else 0) + c * (at.kv_lora + at.rope_dim)
+        extra += _norm("rms", at.kv_lora, c, True) + c * a * (at.head_dim - at.rope_dim + at.v_dim)
+    if at.qk_norm == "head" or at.qk_norm == "l2":
+        groups = a + at.kv_heads
+        extra += (F32 + c) * (q + kv) + F32 * groups
+    elif at.qk_norm == "full":
+        extra += (F32 + c) * (q + kv) + 2 * F32
+    eager = spec.attention == "eager" or at.sinks or at.softcap
+    if eager:
+        probs = (F32 + (c if c < F32 else 0)) * a * s
+        # with sinks the softmax runs over s + 1 logits per query and a max's indices are kept
+        probs = probs * (s + 1) / s if at.sinks else probs
+        return extra + c * (2 * q + 2 * a * at.v_dim) + probs + (8 * a if at.sinks else 0)
+    if at.masked(s):
+        return extra + c * (2 * q + 2 * a * at.v_dim) + F32 * a + c * s
+    if at.fused_qkv:       # v is a view of the fused projection's whole output, which stays
+        v_width = q + 2 * kv
+    return extra + c * (q + kv + v_width + out) + F32 * a
+
+
+def _mlp_read(mlp, h: int, c: int, autocast: bool) -> float:
+    """Bytes per token one read MLP keeps: a gated one its gate, activation, up and product (f wide
+    each), a plain one its input to the activation and output; an MoE block its routed pairs (as
+    moe_pair), the fp32 router scores, the renormalised weights, and the shared expert(s)."""
+    if not mlp.moe:
+        return (4 if mlp.gated else 2) * c * mlp.ffn
+    cc = F32 if autocast else c
+    # gpt-oss's clamped SwiGLU keeps the clamped gate, gate x alpha's sigmoid and up + 1 as well
+    kept = 7 if mlp.act == "swiglu_clamp" else 4
+    pair = cc * (2 * h + kept * mlp.moe_ffn) + F32 + 4 * 8
+    pairs = mlp.experts if mlp.dense_dispatch else mlp.top_k
+    out = pairs * pair + F32 * mlp.experts + (F32 * (mlp.top_k + 1) if mlp.renorm else 0)
+    if mlp.shared_ffn:
+        out += 4 * cc * mlp.shared_ffn + (cc * h + F32 if mlp.shared_gate else 0)
+    return out
+
+
+def layer_read_full(layer, d: DecoderConfig, spec: TrainSpec, c: int, autocast: bool) -> float:
+    """Bytes per token one read block (hybrid/model/anatomy.py Layer) keeps with no checkpointing."""
+    h = d.hidden
+    cc = 2 if autocast else c
+    if autocast:   # the residual stream and norms in fp32; each matmul input cast to bf16 once per consumer
+        norms = (2 * F32 * h + F32) * layer.norms + cc * h * 2
+    elif layer.post_norms and layer.norms == 2:       # OLMo 2: norms after attention and MLP only
+        norms = 2 * c * h + 2 * _norm(layer.norm, h, c, pre=False)
+    else:
+        pre = 2 * _norm(layer.norm, h, c, pre=True)
+        norms = pre + (2 * _norm(layer.norm, h, c, pre=False) if layer.post_norms else 0)
+    return norms + _attention_read(layer.attention, spec, cc) + _mlp_read(layer.mlp, h, cc, autocast)
+
+
 def compiled_supported(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> str | None:
     """Why a compiled block's memory is not modelled for this job (None when it is)."""
     if autocast:
@@ -178,12 +258,38 @@ def checkpointed_blocks(layers: int, every: int) -> int:
     return -(-layers // every)
 
 
+def _read_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> tuple[float, float]:
+    """(mean bytes a block keeps, most bytes one recomputed block needs) over a read stack."""
+    c = spec.bytes.compute
+    T = spec.micro_batch * spec.seq_len
+    ckpt = spec.activation_checkpointing
+    if getattr(spec, "compile", False):
+        from ...errors import NotApplicable
+        raise NotApplicable(f"compiled blocks of {d.hf_model_type or 'this'} decoder (read from its module) are not "
+                            "modelled; plan without --compile")
+    if ckpt not in ("none", "full") and not ckpt.startswith("layer:"):
+        from ...errors import NotApplicable
+        raise NotApplicable(f"{ckpt} checkpointing of {d.hf_model_type or 'this'} decoder (read from its module) is "
+                            "not modelled; use none, full or layer:N")
+    full = [layer_read_full(ly, d, spec, c, autocast) * T for ly in d.stack]
+    kept = (F32 if autocast else c) * d.hidden * T
+    if ckpt == "none":
+        return sum(full) / len(full), 0.0
+    if ckpt == "full":
+        return kept, max(full)
+    every = layer_every(ckpt)
+    per = [kept if i % every == 0 else f for i, f in enumerate(full)]
+    return sum(per) / len(per), max(full)
+
+
 def activation_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> ActivationTerms:
     c = spec.bytes.compute
     T = spec.micro_batch * spec.seq_len
-    full = _layer_full(d, spec, c, autocast) * T
     ckpt = spec.activation_checkpointing
-    if getattr(spec, "compile", False):
+    full = 0.0 if d.stack else _layer_full(d, spec, c, autocast) * T
+    if d.stack:
+        per_layer, recompute = _read_terms(d, spec, autocast)
+    elif getattr(spec, "compile", False):
         why = compiled_supported(d, spec, autocast)
         if why is not None:
             from ...errors import NotApplicable
@@ -216,8 +322,7 @@ def activation_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> Activ
     cache = 0
     if autocast:
         # every matmul weight (an MoE block's router; its experts run outside autocast's list)
-        matrices = d.layers * sum(m[0] * m[1] for m in d.block_matrices() if len(m) == 2)
-        cache = 2 * (matrices + d.vocab * d.hidden)           # every matmul weight + LM head
+        cache = 2 * (d.block_matmul_params + d.vocab * d.hidden)           # every matmul weight + LM head
     return ActivationTerms(per_layer=int(per_layer), recompute=int(recompute), head_forward=int(head_fwd),
                            head_backward=int(head_bwd), autocast_cache=int(cache), layers=d.layers)
 

@@ -76,7 +76,7 @@ def expert_split(profile: ModelProfile, ep: int) -> tuple[ModelProfile, ModelPro
     """(dense parts, the rank's experts): the two FSDP groups of one rank under expert parallelism.
     The experts' profile holds experts/ep experts of every block, as one unit per block."""
     d = profile.decoder
-    L, local = profile.num_blocks, d.experts // ep
+    L, local = d.moe_layers, d.experts // ep
     whole = L * d.experts * d.expert_params
     mine = L * local * d.expert_params
     frac = profile.trainable_params / profile.params
