@@ -169,6 +169,11 @@ class ParallelDims:
             valid = divisors(per)
             raise HybridError(f"tp {self.tp} does not divide the {per} GPUs per {unit}, so a tensor-parallel "
                               f"group would cross {unit}s; valid tp: {', '.join(map(str, valid))}")
+        if gpus_per_node % self.tp and self.tp % gpus_per_node:      # a domain of several nodes: whole nodes
+            valid = [t for t in divisors(per) if gpus_per_node % t == 0 or t % gpus_per_node == 0]
+            raise HybridError(f"tp {self.tp} neither divides the {gpus_per_node} GPUs per node nor is a whole number "
+                              f"of nodes, so a tensor-parallel group would take part of a node; valid tp: "
+                              f"{', '.join(map(str, valid))}")
         if self.cp > 1:                   # a cp x tp group: inside a node (domain) or whole ones
             group = self.cp * self.tp
             if not (per % group == 0 or group % per == 0):

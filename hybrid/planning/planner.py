@@ -136,8 +136,8 @@ def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, 
                 dims = Layout(ParallelDims(cp=cp, tp=t, pp=p), s, schedule="1f1b" if p > 1 else None)
                 if any(not pinned.get(x.dim, False) for x in s.family_obj.problems(dims)):
                     continue
-                if cl.domain % t:                 # a pinned tp wider than a stage's scale-up domain
-                    continue
+                if cl.domain % t or (cl.gpus_per_node % t and t % cl.gpus_per_node):
+                    continue                      # a pinned tp wider than a stage's domain, or part of a node
                 g = t * cp
                 if cl.world_size % g or not (cl.domain % g == 0 or g % cl.domain == 0):
                     continue                      # cp x tp inside a domain or on whole ones (ParallelDims)
@@ -205,11 +205,13 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
                           f"none of {', '.join(names)} has one")
     # an expensive estimator (traced, measured) runs once per preset, not per shard size
     if tp is not None:
-        valid = tp_degrees(profile, cluster.domain)
+        per = cluster.gpus_per_node
+        valid = [t for t in tp_degrees(profile, cluster.domain) if per % t == 0 or t % per == 0]
         if tp not in valid:
             word = cluster.domain_word
+            nodes = "" if word == "node" else f", divide the {per} GPUs per node or take whole nodes,"
             raise HybridError(f"--tp {tp} is not a valid tensor-parallel degree for {profile.name} on "
-                              f"{cluster.domain} GPUs per {word} (it must divide the GPUs per {word} and the "
+                              f"{cluster.domain} GPUs per {word} (it must divide the GPUs per {word}{nodes} and the "
                               f"attention and key/value heads of a llama-style decoder); valid: "
                               f"{', '.join(map(str, valid))}")
     if pp is not None:

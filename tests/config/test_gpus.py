@@ -134,6 +134,9 @@ def test_placement_uses_the_domain_not_the_node():
     with pytest.raises(HybridError, match="shard size 48 does not divide the 72 GPUs per NVLink domain"):
         ParallelDims(dp_replicate=3, dp_shard=48).validate(c.world_size, c.gpus_per_node, c.domain)
     assert ep_fits(c, 8) and ep_fits(c, 72) and ep_fits(c, 144) and not ep_fits(c, 16)
+    # a domain of 3-GPU nodes: a tp 2 group would take part of a node, and is refused in one line
+    with pytest.raises(HybridError, match="tp 2 neither divides the 3 GPUs per node nor is a whole number of nodes"):
+        ParallelDims(dp_shard=6, tp=2).validate(12, 3, 12)
     assert ep_fits(Cluster.build(2, 8, "h100"), 16) and not ep_fits(Cluster.build(2, 8, "h100"), 3)
 
 
