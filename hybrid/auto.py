@@ -93,7 +93,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
               config: str | None = None, pp: int | None = None, schedule: str | None = None,
               tune: bool | int = False, calibration: str | None = None, cp: int | None = None,
               global_batch: int | None = None, global_batch_tokens: int | None = None,
-              compile: bool = False, float8: bool = False, ep: int | None = None,
+              compile: bool = False, float8: bool = False, float8_recipe: str | None = None, ep: int | None = None,
               moe_imbalance: float | None = None, max_bad_steps: int = 3) -> Wrapped:
     """Wrap `model` for data-parallel training on the current process group (started here from
     torchrun's variables if needed, nccl+cuda or gloo+cpu). The arguments that are job options are
@@ -145,7 +145,8 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
                 each MoE layer's experts split over ep ranks taken from the dp_shard x cp ranks, tokens
                 sent to them by all-to-all (hybrid/runtime/backends/ep.py); default 1
     float8      torchao float8 training of the block linears (tensorwise; float8 all-gather under
-                FSDP2), behind compile=True, on H100/H200-class GPUs
+                FSDP2), behind compile=True, on GPUs with float8 tensor cores (Ada, Hopper, Blackwell, MI300)
+    float8_recipe  with float8: "tensorwise" (default) or "mxfp8" (torchao's MX recipe, Blackwell, CUDA only)
     config      a job file (`hybrid plan --save-config`): its values fill every argument left at
                 its default (arguments you pass win, as flags do over --config); nodes,
                 gpus_per_node and gpu become the cluster
@@ -193,6 +194,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
                      precision=precision or default_precision(here), optimizer=kind,
                      activation_checkpointing=or_default("activation_checkpointing", activation_checkpointing),
                      attention=attention, global_batch=gb, compile=compile, float8=float8,
+                     float8_recipe=or_default("float8_recipe", float8_recipe),
                      gradient_accumulation=or_default("gradient_accumulation", gradient_accumulation),
                      moe_imbalance=or_default("moe_imbalance", moe_imbalance))
     from .estimation.float8 import check_float8
@@ -234,7 +236,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     check_model(model, chosen.layout, chosen.spec)     # before any mesh is built
     if chosen.tight and runtime.rank == 0:
         log.warning("hybrid: %s %s", chosen.label, chosen.reason)
-    mesh = build_mesh(chosen.parallel, runtime, cluster.gpus_per_node)
+    mesh = build_mesh(chosen.parallel, runtime, cluster.gpus_per_node, cluster.domain)
     gradient_accumulation = chosen.spec.gradient_accumulation      # the plan's (searched at a global batch)
     options = LoopOptions(gradient_accumulation, max_grad_norm, bool(find_unused_parameters))
     parallel = parallelize(model, chosen.layout, mesh, chosen.spec, runtime, options)

@@ -60,7 +60,8 @@ def _job(args):
     gb = global_batch_of(args.global_batch, args.global_batch_tokens, seq, args.gradient_accumulation)
     spec = TrainSpec(micro_batch=or_default("micro_batch", args.micro_batch), seq_len=seq, precision=precision,
                      gradient_accumulation=or_default("gradient_accumulation", args.gradient_accumulation),
-                     global_batch=gb, compile=bool(args.compile), float8=bool(args.float8), optimizer=args.optimizer,
+                     global_batch=gb, compile=bool(args.compile), float8=bool(args.float8),
+                     float8_recipe=or_default("float8_recipe", args.float8_recipe), optimizer=args.optimizer,
                      activation_checkpointing=or_default("activation_checkpointing", args.activation_checkpointing),
                      attention=args.attention, moe_imbalance=or_default("moe_imbalance", args.moe_imbalance))
     from ..estimation.float8 import check_float8
@@ -161,10 +162,11 @@ def cmd_plan(args) -> int:
         if p.chosen is not None and c is not p.chosen:
             print(f"hybrid: emitted {c.label} ({c.parallel.describe()}), the fastest {args.emit} layout that fits; "
                   f"the plan's choice is {p.chosen.label}, which {args.emit} does not run", file=sys.stderr)
-        for line in emit_notes(args.emit, c, getattr(args, "emit_for", "engine")):
+        for line in emit_notes(args.emit, c, getattr(args, "emit_for", "engine"), p.cluster):
             print(line, file=sys.stderr)
         if p.cluster.expandable_segments and args.emit != "torchtitan":    # the torchtitan command sets it
-            print("hybrid: the plan assumes PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (as auto_wrap sets "
+            from ..handoff.base import alloc_conf_var
+            print(f"hybrid: the plan assumes {alloc_conf_var(p.cluster)}=expandable_segments:True (as auto_wrap sets "
                   "it): export it where this job runs, or plan with --expandable-segments off", file=sys.stderr)
         if args.output:
             try:

@@ -39,6 +39,11 @@ def cluster_of(values: dict, **given):
 
     args = {k: or_default(k, values.get(k)) for k in CLUSTER_KEYS} | given
     args["expandable_segments"] = on_off(args["expandable_segments"])
+    if values.get("gpu_spec") is not None and values.get("gpu") is not None:
+        raise HybridError(f"--gpu {short(values['gpu'])} and --gpu-spec {short(values['gpu_spec'])} both name the "
+                          "GPU: give one (the spec file's name: names the GPU it describes)")
+    if "gpu" in given:                        # a GPUSpec given (CPU ranks) stands for the spec file too
+        args["gpu_spec"] = None
     return Cluster.build(gpu_memory=values.get("gpu_memory"), **args)
 
 

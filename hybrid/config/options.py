@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
-from .cluster import A100_EFFICIENCY, ALLOCATOR_HEADROOM, DEFAULT_EFFICIENCY, EXPANDABLE_HEADROOM, H100_EFFICIENCY
+from .cluster import (A100_EFFICIENCY, ALLOCATOR_HEADROOM, DEFAULT_EFFICIENCY, EXPANDABLE_HEADROOM, H100_EFFICIENCY,
+                      gpu_names)
 from ..errors import HybridError, short
 from .spec import MOE_IMBALANCE, Checkpointing, Optimizer, Precision
 
@@ -56,7 +57,7 @@ class Option:
     normalise: str | None = None
     """A hybrid.config.spec checker (precision, optimizer, attention, checkpointing) the string must pass."""
     number_text: bool = False
-    """A YAML number is read as its text (params: 7.5e9, gpu_memory: 80000000000)."""
+    """A YAML number is read as its text (params: 7.5e9; gpu_memory: 80 is then refused for want of a unit)."""
     flag_per_command: bool = False
     """The commands add this flag themselves (estimate and measure require --strategy, plan filters by it)."""
     positional: bool = False
@@ -150,9 +151,18 @@ _GROUPS: dict[str, tuple[Option, ...]] = {
         Option("nodes", "int", 1, "machines (default {default})", use="cluster", fill=True, lo=1, hi=_SIZE),
         Option("gpus_per_node", "int", 8, "GPUs per machine (default {default}; `measure` on a machine without "
                "CUDA: 2 CPU ranks)", use="cluster", lo=1, hi=_SIZE),
-        Option("gpu", "str", "h100-80gb", "GPU model from the catalogue (default {default}; `measure` without CUDA: "
-               "this machine's CPU; cpu: this machine's CPU ranks, as `tune` runs them)", use="cluster"),
-        Option("gpu_memory", "str", help="override the GPU's memory, e.g. 80GiB or 40GB", number_text=True),
+        Option("gpu", "str", "h100-80gb", "GPU model from the catalogue, any case, short names in brackets: "
+               f"{gpu_names()} (default {{default}}; `measure` without CUDA: this machine's CPU; cpu: this machine's "
+               "CPU ranks, as `tune` runs them)", use="cluster"),
+        Option("gpu_spec", "str", help="a GPU not in the catalogue, described in a YAML file: name, memory (96GiB), "
+               "bf16_flops (1.2PFLOP/s, dense), fp8_flops (optional), memory_bandwidth (4TB/s), scale_up_bandwidth "
+               "(900GB/s, both directions), scale_up_domain (GPUs on one NVLink fabric: 8, 72), scale_out_bandwidth "
+               "(400Gb/s per GPU: bits); instead of --gpu", use="cluster"),
+        Option("scale_up_domain", "int", help="GPUs on one NVLink/NVSwitch fabric, a whole number of nodes (default: "
+               "the GPU's: the node on HGX-class machines, 72 on GB200/GB300 NVL72 racks of 4-GPU trays); tp, cp "
+               "and ep groups stay inside one", use="cluster", lo=1, hi=_SIZE),
+        Option("gpu_memory", "str", help="override the GPU's memory, with its unit: 80GiB or 80GB (a bare 80 is "
+               "refused)", number_text=True),
         Option("host_memory", "str", help="override a node's host memory (offload), e.g. 1TiB", use="cluster",
                number_text=True),
         Option("expandable_segments", "onoff", help="the CUDA allocator setting the job runs with (default: on, as "
@@ -184,8 +194,12 @@ _GROUPS: dict[str, tuple[Option, ...]] = {
         Option("compile", "bool", False, "torch.compile each block and the loss, as torchtitan does (fsdp and ddp "
                "strategies)", fill=True),
         Option("float8", "bool", False, "torchao float8 training of the block linears (tensorwise, float8 "
-               "all-gather under FSDP), behind --compile, as torchtitan's float8 converter; H100/H200 only",
-               fill=True),
+               "all-gather under FSDP), behind --compile, as torchtitan's float8 converter; GPUs with float8 "
+               "tensor cores (Ada, Hopper, Blackwell, MI300 and newer)", fill=True),
+        Option("float8_recipe", "str", "tensorwise", "with --float8: tensorwise (one scale per tensor; Ada, Hopper, "
+               "Blackwell, MI300) | mxfp8 (torchao's MX recipe: one e8m0 scale per 32 elements, cuBLAS's MXFP8 "
+               "GEMM; Blackwell B200/B300/GB200/GB300 only) (default {default}); each priced at its GPU's peak",
+               choices=("tensorwise", "mxfp8")),
         Option("attention", "str", "sdpa", "sdpa (flash) | eager (default {default})", fill=True,
                normalise="Attention"),
         Option("shard_size", "int", help="ranks per shard group for hsdp (default: every valid size)",

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from ..errors import HybridError
+from ..errors import HybridError, short
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16"]
 Optimizer = Literal["adamw", "sgd", "adafactor"]
@@ -56,6 +56,11 @@ of an ep group): the headroom MoE training recipes give their experts. Switch Tr
 Megatron-LM with no capacity factor, DeepEP) has no cap, and early in training a rank can receive
 more (deepseek-ai/DeepEP issue #99: out of memory in the first steps): raise --moe-imbalance
 for a cold start, up to ep (every token to one rank's experts)."""
+
+FLOAT8_RECIPES = ("tensorwise", "mxfp8")
+"""torchao's float8 training recipes the estimate prices: tensorwise (torchao.float8, Ada/Hopper and
+newer, CUDA and ROCm MI300+) and mxfp8 (torchao.prototype.mx_formats, Blackwell's block-scaled
+tensor cores through cuBLAS: CUDA only)."""
 
 DEFAULT_SEQ_LEN = 4096
 """Sequence length when none is given: the model's maximum positions, at most this (the common
@@ -142,7 +147,12 @@ class TrainSpec:
     """torchao's float8 training of the blocks' linears (tensorwise scaling, float8 all-gather
     under FSDP2), behind compile, as torchtitan's float8 converter (hybrid/runtime/float8.py): their
     matmuls at the float8 peak, plus the casts. Needs compile and a GPU with float8 tensor
-    cores (H100/H200). False: the compute dtype."""
+    cores (Ada, Hopper, Blackwell, MI300). False: the compute dtype."""
+    float8_recipe: str = "tensorwise"
+    """Which float8 recipe `float8` runs (FLOAT8_RECIPES): tensorwise (torchao's Float8Linear, one
+    scale per tensor, at the GPU's fp8 peak) or mxfp8 (torchao's MX recipe, one e8m0 scale per 32
+    elements, cuBLAS's MXFP8 GEMM: Blackwell only, at its MXFP8 peak). Never chosen for the user:
+    tensorwise unless asked (torchao's B200 runs: tensorwise 25% over bf16, mxfp8 20%)."""
     moe_imbalance: float = MOE_IMBALANCE
     """Mixture-of-experts models with expert parallelism (ep > 1): tokens the busiest rank's
     experts receive over the mean, >= 1 (MOE_IMBALANCE: the published default). Scales the routed
@@ -163,6 +173,11 @@ class TrainSpec:
         for attr in ("compile", "float8"):
             if not isinstance(getattr(self, attr), bool):
                 raise HybridError(f"{attr} must be True or False, got {getattr(self, attr)!r}")
+        if self.float8_recipe not in FLOAT8_RECIPES:
+            raise HybridError(f"unknown float8 recipe {short(self.float8_recipe)}. Available: "
+                              f"{', '.join(FLOAT8_RECIPES)}")
+        if self.float8_recipe != "tensorwise" and not self.float8:
+            raise HybridError(f"float8 recipe {self.float8_recipe} goes with float8: add --float8 (float8=True)")
         if self.float8 and not self.compile:
             raise HybridError("float8 runs behind torch.compile, as torchtitan runs it (its casts fuse into the "
                               "compiled blocks): add --compile (compile=True)")
@@ -190,4 +205,5 @@ class TrainSpec:
                 "attention": self.attention, "gradient_accumulation": self.gradient_accumulation,
                 **({"global_batch": self.global_batch} if self.global_batch is not None else {}),
                 **({"compile": True} if self.compile else {}), **({"float8": True} if self.float8 else {}),
+                **({"float8_recipe": self.float8_recipe} if self.float8_recipe != "tensorwise" else {}),
                 **({"moe_imbalance": self.moe_imbalance} if self.moe_imbalance != MOE_IMBALANCE else {})}

@@ -98,13 +98,13 @@ class Strategy:
         """Ranks per shard group (dp_shard) on this cluster, validated against the node/world
         shape; with tensor or context parallelism the 'node' and 'world' rules count cp x tp
         groups, not GPUs."""
-        world, per_node = cluster.world_size, cluster.gpus_per_node
+        world, per_node, domain = cluster.world_size, cluster.gpus_per_node, cluster.domain
         g = tp * cp
         if override is not None and self.shard_is_free:
             n = override
         else:
             n = {"none": 1, "node": max(per_node // g, 1), "world": world // g}.get(self.shard) or int(self.shard)
-        check_group_shard_size(n, world, per_node, tp, cp)
+        check_group_shard_size(n, world, per_node, tp, cp, domain)
         return n
 
     def knobs(self) -> dict:

@@ -130,7 +130,7 @@ class DeepSpeedConfig(HostOffloadConfig):
         if self.hpz is None:
             return None
         n = cluster.gpus_per_node if self.hpz == "node" else int(self.hpz)
-        validate_shard_size(n, cluster.world_size, cluster.gpus_per_node)
+        validate_shard_size(n, cluster.world_size, cluster.gpus_per_node, cluster.domain)
         return n
 
 

@@ -50,3 +50,18 @@ def provenance(p, c) -> dict:
     return {"model": p.model.name, "cluster": p.cluster.describe(), "strategy": c.name,
             "shard_size": c.shard_size, "parallel": c.parallel.to_dict(), "per_gpu_bytes": c.memory.total,
             "fits": c.known_to_fit, "step_time_s": round(c.cost.seconds, 4), "memory_method": p.method}
+
+
+def alloc_conf_var(cluster) -> str:
+    """The variable the GPU's caching allocator reads its settings from: PYTORCH_HIP_ALLOC_CONF on
+    ROCm builds of torch, PYTORCH_CUDA_ALLOC_CONF on CUDA."""
+    return "PYTORCH_HIP_ALLOC_CONF" if cluster.gpu.stack == "rocm" else "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def stack_notes(cluster) -> list[str]:
+    """What a hand-off says beside its config where the GPUs are not CUDA (ROCm: RCCL and HIP)."""
+    if cluster.gpu.stack != "rocm":
+        return []
+    return [f"hybrid: {cluster.gpu.name} runs ROCm: install torch's ROCm build (and DeepSpeed's, built with "
+            "ROCm); torch's \"nccl\" process-group backend is RCCL there, and the allocator reads "
+            "PYTORCH_HIP_ALLOC_CONF"]

@@ -10,6 +10,7 @@ from ..planning.planner import Candidate, Plan
 from ..layout.layout import DIMENSIONS
 from ..model.profile import ModelProfile
 from .accelerate import accelerate_yaml
+from .base import stack_notes
 from .torchtitan import TORCHTITAN_DEGREES, _pick_torchtitan, torchtitan_command
 
 KINDS = {f.emits: f for f in FAMILIES.values() if f.emits}
@@ -17,9 +18,11 @@ KINDS = {f.emits: f for f in FAMILIES.values() if f.emits}
 CHOICES = (*KINDS, "torchtitan", "accelerate")
 
 
-def emit_notes(kind: str, c: Candidate, target: str = "engine") -> list[str]:
-    """Lines for stderr beside an emitted config: what its family says the user sets elsewhere."""
-    return KINDS[kind].handoff().emit_notes(c, target) if kind in KINDS else []
+def emit_notes(kind: str, c: Candidate, target: str = "engine", cluster=None) -> list[str]:
+    """Lines for stderr beside an emitted config: what its family says the user sets elsewhere,
+    and on `cluster`'s ROCm GPUs the ROCm stack (RCCL, HIP) in place of CUDA's."""
+    notes = KINDS[kind].handoff().emit_notes(c, target) if kind in KINDS else []
+    return notes + (stack_notes(cluster) if cluster is not None else [])
 
 
 def _pick(p: Plan, family, name: str | None) -> Candidate:

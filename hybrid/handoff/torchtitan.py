@@ -139,7 +139,10 @@ def torchtitan_command(c: Candidate, p: Plan) -> str:
         launch += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "${MASTER_ADDR:?the first node's address}:29500"]
     else:
         launch += ["--standalone"]
-    env = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True " if cl.expandable_segments else ""
+    from .base import alloc_conf_var
+    if cl.gpu.stack == "rocm":
+        head.append(f"# {cl.gpu.name} runs ROCm: torch's ROCm build, whose nccl backend is RCCL")
+    env = f"{alloc_conf_var(cl)}=expandable_segments:True " if cl.expandable_segments else ""
 
     def quote(a: str) -> str:
         return f'"{a}"' if a.startswith("${") or ":?" in a else shlex.quote(a)

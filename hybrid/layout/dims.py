@@ -4,15 +4,17 @@
 
 The mesh is ("pp", "dp_replicate", "dp_shard", "cp", "tp") with tp innermost: torchrun numbers
 ranks node by node, so the innermost dimensions are consecutive ranks. tp groups (the most traffic)
-stay inside a node (NVLink); a cp x tp block (a K/V all-gather per layer) and a dp_shard x cp x tp
-block (FSDP shards parameters over dp_shard x cp, as torchtitan does) are inside a node or span
-whole nodes; replicas and pipeline stages (the least traffic) cross nodes. cp ranks read the same
+stay inside a scale-up domain (NVLink: the node on HGX machines, a rack of 18 trays on NVL72); a
+cp x tp block (a K/V all-gather per layer) and a dp_shard x cp x tp block (FSDP shards parameters
+over dp_shard x cp, as torchtitan does) are inside a domain or span whole ones; replicas and
+pipeline stages (the least traffic) cross nodes. cp ranks read the same
 sequences (each holds two of its 2cp chunks), so the data ranks are dp_replicate x dp_shard.
 Every rule is checked once, here, and every error prints the equation and the valid choices.
 Nothing outside this value computes rank groups.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..errors import HybridError
@@ -39,8 +41,15 @@ def valid_shard_sizes(world: int, per_node: int, tp: int = 1) -> list[int]:
     return sorted(set(inside + [per_node * k // tp for k in divisors(nodes) if k > 1]))
 
 
-def validate_shard_size(n: int, world: int, per_node: int) -> None:
-    """Shard groups are consecutive ranks: inside one node, or whole nodes."""
+def _unit(per_node: int, domain: int | None) -> tuple[int, str]:
+    """(GPUs of the unit groups keep inside, its name): the node, or a scale-up domain of several."""
+    return (per_node, "node") if domain in (None, per_node) else (domain, "NVLink domain")
+
+
+def validate_shard_size(n: int, world: int, per_node: int, domain: int | None = None) -> None:
+    """Shard groups are consecutive ranks: inside one node (or one scale-up `domain` of several
+    nodes), or whole ones."""
+    per_node, unit = _unit(per_node, domain)
     if not isinstance(n, int) or n < 1:
         raise HybridError(f"shard size must be a positive integer, got {n!r}")
     if n > world:
@@ -49,23 +58,24 @@ def validate_shard_size(n: int, world: int, per_node: int) -> None:
         raise HybridError(f"world size {world} is not divisible by shard size {n}: "
                           f"replicate x shard must equal the world; valid sizes: {_divisors(world, per_node)}")
     if n <= per_node and per_node % n:
-        raise HybridError(f"shard size {n} does not divide the {per_node} GPUs per node, so a shard group "
-                          f"would straddle nodes; valid sizes: {_divisors(world, per_node)}")
+        raise HybridError(f"shard size {n} does not divide the {per_node} GPUs per {unit}, so a shard group "
+                          f"would straddle {unit}s; valid sizes: {_divisors(world, per_node)}")
     if n > per_node and n % per_node:
-        raise HybridError(f"shard size {n} spans nodes but is not a whole number of nodes "
+        raise HybridError(f"shard size {n} spans {unit}s but is not a whole number of {unit}s "
                           f"({per_node} GPUs each); valid sizes: {_divisors(world, per_node)}")
 
 
-def check_group_shard_size(n: int, world: int, per_node: int, tp: int = 1, cp: int = 1) -> None:
+def check_group_shard_size(n: int, world: int, per_node: int, tp: int = 1, cp: int = 1,
+                           domain: int | None = None) -> None:
     """A shard size over cp x tp groups of ranks: with neither, the plain rule above; else it
-    divides the groups and the whole layout fits the node and world shape (ParallelDims)."""
+    divides the groups and the whole layout fits the node (or domain) and world shape (ParallelDims)."""
     g = tp * cp
     if g == 1:
-        return validate_shard_size(n, world, per_node)
+        return validate_shard_size(n, world, per_node, domain)
     what = "tensor-parallel" if cp == 1 else "context x tensor-parallel"
     if n < 1 or (world // g) % n:
         raise HybridError(f"shard size {n} does not divide the {world // g} {what} groups")
-    ParallelDims(dp_replicate=world // g // n, dp_shard=n, cp=cp, tp=tp).validate(world, per_node)
+    ParallelDims(dp_replicate=world // g // n, dp_shard=n, cp=cp, tp=tp).validate(world, per_node, domain)
 
 
 def _divisors(world: int, per_node: int) -> str:
@@ -131,47 +141,59 @@ class ParallelDims:
     def shape(self) -> tuple[int, int, int, int, int]:
         return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
-    def validate(self, world: int, gpus_per_node: int) -> "ParallelDims":
-        """The layout fits this world and node size; returns self."""
+    def validate(self, world: int, gpus_per_node: int, domain: int | None = None) -> "ParallelDims":
+        """The layout fits this world and node size; returns self. `domain`: GPUs of one scale-up
+        domain (a whole number of nodes; None: the node): tp, cp x tp and shard groups stay inside
+        one or take whole ones, pipeline stages take whole nodes."""
         eq = (f"pp({self.pp}) x dp_replicate({self.dp_replicate}) x dp_shard({self.dp_shard}) x cp({self.cp}) "
               f"x tp({self.tp}) = {self.world_size}")
         if gpus_per_node < 1 or world % gpus_per_node:
             raise HybridError(f"world size {world} is not a multiple of {gpus_per_node} ranks per node")
         if self.world_size != world:
             raise HybridError(f"{eq}, but the world has {world} ranks; the product must equal the world")
-        if gpus_per_node % self.tp:
-            valid = divisors(gpus_per_node)
-            raise HybridError(f"tp {self.tp} does not divide the {gpus_per_node} GPUs per node, so a tensor-parallel "
-                              f"group would cross nodes; valid tp: {', '.join(map(str, valid))}")
+        domain = domain or gpus_per_node
         if self.pp > 1:                   # a stage: whole nodes, or a share of a single node
             nodes = world // gpus_per_node
             if nodes % self.pp == 0:
                 world //= self.pp
+                domain = math.gcd(domain, world)      # the stage's share of a domain (whole nodes)
             elif nodes == 1 and gpus_per_node % self.pp == 0:
                 world //= self.pp
                 gpus_per_node //= self.pp
+                domain = gpus_per_node
             else:
                 raise HybridError(f"pp {self.pp} must divide the {nodes} nodes (each stage on whole nodes), or the "
                                   f"GPUs of a single node")
-        if self.cp > 1:                   # a cp x tp group: inside a node or whole nodes
+        per, unit = _unit(gpus_per_node, domain)
+        if per % self.tp:
+            valid = divisors(per)
+            raise HybridError(f"tp {self.tp} does not divide the {per} GPUs per {unit}, so a tensor-parallel "
+                              f"group would cross {unit}s; valid tp: {', '.join(map(str, valid))}")
+        if gpus_per_node % self.tp and self.tp % gpus_per_node:      # a domain of several nodes: whole nodes
+            valid = [t for t in divisors(per) if gpus_per_node % t == 0 or t % gpus_per_node == 0]
+            raise HybridError(f"tp {self.tp} neither divides the {gpus_per_node} GPUs per node nor is a whole number "
+                              f"of nodes, so a tensor-parallel group would take part of a node; valid tp: "
+                              f"{', '.join(map(str, valid))}")
+        if self.cp > 1:                   # a cp x tp group: inside a node (domain) or whole ones
             group = self.cp * self.tp
-            if not (gpus_per_node % group == 0 or group % gpus_per_node == 0):
-                valid = [c for c in divisors(world // self.tp) if (c * self.tp) % gpus_per_node == 0
-                         or gpus_per_node % (c * self.tp) == 0]
-                raise HybridError(f"cp {self.cp} x tp {self.tp} = {group} ranks neither divides the {gpus_per_node} "
-                                  f"GPUs per node nor is a whole number of nodes, so a context-parallel group would "
-                                  f"straddle nodes; valid cp: {', '.join(map(str, valid))}")
+            if not (per % group == 0 or group % per == 0):
+                valid = [c for c in divisors(world // self.tp) if (c * self.tp) % per == 0
+                         or per % (c * self.tp) == 0]
+                raise HybridError(f"cp {self.cp} x tp {self.tp} = {group} ranks neither divides the {per} "
+                                  f"GPUs per {unit} nor is a whole number of {unit}s, so a context-parallel group "
+                                  f"would straddle {unit}s; valid cp: {', '.join(map(str, valid))}")
         if self.tp == 1 and self.cp == 1:  # the data-parallel messages users know from --shard-size
-            validate_shard_size(self.dp_shard, world, gpus_per_node)
+            validate_shard_size(self.dp_shard, world, gpus_per_node, domain)
         block = self.dp_shard * self.cp * self.tp
-        inside = block <= gpus_per_node and gpus_per_node % block == 0
-        whole_nodes = block > gpus_per_node and block % gpus_per_node == 0
-        if not (inside or whole_nodes):
-            valid = ", ".join(map(str, valid_shard_sizes(world, gpus_per_node, self.cp * self.tp)))
-            where = ("does not divide the" if block <= gpus_per_node else "spans nodes but is not a whole number of")
+        inside = block <= per and per % block == 0
+        whole = block > per and block % per == 0
+        if not (inside or whole):
+            valid = ", ".join(map(str, valid_shard_sizes(world, per, self.cp * self.tp)))
+            where = ("does not divide the" if block <= per else f"spans {unit}s but is not a whole number of")
             inner = f"x cp {self.cp} " if self.cp > 1 else ""
-            raise HybridError(f"dp_shard {self.dp_shard} {inner}x tp {self.tp} = {block} ranks {where} {gpus_per_node} "
-                              f"GPUs per node, so a shard group would straddle nodes; valid dp_shard sizes: {valid}")
+            raise HybridError(f"dp_shard {self.dp_shard} {inner}x tp {self.tp} = {block} ranks {where} {per} "
+                              f"GPUs per {unit}, so a shard group would straddle {unit}s; valid dp_shard sizes: "
+                              f"{valid}")
         return self
 
     @property

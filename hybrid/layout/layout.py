@@ -77,7 +77,7 @@ class Layout:
         stage = stage_cluster(cluster, pp)
         n = strategy.shard_size(stage, shard_size, tp, cp)
         dims = ParallelDims(dp_replicate=stage.world_size // tp // cp // n, dp_shard=n, cp=cp, tp=tp, pp=pp, ep=ep)
-        dims.validate(cluster.world_size, cluster.gpus_per_node)
+        dims.validate(cluster.world_size, cluster.gpus_per_node, cluster.domain)
         return cls(dims, strategy, spec.activation_checkpointing, (schedule or "1f1b") if pp > 1 else None,
                    None, spec.compile, spec.float8)
 

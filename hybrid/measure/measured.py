@@ -44,7 +44,7 @@ def _rank_main(ref, strategy, spec, cluster, shard_size, steps, prefer_hf):
     source = resolve_model(ref)
     runtime = init_distributed()
     n = strategy.shard_size(cluster, shard_size)
-    mesh = build_mesh(n, runtime, cluster.gpus_per_node)
+    mesh = build_mesh(n, runtime, cluster.gpus_per_node, cluster.domain)
     torch.manual_seed(runtime.rank)
     dtype = torch.bfloat16 if spec.precision == "bf16" else None
     tracker = MemoryTracker()

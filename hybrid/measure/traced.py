@@ -188,7 +188,7 @@ def _trace(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cl
         runtime = Runtime(torch.device("cpu"), TRACED, cluster.world_size, 0, cluster.gpus_per_node)
         from ..layout.dims import ParallelDims
         dims = ParallelDims(dp_replicate=cluster.world_size // tp // cp // n, dp_shard=n, cp=cp, tp=tp, ep=ep)
-        mesh = build_mesh(dims, runtime, cluster.gpus_per_node)     # outside fake mode: real ints
+        mesh = build_mesh(dims, runtime, cluster.gpus_per_node, cluster.domain)     # outside fake mode: real ints
         backend = strategy.family_obj.runtime()
         dtype = torch.bfloat16 if spec.precision == "bf16" else None
         with FakeTensorMode(allow_non_fake_inputs=True), _unpacked_batches(), _real_mesh_arithmetic():
@@ -281,7 +281,7 @@ def traced_stage_estimate(source: ModelSource, strategy: Strategy, spec: TrainSp
     try:
         runtime = Runtime(torch.device("cpu"), TRACED, world, dist.get_rank(), cluster.gpus_per_node)
         dims = ParallelDims(dp_replicate=stage_cl.world_size // tp // n, dp_shard=n, tp=tp, pp=layout.pp)
-        mesh = build_mesh(dims, runtime, cluster.gpus_per_node)
+        mesh = build_mesh(dims, runtime, cluster.gpus_per_node, cluster.domain)
         dtype = torch.bfloat16 if spec.precision == "bf16" else None
         index = layout.rank_stages(pp_rank)[0]
         first, last = index == 0, index == layout.stages - 1

@@ -100,13 +100,14 @@ def profile_decoder(cfg: DecoderConfig, name: str, source: str = "preset") -> Mo
 
 
 TP_DEGREES = (1, 2, 4, 8)
-"""Tensor-parallel degrees the planner tries (inside one node of up to 8 GPUs, as Megatron-LM and
-torchtitan recipes do)."""
+"""Tensor-parallel degrees the planner tries (inside one scale-up domain, up to 8 as Megatron-LM and
+torchtitan recipes do; on NVL72 8 spans two 4-GPU trays)."""
 
 
 def tp_degrees(profile: ModelProfile, gpus_per_node: int) -> list[int]:
-    """tp that divides the GPUs per node and the attention and key/value heads of a llama-style
-    decoder (GPT-2's fused qkv has no plan); [1] for anything else."""
+    """tp that divides `gpus_per_node` (the GPUs of one scale-up domain: Cluster.domain) and the
+    attention and key/value heads of a llama-style decoder (GPT-2's fused qkv has no plan); [1] for
+    anything else."""
     d = profile.decoder
     if d is None or d.style != "llama" or d.moe:          # MoE: experts are split by ep, not tp (yet)
         return [1]

@@ -131,20 +131,20 @@ def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, 
             else:
                 scheds = [schedule] if schedule else schedules_for(p, spec.gradient_accumulation,
                                                                    profile.num_blocks // p)
-            for t in (tp_degrees(profile, cl.gpus_per_node) if tp is None else [tp]):
+            for t in (tp_degrees(profile, cl.domain) if tp is None else [tp]):
                 # a family that cannot run an unpinned degree leaves it out; a pinned one is shown, with the reason
                 dims = Layout(ParallelDims(cp=cp, tp=t, pp=p), s, schedule="1f1b" if p > 1 else None)
                 if any(not pinned.get(x.dim, False) for x in s.family_obj.problems(dims)):
                     continue
-                if cl.gpus_per_node % t:          # a pinned tp wider than a stage's GPUs
-                    continue
+                if cl.domain % t or (cl.gpus_per_node % t and t % cl.gpus_per_node):
+                    continue                      # a pinned tp wider than a stage's domain, or part of a node
                 g = t * cp
-                if cl.world_size % g or not (cl.gpus_per_node % g == 0 or g % cl.gpus_per_node == 0):
-                    continue                      # cp x tp inside a node or on whole nodes (ParallelDims)
+                if cl.world_size % g or not (cl.domain % g == 0 or g % cl.domain == 0):
+                    continue                      # cp x tp inside a domain or on whole ones (ParallelDims)
                 groups = cl.world_size // g
                 if s.shard_is_free and shard_size is None and search_shards and p == 1:
                     default = s.shard_size(cl, None, t, cp)
-                    sizes = sorted({default, *(n for n in valid_shard_sizes(cl.world_size, cl.gpus_per_node, g)
+                    sizes = sorted({default, *(n for n in valid_shard_sizes(cl.world_size, cl.domain, g)
                                                if 1 < n < groups)})
                 else:
                     sizes = [s.shard_size(cl, shard_size, t, cp)]
@@ -205,10 +205,13 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
                           f"none of {', '.join(names)} has one")
     # an expensive estimator (traced, measured) runs once per preset, not per shard size
     if tp is not None:
-        valid = tp_degrees(profile, cluster.gpus_per_node)
+        per = cluster.gpus_per_node
+        valid = [t for t in tp_degrees(profile, cluster.domain) if per % t == 0 or t % per == 0]
         if tp not in valid:
+            word = cluster.domain_word
+            nodes = "" if word == "node" else f", divide the {per} GPUs per node or take whole nodes,"
             raise HybridError(f"--tp {tp} is not a valid tensor-parallel degree for {profile.name} on "
-                              f"{cluster.gpus_per_node} GPUs per node (it must divide the GPUs per node and the "
+                              f"{cluster.domain} GPUs per {word} (it must divide the GPUs per {word}{nodes} and the "
                               f"attention and key/value heads of a llama-style decoder); valid: "
                               f"{', '.join(map(str, valid))}")
     if pp is not None:
@@ -316,7 +319,7 @@ def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[
                 out.append(f"--pp {p} ({c.label}: {_size(c)})")
                 break
     if tp is not None:      # tp was pinned: would another degree fit?
-        for t in tp_degrees(profile, cluster.gpus_per_node):
+        for t in tp_degrees(profile, cluster.domain):
             c = t > tp and _fits_with(profile, spec, cluster, cat, names, True, efficiency, t,
                                             micro_batch=micro_batch, cp=pinned_cp)
             if c:

@@ -213,16 +213,18 @@ def peer_failure(e: BaseException, what: str, elapsed_s: float | None = None) ->
                        f"HYBRID_TIMEOUT sets the wait ({_STATE['timeout'] or 0:g} s)")
 
 
-def build_mesh(dims: ParallelDims | int, runtime: Runtime, gpus_per_node: int | None = None) -> DeviceMesh:
+def build_mesh(dims: ParallelDims | int, runtime: Runtime, gpus_per_node: int | None = None,
+               domain: int | None = None) -> DeviceMesh:
     """The named 4D mesh of `dims` (or, given a shard size, of pure data parallelism with that
-    shard size). Validated first, identically on every rank."""
+    shard size). Validated first, identically on every rank; `domain`: the GPUs of one scale-up
+    domain (Cluster.domain; None: the node)."""
     per_node = gpus_per_node or runtime.local_world_size
     if runtime.world_size % per_node:
         raise HybridError(f"world size {runtime.world_size} is not a multiple of {per_node} ranks per node")
     if isinstance(dims, int):
-        validate_shard_size(dims, runtime.world_size, per_node)
+        validate_shard_size(dims, runtime.world_size, per_node, domain)
         dims = ParallelDims.data_parallel(runtime.world_size, dims)
-    dims.validate(runtime.world_size, per_node)
+    dims.validate(runtime.world_size, per_node, domain)
     mesh = dims.build_mesh(runtime.device_type)
     if dims.cp > 1:       # the flattened dims FSDP and DDP use, made here on every rank alike (collective)
         fsdp_mesh(mesh)

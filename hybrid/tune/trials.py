@@ -122,7 +122,7 @@ def _run_one(cand, plan, make_model, optimizer, runtime, cluster, ids, steps: in
         peer = agree(built)
         if peer is not None:
             return peer
-        mesh = build_mesh(cand.parallel, runtime, cluster.gpus_per_node)
+        mesh = build_mesh(cand.parallel, runtime, cluster.gpus_per_node, cluster.domain)
         options = LoopOptions(cand.spec.gradient_accumulation, max_grad_norm, False)
         engine = apply_layout(model, cand.layout, optimizer, mesh, cand.spec, runtime, options)
         if tracker is not None:         # the whole model built before sharding is set-up, not the job

@@ -115,7 +115,9 @@ def test_estimate_traced_method(capsys):
 
 @pytest.mark.parametrize("argv,match", [
     (["plan", "llama9-7b"], "unknown model 'llama9-7b'"),
-    (["plan", "gpt2", "--gpu", "h100"], "unknown GPU 'h100'. Available: a100-40gb"),
+    (["plan", "gpt2", "--gpu", "b2000"], "unknown GPU 'b2000': did you mean b200? Available: a100-40gb"),
+    (["plan", "gpt2", "--gpu-memory", "80"], "--gpu-memory 80 has no unit (bytes?): memory sizes need one, e.g. "
+                                             "--gpu-memory 80GiB"),
     (["estimate", "gpt2", "--strategy", "zero4"], "unknown strategy 'zero4'. Available:"),
     (["plan", "gpt2", "--nodes", "2", "--shard-size", "3"], "world size 16 is not divisible by shard size 3"),
     (["plan", "gpt2", "--shard-size", "16"], "shard size 16 is larger than the world size 8"),

@@ -49,8 +49,14 @@ def test_the_torchtitan_emit_carries_compile(capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--gpu", "a100-80gb", "--compile", "--float8"], "--float8 needs float8 tensor cores (H100, H200 or newer); "
-                                                      "a100-80gb has none"),
+    (["--gpu", "a100-80gb", "--compile", "--float8"], "--float8 needs float8 tensor cores (Ada, Hopper, Blackwell, "
+                                                      "MI300 or newer); a100-80gb has none"),
+    (["--gpu", "h100", "--compile", "--float8", "--float8-recipe", "mxfp8"],
+     "--float8-recipe mxfp8 needs Blackwell's block-scaled tensor cores (b200, b300, gb200, gb300); h100-80gb has "
+     "none"),
+    (["--gpu", "mi355x", "--compile", "--float8", "--float8-recipe", "mxfp8"],
+     "--float8-recipe mxfp8 is CUDA-only (torchao's MX recipe runs cuBLAS's MXFP8 GEMM), and mi355x-288gb runs ROCm"),
+    (["--float8-recipe", "mxfp8"], "float8 recipe mxfp8 goes with float8: add --float8"),
     (["--float8"], "float8 runs behind torch.compile"),
 ])
 def test_float8_is_refused_in_one_line_where_it_cannot_run(capsys, argv, message):

@@ -92,10 +92,10 @@ def test_three_verdicts_fits_tight_oom(capsys):
     needed = r["allocated_bytes"] + ctx + r["floor_bytes"]
     assert 0 < r["floor_bytes"] < r["reserved_bytes"] - r["allocated_bytes"]
     between = (needed + r["per_gpu"]["total"]) // 2
-    t = _row(capsys, "--expandable-segments", "off", "--gpu-memory", str(between))
+    t = _row(capsys, "--expandable-segments", "off", "--gpu-memory", f"{between}B")
     assert t["verdict"] == "tight" and t["fits"]
     assert "tight" in t["reason"] and "frees its cache" in t["reason"] and "expandable_segments:True" in t["reason"]
-    o = _row(capsys, "--expandable-segments", "off", "--gpu-memory", str(needed - 2**20))
+    o = _row(capsys, "--expandable-segments", "off", "--gpu-memory", f"{needed - 2**20}B")
     assert o["verdict"] == "OOM" and not o["fits"] and "cache given back" in o["reason"]
 
 

@@ -49,14 +49,25 @@ def block_bytes(d: DecoderConfig, c: int, compiled: bool) -> tuple[float, float]
     return fwd, BACKWARD * fwd
 
 
-def float8_cast_bytes(d: DecoderConfig, c: int) -> float:
-    """Per token per block, forward and backward: torchao's tensorwise casts (amax: read c; cast:
-    read c, write 1) of each converted linear's input in forward, and in backward of its output
-    gradient and again of its input (for the weight gradient)."""
+def _linear_widths(d: DecoderConfig) -> tuple[int, int]:
+    """(input, output) elements per token summed over a block's converted linears."""
     h, kv, f = d.hidden, d.kv_dim, d.ffn
     llama = d.style == "llama"
     inputs = (3 * h + h + 2 * h + f) if llama else (h + h + h + f)      # q, k, v, o, gate, up, down | qkv, o, fc, proj
     outputs = (h + 2 * kv + h + 2 * f + h) if llama else (h + 2 * kv + h + f + h)
+    return inputs, outputs
+
+
+def float8_cast_bytes(d: DecoderConfig, c: int, recipe: str = "tensorwise") -> float:
+    """Per token per block, forward and backward, the casts of each converted linear's activations.
+    tensorwise (torchao.float8): amax (read c) and cast (read c, write 1) of the input in forward,
+    of the output gradient and again of the input (for the weight gradient) in backward.
+    mxfp8 (torchao's mx_mm): each cast computes its 32-element blocks' scales in the same pass (read
+    c, write 1 and 1/32 of a scale byte), along both dims: the input along dim0 in forward and dim1
+    for the weight gradient, the output gradient along dim0 and dim1 in backward."""
+    inputs, outputs = _linear_widths(d)
+    if recipe == "mxfp8":
+        return (c + 1 + 1 / 32) * 2 * (inputs + outputs)
     return (2 * c + 1) * (2 * inputs + outputs)
 
 

@@ -31,25 +31,27 @@ def ring(kind: str, nbytes: float, n: int, bw: float) -> float:
 
 class Links:
     """The links a group of ranks crosses. Groups are consecutive ranks (ParallelDims keeps
-    dp_shard x tp blocks inside a node or on whole nodes); replica groups take one rank from each
-    shard group."""
+    dp_shard x tp blocks inside a scale-up domain or on whole ones); replica groups take one rank
+    from each shard group. The scale-up domain (Cluster.domain) is the node on HGX-class machines
+    and a rack of 18 trays on NVL72: every link figure below that says "node" means it."""
 
     def __init__(self, cluster):
         self.c = cluster
 
     def bw(self, n: int) -> float:
-        """A group of n consecutive ranks stays inside a node if n <= GPUs per node; else it spans
-        whole nodes with all of each node's ranks in it (bus bandwidth: the module docstring)."""
-        g = self.c.gpu
-        if n <= self.c.gpus_per_node:
+        """A group of n consecutive ranks stays inside a scale-up domain if n <= its GPUs (NVLink);
+        else it spans whole domains with all of each domain's ranks in it, k = the domain's GPUs
+        rings side by side through as many NICs (bus bandwidth: the module docstring)."""
+        g, dom = self.c.gpu, self.c.domain
+        if n <= dom:
             return g.intra_node_bw
-        return min(g.intra_node_bw, self.c.gpus_per_node * g.inter_node_bw)
+        return min(g.intra_node_bw, dom * g.inter_node_bw)
 
     def latency(self, n: int) -> float:
         if n <= 1:
             return 0.0
         g = self.c.gpu
-        lat = g.intra_node_latency if n <= self.c.gpus_per_node else g.inter_node_latency
+        lat = g.intra_node_latency if n <= self.c.domain else g.inter_node_latency
         return lat * math.log2(n)
 
     def collective(self, kind: str, nbytes: float, n: int, count: int = 1) -> float:
@@ -57,10 +59,11 @@ class Links:
         return ring(kind, nbytes, n, self.bw(n)) + count * self.latency(n)
 
     def across_replicas(self, kind: str, nbytes: float, replicas: int, count: int = 1) -> float:
-        """Replica groups take one rank from each shard group: always across nodes when > 1 node."""
+        """Replica groups take one rank from each shard group: across the network when the world has
+        more than one scale-up domain, else over NVLink."""
         if replicas <= 1:
             return 0.0
-        inter = self.c.nodes > 1
+        inter = self.c.domains > 1
         bw = self.c.gpu.inter_node_bw if inter else self.c.gpu.intra_node_bw
         lat = self.c.gpu.inter_node_latency if inter else self.c.gpu.intra_node_latency
         return ring(kind, nbytes, replicas, bw) + count * lat * math.log2(replicas)

@@ -43,7 +43,7 @@ step      the optimizer step on the GPU is memory-bound: it reads and writes eac
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ...families.catalogue import Strategy
 from ...config.cluster import Cluster
@@ -123,12 +123,12 @@ def cp_comm_seconds(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, tp
     """Context parallelism, per micro-batch: every layer all-gathers the sequence's K and V over
     the cp group in forward, reduce-scatters their gradients in backward, and gathers again when
     the block is recomputed (hybrid/estimation/memory/cp.py); issued synchronously by the runtime, so none of
-    it hides. A cp group is cp ranks tp apart: inside a node while cp x tp fits in one (NVLink),
-    else over the NICs (Links on a cluster of tp groups, as the data-parallel terms are priced)."""
+    it hides. A cp group is cp ranks tp apart: inside a scale-up domain while cp x tp fits in one
+    (NVLink), else over the NICs (Links on a cluster of tp groups, as the data-parallel terms are priced)."""
     if cp == 1 or profile.decoder is None:
         return 0.0
     from ..memory.cp import kv_collectives_per_layer, kv_exchange_bytes
-    groups = replace(cluster, gpus_per_node=max(cluster.gpus_per_node // tp, 1))
+    groups = cluster.grouped(tp)
     one = Links(groups).collective("all_gather", kv_exchange_bytes(profile.decoder, spec, tp), cp)
     return kv_collectives_per_layer(spec) * profile.decoder.layers * one
 
@@ -182,7 +182,7 @@ def elementwise_seconds(profile: ModelProfile, spec: TrainSpec, gpu, tp: int = 1
     total = d.layers * (fwd + bwd) + redone * fwd
     if spec.float8:
         from .elementwise import float8_cast_bytes
-        total += d.layers * float8_cast_bytes(d, c)
+        total += d.layers * float8_cast_bytes(d, c, spec.float8_recipe)
     if has_head:
         lf, lb = loss_bytes(d.vocab, c, spec.compile)
         total += lf + lb
@@ -192,12 +192,12 @@ def elementwise_seconds(profile: ModelProfile, spec: TrainSpec, gpu, tp: int = 1
 def p2p_seconds(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, tp: int, layout) -> float:
     """Exposed point-to-point time of one step: per micro-batch and boundary the b x s x h
     activation forward and its gradient backward (a tp rank sends its 1/tp share), over the NIC
-    when stages are whole nodes, else NVLink."""
+    when the cluster has several scale-up domains (some stage boundary crosses one), else NVLink."""
     if layout is None or layout.pp == 1 or profile.decoder is None:
         return 0.0
     from .links import LATENCY_INTER, LATENCY_INTRA
     nbytes = spec.bytes.compute * spec.micro_batch * spec.seq_len * profile.decoder.hidden / tp
-    inter = cluster.nodes > 1
+    inter = cluster.domains > 1
     g = cluster.gpu
     one = nbytes / (g.inter_node_bw if inter else g.intra_node_bw) + (LATENCY_INTER if inter else LATENCY_INTRA)
     m = layout.micro_batches * layout.virtual
@@ -229,7 +229,7 @@ def step_cost(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec,
     g, N = cluster.gpu, shard_size * cp
     stage, profile = sh.held, sh.profile
     tp_time = tp_comm_seconds(stage, sh.spec, cluster, tp) + cp_comm_seconds(stage, spec, cluster, tp, cp)
-    cluster = replace(cluster, gpus_per_node=cluster.gpus_per_node // tp)
+    cluster = cluster.grouped(tp)
     W = cluster.world_size
     T = spec.micro_batch * spec.seq_len
     recompute = spec.activation_checkpointing == "full"
@@ -238,11 +238,13 @@ def step_cost(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec,
     # 312 TFLOP/s; H100 SXM: 495 vs 989); V100/T4 have no TF32, an upper bound there
     peak = g.bf16_flops * (0.5 if spec.precision == "fp32" else 1.0)
     compute = flops / (peak * efficiency)
-    if spec.float8 and stage.decoder is not None and g.fp8_flops:
-        # the converted block linears (6 FLOPs per weight per token) at the float8 peak instead
+    from ..float8 import float8_peak
+    peak8 = float8_peak(g, spec)
+    if spec.float8 and stage.decoder is not None and peak8:
+        # the converted block linears (6 FLOPs per weight per token) at the recipe's peak instead
         from ..float8 import linear_params
         lin = 6 * linear_params(stage.decoder) * T / tp / cp * (8 / 6 if recompute else 1)
-        compute -= lin / (peak * efficiency) - lin / (g.fp8_flops * efficiency)
+        compute -= lin / (peak * efficiency) - lin / (peak8 * efficiency)
     compute *= 1 + recompute_fraction(stage, spec)
     compute += elementwise_seconds(stage, sh.spec, g, tp, sh.has_head)     # a cp rank streams S / cp tokens
     fwd_c, bwd_c = compute / 3, 2 * compute / 3       # backward costs twice the forward
@@ -303,8 +305,9 @@ def expert_parallel_terms(strategy: Strategy, profile: ModelProfile, spec: Train
     waits for it at the combine. All-to-all: dispatch and combine in forward, their gradients in
     backward (again forward's two where the block is recomputed: torchtitan's selective policy
     saves all_to_all_single's output), each moving tokens x top_k x hidden in the compute dtype, a
-    fraction (ep - 1) / ep off the rank; the busiest receiver takes imbalance x that. Inside a node
-    it rides NVLink; an ep group of whole nodes sends (ep - gpus per node) / ep of it through the
+    fraction (ep - 1) / ep off the rank; the busiest receiver takes imbalance x that. Inside a scale-up
+    domain (a node, or an NVL72 rack) it rides NVLink; an ep group of whole domains sends (ep - GPUs
+    per domain) / ep of it through the
     rank's own NIC while the rest rides NVLink (rail-optimised nodes: one NIC per GPU; DeepEP's
     README measures its internode normal kernels at 43-58 GB/s per H800 over 50 GB/s CX7 NICs,
     NIC-bound), whichever is slower. Not hidden: the experts wait for the dispatch and the next
@@ -328,7 +331,7 @@ def expert_parallel_terms(strategy: Strategy, profile: ModelProfile, spec: Train
     cp_tokens = spec.micro_batch * spec.seq_len / cp      # a cp rank routes its S / cp tokens
     expert_flops = 6 * d.moe_layers * d.top_k * d.expert_params * (1 + redone / 3)
     straggler = (imb - 1) * expert_flops * cp_tokens / flops_per_s
-    g, per = cluster.gpu, cluster.gpus_per_node
+    g, per = cluster.gpu, cluster.domain
     nbytes = spec.bytes.compute * cp_tokens * d.top_k * d.hidden
     inside = min(ep, per)
     one = imb * nbytes * max((inside - 1) / ep / g.intra_node_bw, (ep - inside) / ep / g.inter_node_bw)

@@ -62,14 +62,23 @@ def check_ep_layouts(ep: int | None, layouts: list, cluster) -> None:
 def ep_cluster(cluster, ep: int):
     """The cluster whose 'GPUs' are ep groups (consecutive ranks, the innermost mesh dimension
     after cp and tp): an expert-shard group takes one rank from each of its ep groups, so it
-    is priced and laid out as a group of these (as estimation/cost/step.py prices tp groups)."""
-    per = cluster.gpus_per_node
-    if per % ep == 0:
-        return dataclasses.replace(cluster, gpus_per_node=per // ep)
-    if ep % per == 0 and cluster.nodes % (ep // per) == 0:
-        return dataclasses.replace(cluster, nodes=cluster.nodes // (ep // per), gpus_per_node=1)
-    raise NotApplicable(f"ep {ep} neither divides the {per} GPUs per node nor is a whole number of nodes, so an "
-                        "expert-parallel group would straddle nodes")
+    is priced and laid out as a group of these (as estimation/cost/step.py prices tp groups). An
+    ep group stays inside a scale-up domain (on NVL72 across trays of one rack) or takes whole ones."""
+    if ep_fits(cluster, ep):
+        return cluster.grouped(ep)
+    per, word = cluster.domain, cluster.domain_word
+    raise NotApplicable(f"ep {ep} neither divides the {per} GPUs per {word} nor is a whole number of {word}s (of "
+                        f"whole {cluster.gpus_per_node}-GPU nodes), so an expert-parallel group would straddle "
+                        f"{word}s")
+
+
+def ep_fits(cluster, ep: int) -> bool:
+    """Whether ep consecutive ranks lie inside one scale-up domain or on whole ones, and on whole
+    nodes or inside one (so Cluster.grouped can price them)."""
+    per, dom, world = cluster.gpus_per_node, cluster.domain, cluster.world_size
+    in_domain = dom % ep == 0 or (ep % dom == 0 and world % ep == 0)
+    in_nodes = per % ep == 0 or (ep % per == 0 and cluster.nodes % (ep // per) == 0)
+    return in_domain and in_nodes
 
 
 def expert_split(profile: ModelProfile, ep: int) -> tuple[ModelProfile, ModelProfile]:
@@ -225,7 +234,7 @@ def ep_degrees(profile: ModelProfile, strategy, n: int, cp: int, tp: int, pp: in
     """Expert-parallel degrees of one layout: 1 for a dense model; a pinned ep where it divides
     dp_shard x cp (ParallelDims' rule); else, for an MoE model under an fsdp strategy at pp 1
     (estimation/memory/moe.py models those), 1 and every divisor of the experts that divides dp_shard x cp
-    and lies inside a node or on whole nodes (consecutive ranks, as shard groups do)."""
+    and lies inside a scale-up domain or on whole ones (consecutive ranks, as shard groups do)."""
     d = profile.decoder
     if d is None or not d.moe:
         return [1]
@@ -233,6 +242,5 @@ def ep_degrees(profile: ModelProfile, strategy, n: int, cp: int, tp: int, pp: in
         return [ep] if (n * cp) % ep == 0 else []
     if not strategy.family_obj.supports_ep or pp > 1:
         return [1]
-    per = cluster.gpus_per_node // tp
-    return [e for e in divisors(d.experts)
-            if e == 1 or ((n * cp) % e == 0 and (per % e == 0 or (e % per == 0 and cluster.nodes % (e // per) == 0)))]
+    groups = cluster.grouped(tp)
+    return [e for e in divisors(d.experts) if e == 1 or ((n * cp) % e == 0 and ep_fits(groups, e))]
