@@ -28,18 +28,27 @@ from .runtime.wrapped import Wrapped, check_max_bad_steps
 log = get_logger(__name__)
 
 
+OPTIMIZER_CLASSES = {"AdamW": "adamw", "Adam": "adamw", "SGD": "sgd", "Adafactor": "adafactor", "Muon": "muon",
+                     "AdamW8bit": "adamw-8bit", "Adam8bit": "adamw-8bit", "PagedAdamW8bit": "adamw-8bit",
+                     "Lion": "lion"}
+"""Optimizer classes by name -> the state they keep (torch.optim's; bitsandbytes' 8-bit AdamW;
+lion-pytorch's and bitsandbytes' 32-bit Lion)."""
+
+
 def optimizer_kind(factory) -> str:
-    """Which optimizer the factory builds (for the memory model), probed on a dummy parameter."""
-    probe = factory([nn.Parameter(torch.zeros(1))])
+    """Which optimizer the factory builds (for the memory model), read from the class it returns
+    for a 2-D dummy parameter (torch.optim.Muon takes only matrices). A class hybrid does not know
+    is priced as AdamW, said in one warning."""
+    probe = factory([nn.Parameter(torch.zeros(2, 2))])
     if not isinstance(probe, torch.optim.Optimizer):
         raise HybridError(f"optimizer must be a callable that returns a torch.optim.Optimizer; it returned "
                           f"{type(probe).__name__} {short(probe)}: e.g. lambda ps: torch.optim.AdamW(ps, lr=3e-4)")
-    name = type(probe).__name__.lower()
-    if "adafactor" in name:
-        return "adafactor"
-    if name == "sgd":
-        return "sgd"
-    return "adamw"
+    name = type(probe).__name__
+    if name not in OPTIMIZER_CLASSES:
+        log.warning("hybrid: optimizer %s.%s is not one hybrid knows (%s): its state is priced as AdamW's, two "
+                    "states per parameter in the parameter's dtype", type(probe).__module__, name,
+                    ", ".join(sorted(OPTIMIZER_CLASSES)))
+    return OPTIMIZER_CLASSES.get(name, "adamw")
 
 
 def enable_expandable_segments(environ=os.environ) -> bool:

@@ -7,12 +7,13 @@ from typing import Literal, get_args
 from ..errors import HybridError
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16"]
-Optimizer = Literal["adamw", "sgd", "adafactor"]
+Optimizer = Literal["adamw", "adamw-bf16", "adamw-8bit", "adafactor", "lion", "muon", "sgd"]
 Checkpointing = Literal["none", "selective", "op", "full"]
 """Plus "layer:N" (full recomputation of every N-th block), checked by checkpointing()."""
 Attention = Literal["sdpa", "eager"]
 
 _ALIASES = {"flash": "sdpa", "bf16_mixed": "bf16-mixed", "mixed": "bf16-mixed", "adam": "adamw",
+            "adamw8bit": "adamw-8bit", "adamw_8bit": "adamw-8bit", "adamw_bf16": "adamw-bf16",
             "fp16_mixed": "fp16-mixed", "16-mixed": "fp16-mixed",
             "off": "none", "false": "none", "true": "full"}
 
@@ -117,8 +118,13 @@ class TrainSpec:
     fp16-mixed (the same in fp16, with dynamic loss scaling: GPUs without bf16); or bf16
     (everything in bf16, optimizer state included)."""
     optimizer: Optimizer = "adamw"
-    """adamw (2 states per parameter), sgd with momentum (1 state), adafactor (factored second
-    moment: one row and one column vector per matrix, no first moment)."""
+    """What the optimizer keeps per trainable parameter (hybrid/families/placement.optimizer_state_bytes):
+    adamw (exp_avg and exp_avg_sq in the state dtype); adamw-bf16 (both in bf16, as torchtitan and
+    DeepSeek-V3 run it); adamw-8bit (bitsandbytes' AdamW8bit: 8-bit blockwise states with an fp32
+    absmax per 256 elements, fp32 states for tensors under 4096 elements); adafactor (factored
+    second moment: one row and one column vector per matrix, no first moment); lion (one
+    momentum); muon (a momentum on the blocks' 2-D matrices, AdamW on embeddings, head and vectors;
+    the Newton-Schulz step gathers each whole matrix); sgd with momentum (one state)."""
     activation_checkpointing: Checkpointing = "none"
     """none; selective (keep matmul/attention outputs, recompute the rest); op (torchtitan's per-op
     policy: keep every second matmul output, counted per block from the first, and the attention

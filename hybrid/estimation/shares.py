@@ -55,6 +55,7 @@ def stage_share(profile: ModelProfile, pipeline, rank: int) -> ModelProfile:
         dtype_bytes=tuple((k, round(v * frac)) for k, v in profile.dtype_bytes), num_blocks=st.blocks,
         root_params=root,
         factored_state=None if profile.factored_state is None else round(profile.factored_state * frac),
+        optim_shapes=None if profile.optim_shapes is None else profile.optim_shapes.scaled(frac),
         tied_groups=(), decoder=dataclasses.replace(d, layers=st.blocks))
 
 
@@ -138,7 +139,9 @@ def tp_share(profile: ModelProfile, tp: int, stage=None) -> ModelProfile:
         root_params=profile.root_params - head + head // tp,
         largest_layer_params=max(1, profile.largest_layer_params // tp),
         largest_param=max(1, profile.largest_param // tp),
-        factored_state=None if profile.factored_state is None else profile.factored_state // tp)
+        factored_state=None if profile.factored_state is None else profile.factored_state // tp,
+        optim_shapes=None if profile.optim_shapes is None else dataclasses.replace(
+            profile.optim_shapes.scaled(frac, split=True), block_matrices=profile.optim_shapes.block_matrices // tp))
 
 
 def local_spec(spec: TrainSpec, cp: int) -> TrainSpec:

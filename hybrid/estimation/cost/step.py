@@ -49,7 +49,7 @@ from ...families.catalogue import Strategy
 from ...config.cluster import Cluster
 from ...layout.layout import Layout, as_layout
 from .links import Links
-from ...families.placement import optimizer_elements
+from ...families.placement import optimizer_state_bytes
 from ...layout.pipeline import stage_cluster
 from ...model.profile import ModelProfile
 from ..shares import Share, shares
@@ -207,6 +207,25 @@ def p2p_seconds(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, tp: in
     return fill_drain + steady
 
 
+NS_STEPS = 5
+"""Newton-Schulz iterations of torch.optim.Muon (DEFAULT_NS_STEPS, Keller Jordan's recipe)."""
+
+
+def muon_step_seconds(profile: ModelProfile, cluster: Cluster, n: int, flops_per_s: float) -> float:
+    """What Muon adds to the optimizer step: each block matrix (r = min, c = max of its sides)
+    orthogonalised in bf16 by NS_STEPS iterations of X X^T (2 r^2 c FLOPs), its quintic polynomial
+    (2 r^3) and the product with X (2 r^2 c), every rank of a shard group computing every matrix
+    whole; and the gather of each whole matrix's update (bf16) over the n ranks that shard it."""
+    d = profile.decoder
+    if d is None:
+        return 0.0
+    mats = [m for m in d.block_matrices() if len(m) == 2]
+    flops = d.layers * NS_STEPS * sum(4 * min(m) ** 2 * max(m) + 2 * min(m) ** 3 for m in mats)
+    gathered = 0.0 if n == 1 else Links(cluster).collective("all_gather", 2 * d.layers * sum(a * b for a, b in mats),
+                                                              n, d.layers * len(mats))
+    return flops / flops_per_s + gathered
+
+
 def step_cost(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
               efficiency: float | None = None) -> StepCost:
     """With tp > 1 each rank computes 1/tp of the FLOPs, the families' data-parallel traffic is
@@ -262,10 +281,13 @@ def step_cost(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec,
     if not strategy.config.optimizer_on_host:
         local = P / (N if fam.sharded_optimizer(strategy) else 1)
         b = spec.bytes
-        step_bytes = 2 * (local * (b.param + b.grad) + optimizer_elements(profile, spec) * local / P * b.state)
+        step_bytes = 2 * (local * (b.param + b.grad) + optimizer_state_bytes(profile, spec) * local / P)
         if fam.keeps_master_copy:                       # fp32 master -> 16-bit params as well
             step_bytes += local * (4 + spec.bytes.compute)
         optimizer = step_bytes / g.mem_bw
+        if spec.optimizer == "muon":
+            optimizer += muon_step_seconds(profile, cluster, N if fam.sharded_optimizer(strategy) else 1,
+                                           peak * efficiency)
     hidden = g.comm_overlap
 
     def exposed(fwd: float, bwd: float) -> float:
