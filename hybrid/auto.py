@@ -103,7 +103,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
               tune: bool | int = False, calibration: str | None = None, cp: int | None = None,
               global_batch: int | None = None, global_batch_tokens: int | None = None,
               compile: bool = False, float8: bool = False, ep: int | None = None,
-              moe_imbalance: float | None = None, max_bad_steps: int = 3) -> Wrapped:
+              moe_imbalance: float | None = None, max_bad_steps: int = 3, loss: str = "eager") -> Wrapped:
     """Wrap `model` for data-parallel training on the current process group (started here from
     torchrun's variables if needed, nccl+cuda or gloo+cpu). The arguments that are job options are
     the JobConfig's rows (hybrid/config/options.py): the CLI's flags of the same name, checked and
@@ -153,6 +153,10 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     ep          expert-parallel degree for mixture-of-experts models (fsdp and hsdp strategies, tp 1):
                 each MoE layer's experts split over ep ranks taken from the dp_shard x cp ranks, tokens
                 sent to them by all-to-all (hybrid/runtime/backends/ep.py); default 1
+    loss        eager (the whole fp32 logits) | chunked (head and cross-entropy per token chunk, each
+                recomputed in backward: the logits are never whole) | fused (Liger's fused linear
+                cross-entropy, CUDA, pip install 'hybrid[liger]'); chunked and fused replace the
+                head of hybrid's decoders, without tp, cp or pp (hybrid/runtime/loss.py)
     float8      torchao float8 training of the block linears (tensorwise; float8 all-gather under
                 FSDP2), behind compile=True, on H100/H200-class GPUs
     config      a job file (`hybrid plan --save-config`): its values fill every argument left at
@@ -201,11 +205,13 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     spec = TrainSpec(micro_batch=or_default("micro_batch", micro_batch), seq_len=seq_len,
                      precision=precision or default_precision(here), optimizer=kind,
                      activation_checkpointing=or_default("activation_checkpointing", activation_checkpointing),
-                     attention=attention, global_batch=gb, compile=compile, float8=float8,
+                     attention=attention, global_batch=gb, compile=compile, float8=float8, loss=loss,
                      gradient_accumulation=or_default("gradient_accumulation", gradient_accumulation),
                      moe_imbalance=or_default("moe_imbalance", moe_imbalance))
     from .estimation.float8 import check_float8
     check_float8(spec, cluster)
+    if spec.loss != "eager":        # chunked and fused replace a whole model's head (hybrid/runtime/loss.py)
+        tp, pp, cp = tp or 1, pp or 1, cp or 1
     catalogue = load_catalogue(strategies_dir)
     search = activation_checkpointing is None
     from .estimation.calibration import resolve

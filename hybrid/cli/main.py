@@ -62,7 +62,7 @@ def _job(args):
                      gradient_accumulation=or_default("gradient_accumulation", args.gradient_accumulation),
                      global_batch=gb, compile=bool(args.compile), float8=bool(args.float8), optimizer=args.optimizer,
                      activation_checkpointing=or_default("activation_checkpointing", args.activation_checkpointing),
-                     attention=args.attention,
+                     attention=args.attention, loss=args.loss,
                      moe_imbalance=or_default("moe_imbalance", args.moe_imbalance))
     from ..estimation.float8 import check_float8
     check_float8(spec, cluster)

@@ -8,6 +8,7 @@ from ..errors import HybridError
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16"]
 Optimizer = Literal["adamw", "adamw-bf16", "adamw-8bit", "adafactor", "lion", "muon", "sgd"]
+Loss = Literal["eager", "chunked", "fused"]
 Checkpointing = Literal["none", "selective", "op", "full"]
 """Plus "layer:N" (full recomputation of every N-th block), checked by checkpointing()."""
 Attention = Literal["sdpa", "eager"]
@@ -130,6 +131,12 @@ class TrainSpec:
     policy: keep every second matmul output, counted per block from the first, and the attention
     output); full (keep only each block's input and recompute the block in backward); layer:N
     (full recomputation of every N-th block, blocks 0, N, 2N...; the others keep everything)."""
+    loss: Loss = "eager"
+    """How the head and cross-entropy run (hybrid/estimation/memory/activations.loss_terms): eager
+    (the whole logits, upcast to fp32); chunked (torchtune's CEWithChunkedOutputLoss: the head and
+    cross-entropy per chunk of tokens, each chunk recomputed in backward, so the whole logits never
+    exist); fused (Liger's fused linear cross-entropy: logits made and differentiated chunk by
+    chunk inside forward, the gradient kept). Under tp every kind is vocab-parallel."""
     attention: Attention = "sdpa"
     """sdpa (fused/flash kernels: no s x s score matrix kept) or eager (softmax scores kept)."""
     gradient_accumulation: int = 1
@@ -176,6 +183,7 @@ class TrainSpec:
         object.__setattr__(self, "optimizer", choice("optimizer", self.optimizer, Optimizer))
         object.__setattr__(self, "activation_checkpointing", checkpointing(self.activation_checkpointing))
         object.__setattr__(self, "attention", choice("attention", self.attention, Attention))
+        object.__setattr__(self, "loss", choice("loss", self.loss, Loss))
 
     @property
     def mixed(self) -> bool:
@@ -193,7 +201,8 @@ class TrainSpec:
     def to_dict(self) -> dict:
         return {"micro_batch": self.micro_batch, "seq_len": self.seq_len, "precision": self.precision,
                 "optimizer": self.optimizer, "activation_checkpointing": self.activation_checkpointing,
-                "attention": self.attention, "gradient_accumulation": self.gradient_accumulation,
+                "attention": self.attention, **({"loss": self.loss} if self.loss != "eager" else {}),
+                "gradient_accumulation": self.gradient_accumulation,
                 **({"global_batch": self.global_batch} if self.global_batch is not None else {}),
                 **({"compile": True} if self.compile else {}), **({"float8": True} if self.float8 else {}),
                 **({"moe_imbalance": self.moe_imbalance} if self.moe_imbalance != MOE_IMBALANCE else {})}

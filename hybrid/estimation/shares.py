@@ -166,8 +166,12 @@ def share_activations(sh: Share, act: ActivationTerms, autocast: bool, notes: li
         # whole: in every stored block, or only in the recomputed one under full checkpointing
         gathered = 2 * spec.bytes.compute * sh.whole.decoder.hidden * spec.tokens * (1 - 1 / tp)
         stored, redone = (0, gathered) if spec.activation_checkpointing == "full" else (gathered, 0)
+        head_f, head_b = act.head_forward, act.head_backward
+        if spec.loss == "fused":       # Megatron-LM's fused vocab-parallel cross-entropy in place of Liger's
+            from .memory.activations import loss_terms
+            head_f, head_b = loss_terms(sh.whole.decoder, spec, autocast, vocab_parallel=True)
         act = ActivationTerms(per_layer=int(act.per_layer / tp + stored), recompute=int(act.recompute / tp + redone),
-                              head_forward=int(act.head_forward / tp), head_backward=int(act.head_backward / tp),
+                              head_forward=int(head_f / tp), head_backward=int(head_b / tp),
                               autocast_cache=int(act.autocast_cache / tp), layers=act.layers)
         notes.append(f"tensor parallel {tp}: matrices, embedding and head split {tp} ways; sequence-parallel "
                      "activations; vocab-parallel logits")

@@ -185,7 +185,7 @@ def elementwise_seconds(profile: ModelProfile, spec: TrainSpec, gpu, tp: int = 1
         from .elementwise import float8_cast_bytes
         total += d.layers * float8_cast_bytes(d, c)
     if has_head:
-        lf, lb = loss_bytes(d.vocab, c, spec.compile)
+        lf, lb = loss_bytes(d.vocab, c, spec.compile, spec.loss, tp > 1)
         total += lf + lb
     return spec.micro_batch * spec.seq_len * total / tp / gpu.mem_bw
 
@@ -258,6 +258,9 @@ def step_cost(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec,
     # 312 TFLOP/s; H100 SXM: 495 vs 989); V100/T4 have no TF32, an upper bound there
     peak = g.bf16_flops * (0.5 if spec.precision == "fp32" else 1.0)
     compute = flops / (peak * efficiency)
+    if spec.loss == "chunked" and sh.has_head and stage.decoder is not None:
+        # the chunked loss recomputes each chunk's head matmul in backward (hybrid/runtime/loss.py)
+        compute += 2 * stage.decoder.vocab * stage.decoder.hidden * T / tp / cp / (peak * efficiency)
     if spec.float8 and stage.decoder is not None and g.fp8_flops:
         # the converted block linears (6 FLOPs per weight per token) at the float8 peak instead
         from ..float8 import linear_params
