@@ -30,9 +30,10 @@ log = get_logger(__name__)
 
 OPTIMIZER_CLASSES = {"AdamW": "adamw", "Adam": "adamw", "SGD": "sgd", "Adafactor": "adafactor", "Muon": "muon",
                      "AdamW8bit": "adamw-8bit", "Adam8bit": "adamw-8bit", "PagedAdamW8bit": "adamw-8bit",
-                     "Lion": "lion"}
+                     "Lion": "lion", "MuonWithAuxAdam": "muon", "SingleDeviceMuonWithAuxAdam": "muon"}
 """Optimizer classes by name -> the state they keep (torch.optim's; bitsandbytes' 8-bit AdamW;
-lion-pytorch's and bitsandbytes' 32-bit Lion)."""
+lion-pytorch's and bitsandbytes' 32-bit Lion; Keller Jordan's muon package's Muon with an
+auxiliary AdamW, as DeepSpeed names it too: Muon on the hidden matrices, AdamW on the rest)."""
 
 
 def optimizer_kind(factory) -> str:
