@@ -28,18 +28,28 @@ from .runtime.wrapped import Wrapped, check_max_bad_steps
 log = get_logger(__name__)
 
 
+OPTIMIZER_CLASSES = {"AdamW": "adamw", "Adam": "adamw", "SGD": "sgd", "Adafactor": "adafactor", "Muon": "muon",
+                     "AdamW8bit": "adamw-8bit", "Adam8bit": "adamw-8bit", "PagedAdamW8bit": "adamw-8bit",
+                     "Lion": "lion", "MuonWithAuxAdam": "muon", "SingleDeviceMuonWithAuxAdam": "muon"}
+"""Optimizer classes by name -> the state they keep (torch.optim's; bitsandbytes' 8-bit AdamW;
+lion-pytorch's and bitsandbytes' 32-bit Lion; Keller Jordan's muon package's Muon with an
+auxiliary AdamW, as DeepSpeed names it too: Muon on the hidden matrices, AdamW on the rest)."""
+
+
 def optimizer_kind(factory) -> str:
-    """Which optimizer the factory builds (for the memory model), probed on a dummy parameter."""
-    probe = factory([nn.Parameter(torch.zeros(1))])
+    """Which optimizer the factory builds (for the memory model), read from the class it returns
+    for a 2-D dummy parameter (torch.optim.Muon takes only matrices). A class hybrid does not know
+    is priced as AdamW, said in one warning."""
+    probe = factory([nn.Parameter(torch.zeros(2, 2))])
     if not isinstance(probe, torch.optim.Optimizer):
         raise HybridError(f"optimizer must be a callable that returns a torch.optim.Optimizer; it returned "
                           f"{type(probe).__name__} {short(probe)}: e.g. lambda ps: torch.optim.AdamW(ps, lr=3e-4)")
-    name = type(probe).__name__.lower()
-    if "adafactor" in name:
-        return "adafactor"
-    if name == "sgd":
-        return "sgd"
-    return "adamw"
+    name = type(probe).__name__
+    if name not in OPTIMIZER_CLASSES:
+        log.warning("hybrid: optimizer %s.%s is not one hybrid knows (%s): its state is priced as AdamW's, two "
+                    "states per parameter in the parameter's dtype", type(probe).__module__, name,
+                    ", ".join(sorted(OPTIMIZER_CLASSES)))
+    return OPTIMIZER_CLASSES.get(name, "adamw")
 
 
 def enable_expandable_segments(environ=os.environ) -> bool:
@@ -94,7 +104,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
               tune: bool | int = False, calibration: str | None = None, cp: int | None = None,
               global_batch: int | None = None, global_batch_tokens: int | None = None,
               compile: bool = False, float8: bool = False, float8_recipe: str | None = None, ep: int | None = None,
-              moe_imbalance: float | None = None, max_bad_steps: int = 3) -> Wrapped:
+              moe_imbalance: float | None = None, max_bad_steps: int = 3, loss: str = "eager") -> Wrapped:
     """Wrap `model` for data-parallel training on the current process group (started here from
     torchrun's variables if needed, nccl+cuda or gloo+cpu). The arguments that are job options are
     the JobConfig's rows (hybrid/config/options.py): the CLI's flags of the same name, checked and
@@ -144,6 +154,10 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     ep          expert-parallel degree for mixture-of-experts models (fsdp and hsdp strategies, tp 1):
                 each MoE layer's experts split over ep ranks taken from the dp_shard x cp ranks, tokens
                 sent to them by all-to-all (hybrid/runtime/backends/ep.py); default 1
+    loss        eager (the whole fp32 logits) | chunked (head and cross-entropy per token chunk, each
+                recomputed in backward: the logits are never whole) | fused (Liger's fused linear
+                cross-entropy, CUDA, pip install 'hybrid[liger]'); chunked and fused replace the
+                head of hybrid's decoders, without tp, cp or pp (hybrid/runtime/loss.py)
     float8      torchao float8 training of the block linears (tensorwise; float8 all-gather under
                 FSDP2), behind compile=True, on GPUs with float8 tensor cores (Ada, Hopper, Blackwell, MI300)
     float8_recipe  with float8: "tensorwise" (default) or "mxfp8" (torchao's MX recipe, Blackwell, CUDA only)
@@ -193,12 +207,14 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     spec = TrainSpec(micro_batch=or_default("micro_batch", micro_batch), seq_len=seq_len,
                      precision=precision or default_precision(here), optimizer=kind,
                      activation_checkpointing=or_default("activation_checkpointing", activation_checkpointing),
-                     attention=attention, global_batch=gb, compile=compile, float8=float8,
+                     attention=attention, global_batch=gb, compile=compile, float8=float8, loss=loss,
                      float8_recipe=or_default("float8_recipe", float8_recipe),
                      gradient_accumulation=or_default("gradient_accumulation", gradient_accumulation),
                      moe_imbalance=or_default("moe_imbalance", moe_imbalance))
     from .estimation.float8 import check_float8
     check_float8(spec, cluster)
+    if spec.loss != "eager":        # chunked and fused replace a whole model's head (hybrid/runtime/loss.py)
+        tp, pp, cp = tp or 1, pp or 1, cp or 1
     catalogue = load_catalogue(strategies_dir)
     search = activation_checkpointing is None
     from .estimation.calibration import resolve

@@ -63,7 +63,8 @@ def _job(args):
                      global_batch=gb, compile=bool(args.compile), float8=bool(args.float8),
                      float8_recipe=or_default("float8_recipe", args.float8_recipe), optimizer=args.optimizer,
                      activation_checkpointing=or_default("activation_checkpointing", args.activation_checkpointing),
-                     attention=args.attention, moe_imbalance=or_default("moe_imbalance", args.moe_imbalance))
+                     attention=args.attention, loss=args.loss,
+                     moe_imbalance=or_default("moe_imbalance", args.moe_imbalance))
     from ..estimation.float8 import check_float8
     check_float8(spec, cluster)
     if args.compile and args.method == "traced":

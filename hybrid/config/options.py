@@ -18,7 +18,7 @@ from typing import Literal, get_args
 from .cluster import (A100_EFFICIENCY, ALLOCATOR_HEADROOM, DEFAULT_EFFICIENCY, EXPANDABLE_HEADROOM, H100_EFFICIENCY,
                       gpu_names)
 from ..errors import HybridError, short
-from .spec import MOE_IMBALANCE, Checkpointing, Optimizer, Precision
+from .spec import MOE_IMBALANCE, Checkpointing, Loss, Optimizer, Precision
 
 Kind = Literal["int", "float", "str", "list", "onoff", "bool"]
 Use = Literal["argument", "cluster", "plan", "cli"]
@@ -202,6 +202,8 @@ _GROUPS: dict[str, tuple[Option, ...]] = {
                choices=("tensorwise", "mxfp8")),
         Option("attention", "str", "sdpa", "sdpa (flash) | eager (default {default})", fill=True,
                normalise="Attention"),
+        Option("loss", "str", "eager", f"{_either(Loss)}: the whole fp32 logits, torchtune's chunked cross-entropy "
+               "or Liger's fused linear cross-entropy (default {default})", fill=True, normalise="Loss"),
         Option("shard_size", "int", help="ranks per shard group for hsdp (default: every valid size)",
                lo=1, hi=_SIZE),
         Option("tp", "int", help="tensor-parallel degree inside a node (default: plan tries 1, 2, 4, 8 where they "

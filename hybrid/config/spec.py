@@ -7,12 +7,14 @@ from typing import Literal, get_args
 from ..errors import HybridError, short
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16"]
-Optimizer = Literal["adamw", "sgd", "adafactor"]
+Optimizer = Literal["adamw", "adamw-bf16", "adamw-8bit", "adafactor", "lion", "muon", "sgd"]
+Loss = Literal["eager", "chunked", "fused"]
 Checkpointing = Literal["none", "selective", "op", "full"]
 """Plus "layer:N" (full recomputation of every N-th block), checked by checkpointing()."""
 Attention = Literal["sdpa", "eager"]
 
 _ALIASES = {"flash": "sdpa", "bf16_mixed": "bf16-mixed", "mixed": "bf16-mixed", "adam": "adamw",
+            "adamw8bit": "adamw-8bit", "adamw_8bit": "adamw-8bit", "adamw_bf16": "adamw-bf16",
             "fp16_mixed": "fp16-mixed", "16-mixed": "fp16-mixed",
             "off": "none", "false": "none", "true": "full"}
 
@@ -122,13 +124,24 @@ class TrainSpec:
     fp16-mixed (the same in fp16, with dynamic loss scaling: GPUs without bf16); or bf16
     (everything in bf16, optimizer state included)."""
     optimizer: Optimizer = "adamw"
-    """adamw (2 states per parameter), sgd with momentum (1 state), adafactor (factored second
-    moment: one row and one column vector per matrix, no first moment)."""
+    """What the optimizer keeps per trainable parameter (hybrid/families/placement.optimizer_state_bytes):
+    adamw (exp_avg and exp_avg_sq in the state dtype); adamw-bf16 (both in bf16, as torchtitan and
+    DeepSeek-V3 run it); adamw-8bit (bitsandbytes' AdamW8bit: 8-bit blockwise states with an fp32
+    absmax per 256 elements, fp32 states for tensors under 4096 elements); adafactor (factored
+    second moment: one row and one column vector per matrix, no first moment); lion (one
+    momentum); muon (a momentum on the blocks' 2-D matrices, AdamW on embeddings, head and vectors;
+    the Newton-Schulz step gathers each whole matrix); sgd with momentum (one state)."""
     activation_checkpointing: Checkpointing = "none"
     """none; selective (keep matmul/attention outputs, recompute the rest); op (torchtitan's per-op
     policy: keep every second matmul output, counted per block from the first, and the attention
     output); full (keep only each block's input and recompute the block in backward); layer:N
     (full recomputation of every N-th block, blocks 0, N, 2N...; the others keep everything)."""
+    loss: Loss = "eager"
+    """How the head and cross-entropy run (hybrid/estimation/memory/activations.loss_terms): eager
+    (the whole logits, upcast to fp32); chunked (torchtune's CEWithChunkedOutputLoss: the head and
+    cross-entropy per chunk of tokens, each chunk recomputed in backward, so the whole logits never
+    exist); fused (Liger's fused linear cross-entropy: logits made and differentiated chunk by
+    chunk inside forward, the gradient kept). Under tp every kind is vocab-parallel."""
     attention: Attention = "sdpa"
     """sdpa (fused/flash kernels: no s x s score matrix kept) or eager (softmax scores kept)."""
     gradient_accumulation: int = 1
@@ -185,6 +198,7 @@ class TrainSpec:
         object.__setattr__(self, "optimizer", choice("optimizer", self.optimizer, Optimizer))
         object.__setattr__(self, "activation_checkpointing", checkpointing(self.activation_checkpointing))
         object.__setattr__(self, "attention", choice("attention", self.attention, Attention))
+        object.__setattr__(self, "loss", choice("loss", self.loss, Loss))
 
     @property
     def mixed(self) -> bool:
@@ -202,7 +216,8 @@ class TrainSpec:
     def to_dict(self) -> dict:
         return {"micro_batch": self.micro_batch, "seq_len": self.seq_len, "precision": self.precision,
                 "optimizer": self.optimizer, "activation_checkpointing": self.activation_checkpointing,
-                "attention": self.attention, "gradient_accumulation": self.gradient_accumulation,
+                "attention": self.attention, **({"loss": self.loss} if self.loss != "eager" else {}),
+                "gradient_accumulation": self.gradient_accumulation,
                 **({"global_batch": self.global_batch} if self.global_batch is not None else {}),
                 **({"compile": True} if self.compile else {}), **({"float8": True} if self.float8 else {}),
                 **({"float8_recipe": self.float8_recipe} if self.float8_recipe != "tensorwise" else {}),

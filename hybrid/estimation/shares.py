@@ -56,6 +56,7 @@ def stage_share(profile: ModelProfile, pipeline, rank: int) -> ModelProfile:
         dtype_bytes=tuple((k, round(v * frac)) for k, v in profile.dtype_bytes), num_blocks=st.blocks,
         root_params=root,
         factored_state=None if profile.factored_state is None else round(profile.factored_state * frac),
+        optim_shapes=None if profile.optim_shapes is None else profile.optim_shapes.scaled(frac),
         tied_groups=(), decoder=held)
 
 
@@ -139,7 +140,9 @@ def tp_share(profile: ModelProfile, tp: int, stage=None) -> ModelProfile:
         root_params=profile.root_params - head + head // tp,
         largest_layer_params=max(1, profile.largest_layer_params // tp),
         largest_param=max(1, profile.largest_param // tp),
-        factored_state=None if profile.factored_state is None else profile.factored_state // tp)
+        factored_state=None if profile.factored_state is None else profile.factored_state // tp,
+        optim_shapes=None if profile.optim_shapes is None else dataclasses.replace(
+            profile.optim_shapes.scaled(frac, split=True), block_matrices=profile.optim_shapes.block_matrices // tp))
 
 
 def local_spec(spec: TrainSpec, cp: int) -> TrainSpec:
@@ -164,8 +167,12 @@ def share_activations(sh: Share, act: ActivationTerms, autocast: bool, notes: li
         # whole: in every stored block, or only in the recomputed one under full checkpointing
         gathered = 2 * spec.bytes.compute * sh.whole.decoder.hidden * spec.tokens * (1 - 1 / tp)
         stored, redone = (0, gathered) if spec.activation_checkpointing == "full" else (gathered, 0)
+        head_f, head_b = act.head_forward, act.head_backward
+        if spec.loss == "fused":       # Megatron-LM's fused vocab-parallel cross-entropy in place of Liger's
+            from .memory.activations import loss_terms
+            head_f, head_b = loss_terms(sh.whole.decoder, spec, autocast, vocab_parallel=True)
         act = ActivationTerms(per_layer=int(act.per_layer / tp + stored), recompute=int(act.recompute / tp + redone),
-                              head_forward=int(act.head_forward / tp), head_backward=int(act.head_backward / tp),
+                              head_forward=int(head_f / tp), head_backward=int(head_b / tp),
                               autocast_cache=int(act.autocast_cache / tp), layers=act.layers)
         notes.append(f"tensor parallel {tp}: matrices, embedding and head split {tp} ways; sequence-parallel "
                      "activations; vocab-parallel logits")

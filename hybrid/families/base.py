@@ -126,6 +126,10 @@ class Family:
             from .placement import NotApplicable
             raise NotApplicable(f"{s.name} offloads GPU memory to the host, which needs CUDA; CPU ranks run in "
                                 "host memory already (use the same strategy without offload)")
+        if s.offload and spec.optimizer == "muon":
+            from .placement import NotApplicable
+            raise NotApplicable(f"{s.name} steps the optimizer on the host, where Muon's Newton-Schulz matmuls (5 per "
+                                "block matrix) run on the CPU; use the same strategy without offload for muon")
 
     def placement(self, s, profile, spec, n: int, cluster, stage=None):
         raise NotImplementedError

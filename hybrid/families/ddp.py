@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..errors import HybridError
 from ..units import MiB
-from .placement import Placement, draft, optimizer_elements, scratch_elements
+from .placement import Placement, draft, optimizer_state_bytes, step_scratch_bytes
 from .base import Comm, Family, FamilyConfig
 
 
@@ -59,8 +59,8 @@ class DDPFamily(Family):
     def placement(self, s, p, spec, n, cl, stage=None) -> Placement:
         b = spec.bytes
         grads = p.trainable_params * b.grad
-        place = draft(params=p.params * b.param, optimizer=optimizer_elements(p, spec) * b.state,
-                     scratch=scratch_elements(p, spec) * b.state,
+        place = draft(params=p.params * b.param, optimizer=optimizer_state_bytes(p, spec),
+                     scratch=sum(step_scratch_bytes(p, spec)),
                      autocast=spec.precision in ("bf16-mixed", "fp16-mixed"), grads_end=grads)
         if s.config.gradient_as_bucket_view:
             place.grads_start = grads          # grads are views into buckets allocated at DDP init

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from ..errors import HybridError
 from ..config.cluster import HOST_STEP_RATE, PCIE_BW
 from ..layout.dims import validate_shard_size
-from .placement import FP32, Placement, draft, NotApplicable, optimizer_elements, scratch_elements
+from .placement import FP32, Placement, draft, NotApplicable, optimizer_state_bytes, step_scratch_bytes
 from .base import Comm, Family, HostOffloadConfig
 
 SUB_GROUP_SIZE = 1_000_000_000
@@ -179,6 +179,9 @@ class DeepSpeedFamily(Family):
         if getattr(spec, "compile", False):
             raise NotApplicable(f"{s.name}: per-block torch.compile is applied here to fsdp and ddp strategies only "
                                 "(DeepSpeed compiles through its own engine.compile); use an fsdp or ddp strategy")
+        if spec.optimizer == "muon":
+            raise NotApplicable(f"{s.name}: DeepSpeed ZeRO hands the optimizer flat 1-D partitions and Muon "
+                                "orthogonalises 2-D matrices; use an fsdp or ddp strategy for --optimizer muon")
         if spec.precision == "fp16-mixed" and not cuda:
             raise NotApplicable(f"{s.name}: DeepSpeed's fp16 mode needs CUDA (its CPU accelerator has no fp16); "
                                 "use ddp or fsdp for fp16-mixed on CPU ranks")
@@ -188,9 +191,9 @@ class DeepSpeedFamily(Family):
         P, h = p.trainable_params, (p.decoder.hidden if p.decoder else None)
         reduce_bucket, prefetch, persist = bucket_sizes(s, h)
         # fp32 master partition + optimizer states, DeepSpeed's "4_params_32bit + 8_optimizer_states"
-        opt = (P * FP32 + optimizer_elements(p, spec) * FP32) / n
+        opt = (P * FP32 + optimizer_state_bytes(p, spec, FP32, flat=True)) / n
         fp32_grad = P * FP32 / n                # single_partition_of_fp32_groups[i].grad at the step
-        scratch = scratch_elements(p, spec) * FP32 / n
+        scratch = step_scratch_bytes(p, spec, FP32)[0] / n
         place = draft()
         if s.config.stage in (1, 2):
             place.params = p.params * c           # the module's bf16 params, whole on every rank
@@ -209,7 +212,7 @@ class DeepSpeedFamily(Family):
             place.grads_start = place.grads_end = P * c / n
             # ... and makes the fp32 grad one sub-group (sub_group_size, default 1e9) at a time
             fp32_grad = FP32 * min(SUB_GROUP_SIZE, P / n)
-            scratch = FP32 * min(SUB_GROUP_SIZE, scratch_elements(p, spec) / n)
+            scratch = min(SUB_GROUP_SIZE * FP32, step_scratch_bytes(p, spec, FP32)[0] / n)
             largest = p.largest_layer_params or p.largest_param
             unit = p.block_params if p.num_blocks else largest
             # Gathered params stay gathered while they are reused within max_reuse_distance fetches:

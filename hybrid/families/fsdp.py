@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ..errors import HybridError
 from ..config.cluster import HOST_STEP_RATE, PCIE_BW
-from .placement import Placement, draft, optimizer_elements, reduce_bytes, scratch_elements
+from .placement import Placement, draft, optimizer_state_bytes, reduce_bytes, step_scratch_bytes
 from .base import Comm, Family, HostOffloadConfig
 
 
@@ -60,8 +60,9 @@ class FSDPFamily(Family):
         # the head's (or embedding's) unsharded gradient: its tensor-parallel share, none on a
         # middle pipeline stage (the root holds it, as tp_share and stage_share count it)
         head = min(p.decoder.vocab * p.decoder.hidden, root) if p.decoder else root
-        sharded = dict(params=p.params * b.param / n, optimizer=optimizer_elements(p, spec) * b.state / n,
-                       grads=P * b.grad / n, scratch=scratch_elements(p, spec) * b.state / n)
+        scratch, whole = step_scratch_bytes(p, spec)     # whole: Muon's gathered matrix
+        sharded = dict(params=p.params * b.param / n, optimizer=optimizer_state_bytes(p, spec) / n,
+                       grads=P * b.grad / n, scratch=scratch / n + whole)
         if s.config.offload_params:
             place.cpu = sharded["params"] + sharded["optimizer"] + sharded["grads"] + sharded["scratch"]
             place.notes.append("CPUOffloadPolicy: sharded params, grads and the optimizer step live in host memory")

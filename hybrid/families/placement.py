@@ -3,10 +3,11 @@ optimizer's state size, and the NotApplicable verdict. Used by hybrid/families/*
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from math import ceil
 from types import SimpleNamespace
 
 from ..errors import HybridError, NotApplicable  # noqa: F401 - NotApplicable is imported from here
-from ..model.profile import ModelProfile
+from ..model.profile import BNB_BLOCK, ModelProfile
 from ..config.spec import TrainSpec
 
 FP32 = 4
@@ -43,26 +44,87 @@ def draft(**values) -> SimpleNamespace:
     return SimpleNamespace(**{**start, "notes": [], **values})
 
 
-def optimizer_elements(profile: ModelProfile, spec: TrainSpec) -> int:
-    """State elements the optimizer keeps for the trainable parameters (the one source: memory
-    and the cost model's optimizer step both read it)."""
-    P = profile.trainable_params
-    if spec.optimizer == "adamw":
-        return 2 * P                      # exp_avg, exp_avg_sq (torch.optim.AdamW)
-    if spec.optimizer == "sgd":
-        return P                          # momentum_buffer (torch.optim.SGD, momentum > 0)
+BF16 = 2
+BNB_QMAPS = 2 * 256 * FP32
+"""bitsandbytes' two 256-entry fp32 quantisation maps (signed and unsigned dynamic), one pair per
+optimizer, shared by every 8-bit tensor's state (F.create_dynamic_map)."""
+
+
+def _shapes(profile: ModelProfile, spec: TrainSpec):
+    if profile.optim_shapes is None:
+        raise HybridError(f"optimizer {spec.optimizer!r} keeps state by tensor shape, so it needs the parameter "
+                          f"shapes; {profile.name} is a bare count. Give a preset, a config.json or a module, or "
+                          "use --optimizer adamw/sgd/lion")
+    return profile.optim_shapes
+
+
+def optimizer_state_bytes(profile: ModelProfile, spec: TrainSpec, state: int | None = None,
+                          flat: bool = False) -> float:
+    """Bytes the optimizer keeps for the trainable parameters (the one source: the families'
+    placements and the cost model's optimizer step read it). `state`: bytes
+    per state element the optimizer's parameters carry (default spec.bytes.state); `flat`: the
+    optimizer sees flat 1-D partitions (DeepSpeed ZeRO), so bitsandbytes quantises everything."""
+    P, s = profile.trainable_params, spec.bytes.state if state is None else state
+    kind = spec.optimizer
+    sh = profile.optim_shapes
+    steps = FP32 * sh.tensors if sh is not None and not flat else 0    # torch's 0-dim fp32 `step` per tensor
+    if kind == "adamw":
+        return 2 * P * s + steps          # exp_avg, exp_avg_sq (torch.optim.AdamW: zeros_like the parameter)
+    if kind == "adamw-bf16":
+        return 2 * P * BF16 + steps       # both moments in bf16 (torchtitan; DeepSeek-V3, arXiv 2412.19437 3.3)
+    if kind in ("sgd", "lion"):
+        return P * s                      # momentum_buffer (torch.optim.SGD, momentum > 0) | Lion's exp_avg
+    if kind == "adamw-8bit":
+        if flat:                          # one flat partition: all of it 8-bit
+            return 2 * P + 2 * FP32 * ceil(P / BNB_BLOCK) + BNB_QMAPS
+        sh = _shapes(profile, spec)       # bitsandbytes Optimizer2State.init_state
+        big = P - sh.small
+        return 2 * big + 2 * FP32 * sh.quant_blocks + 2 * FP32 * sh.small + (BNB_QMAPS if big else 0)
+    if kind == "muon":
+        m = _shapes(profile, spec).block_matrices    # Muon's momentum_buffer on the matrices; AdamW on the rest
+        return m * s + 2 * (P - m) * s + FP32 * (sh.tensors - sh.matrices)
+    if flat:                              # Adafactor on a 1-D partition: a full-size variance
+        return P * s + steps
     if profile.factored_state is None:
         raise HybridError(f"optimizer 'adafactor' keeps one row and one column vector per matrix, so it "
                           f"needs the parameter shapes; {profile.name} is a bare count. Give a preset, a "
                           "config.json or a module, or use --optimizer adamw/sgd")
-    return profile.factored_state         # torch.optim.Adafactor row_var/col_var (no first moment)
+    return profile.factored_state * s + steps    # torch.optim.Adafactor row_var/col_var (no first moment)
 
 
-def scratch_elements(profile: ModelProfile, spec: TrainSpec) -> int:
-    """Optimizer-step temporaries: foreach AdamW's torch._foreach_sqrt(exp_avg_sqs) allocates one
-    tensor per parameter; Adafactor builds the full-size variance estimate per parameter; SGD
-    updates in place."""
-    return {"adamw": profile.trainable_params, "sgd": 0, "adafactor": profile.largest_param}[spec.optimizer]
+def newton_schulz_bytes(profile: ModelProfile) -> int:
+    """Muon's step transient on the largest block matrix (m x n, r = min): torch.optim.Muon's
+    _zeropower_via_newtonschulz holds the bf16 matrix and the next iterate (2 x 2mn) and the r x r
+    Gram matrix and its polynomial (2 x 2r^2). Whole, not a shard: orthogonalisation needs the full
+    matrix, which FSDP and ZeRO gather at the step."""
+    if profile.optim_shapes is None:
+        return 0
+    m, n = profile.optim_shapes.largest_matrix
+    return 2 * BF16 * m * n + 2 * BF16 * min(m, n) ** 2
+
+
+def step_scratch_bytes(profile: ModelProfile, spec: TrainSpec, state: int | None = None) -> tuple[float, float]:
+    """(sharded, whole) bytes of the optimizer step's temporaries: the first is over the ranks'
+    shard like the state, the second is per rank whatever the sharding. foreach AdamW's
+    torch._foreach_sqrt(exp_avg_sqs) allocates one tensor per parameter (in the states' dtype);
+    Adafactor builds the full-size variance estimate per parameter; Lion's sign update is one
+    parameter-size pair at a time; bitsandbytes and SGD update in place; Muon: the Nesterov
+    update of the largest matrix, its Newton-Schulz work (whole), and AdamW's on the rest."""
+    P, s = profile.trainable_params, spec.bytes.state if state is None else state
+    kind = spec.optimizer
+    if kind == "adamw":
+        return P * s, 0
+    if kind == "adamw-bf16":
+        return P * BF16, 0
+    if kind in ("sgd", "adamw-8bit"):
+        return 0, 0
+    if kind == "adafactor":
+        return profile.largest_param * s, 0
+    if kind == "lion":                    # exp_avg.clone() and its sum with the gradient, then sign_()
+        return 2 * profile.largest_param * s, 0
+    sh = _shapes(profile, spec)
+    m, n = sh.largest_matrix
+    return (P - sh.block_matrices + m * n) * s, newton_schulz_bytes(profile)
 
 
 def reduce_bytes(spec: TrainSpec) -> int:

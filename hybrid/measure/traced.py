@@ -40,6 +40,10 @@ def optimizer_factory(spec: TrainSpec):
         return lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, foreach=True)
     if spec.optimizer == "adafactor":
         return lambda ps: torch.optim.Adafactor(ps, lr=1e-3, foreach=True)
+    if spec.optimizer != "adamw":
+        raise HybridError(f"--optimizer {spec.optimizer} is priced by the analytic estimate (state bytes from its "
+                          "source: hybrid/families/placement.py); a traced or tuned run builds torch's AdamW, SGD or "
+                          "Adafactor only: use --method analytic, or auto_wrap with your own optimizer")
     return lambda ps: torch.optim.AdamW(ps, lr=3e-4, foreach=True)
 
 

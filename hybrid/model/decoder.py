@@ -20,10 +20,11 @@ from .presets import DecoderConfig, get_preset
 
 @dataclass
 class CausalLMOutput:
-    """What forward returns: `loss` (when labels were given) and `logits`."""
+    """What forward returns: `loss` (when labels were given) and `logits` (None when a chunked or
+    fused head_loss made the loss without them)."""
 
     loss: torch.Tensor | None
-    logits: torch.Tensor
+    logits: torch.Tensor | None
 
 
 class RMSNorm(nn.Module):
@@ -187,6 +188,9 @@ class Decoder(nn.Module):
 
     loss_fn = staticmethod(lambda logits, labels: causal_lm_loss(logits, labels))
     """The loss forward applies with labels (hybrid.runtime.compile replaces it with its compiled form)."""
+    head_loss = None
+    """With labels: head_loss(lm_head, hidden, labels) in place of the whole logits and loss_fn
+    (hybrid.runtime.loss sets it for loss 'chunked' or 'fused'; the output then has no logits)."""
 
     def __init__(self, cfg: DecoderConfig, attention: str = "sdpa"):
         super().__init__()
@@ -237,7 +241,10 @@ class Decoder(nn.Module):
         mask = None if cp else self._mask(input_ids.shape[0], s, x.device)
         for block in self.blocks:
             x = block(x, rope, mask)
-        logits = self.lm_head(self.norm(x))
+        x = self.norm(x)
+        if labels is not None and self.head_loss is not None:
+            return CausalLMOutput(loss=self.head_loss(self.lm_head, x, labels), logits=None)
+        logits = self.lm_head(x)
         loss = None if labels is None else self.loss_fn(logits, labels)
         return CausalLMOutput(loss=loss, logits=logits)
 

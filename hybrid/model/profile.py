@@ -8,10 +8,64 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from math import ceil
 
 from ..errors import HybridError
 from .presets import DecoderConfig, from_hf_config
 from ..units import parse_count
+
+
+BNB_BLOCK = 256
+"""Elements per quantisation block of bitsandbytes' 8-bit optimizers: one fp32 absmax per block
+(bitsandbytes/optim/optimizer.py, Optimizer2State.init_state: `blocksize = 256`)."""
+BNB_MIN_8BIT = 4096
+"""bitsandbytes keeps tensors with fewer elements than this in fp32 states (its `min_8bit_size` default)."""
+
+
+@dataclass(frozen=True)
+class OptimShapes:
+    """What the shape-dependent optimizers' state depends on, summed over the trainable tensors."""
+
+    block_matrices: int
+    """Elements of the blocks' 2-D matrices: what Muon keeps a momentum for (torch.optim.Muon takes
+    only 2-D parameters; embeddings, head, vectors and stacked 3-D experts run under AdamW)."""
+    largest_matrix: tuple[int, int]
+    """(rows, cols) of the largest of those: the whole matrix Muon's Newton-Schulz step orthogonalises."""
+    small: int
+    """Elements of tensors under BNB_MIN_8BIT, which bitsandbytes' 8-bit AdamW keeps in fp32."""
+    quant_blocks: int
+    """BNB_BLOCK-element blocks of the other tensors: one fp32 absmax per block and state."""
+    tensors: int = 0
+    """Trainable tensors: torch's AdamW and Adafactor keep a 0-dim fp32 `step` for each."""
+    matrices: int = 0
+    """Of those, the blocks' 2-D matrices (Muon's, which keeps no step)."""
+
+    @classmethod
+    def of(cls, shapes, in_blocks) -> "OptimShapes":
+        """From (shape, inside a block) pairs of the trainable tensors, each unique tensor once."""
+        shapes, in_blocks = list(shapes), list(in_blocks)
+        n = [_numel(s) for s in shapes]
+        mats = [tuple(s) for s, b in zip(shapes, in_blocks) if b and len(s) == 2]
+        return cls(block_matrices=sum(r * c for r, c in mats),
+                   largest_matrix=max(mats, key=lambda m: m[0] * m[1], default=(0, 0)),
+                   small=sum(k for k in n if k < BNB_MIN_8BIT),
+                   quant_blocks=sum(ceil(k / BNB_BLOCK) for k in n if k >= BNB_MIN_8BIT),
+                   tensors=len(n), matrices=len(mats))
+
+    def scaled(self, frac: float, split: bool = False) -> "OptimShapes":
+        """A share holding `frac` of the elements: of the tensors too (a pipeline stage), or of each
+        tensor (`split`: a tensor-parallel share). The matrix Muon gathers stays whole (its
+        Newton-Schulz step needs the full matrix)."""
+        count = 1 if split else frac
+        return OptimShapes(round(self.block_matrices * frac), self.largest_matrix, round(self.small * frac),
+                           round(self.quant_blocks * frac), round(self.tensors * count), round(self.matrices * count))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for k in shape:
+        n *= k
+    return n
 
 
 @dataclass(frozen=True)
@@ -41,6 +95,8 @@ class ModelProfile:
     """Elements of the largest single parameter tensor."""
     factored_state: int | None = None
     """Adafactor-like optimizer state elements (rows + cols per matrix); None if shapes unknown."""
+    optim_shapes: OptimShapes | None = None
+    """What Muon's and 8-bit AdamW's state depend on; None if shapes unknown (a bare count)."""
     tied_groups: tuple[tuple[str, ...], ...] = ()
     """Names that share one parameter, e.g. (('embed.weight', 'lm_head.weight'),)."""
     decoder: DecoderConfig | None = None
@@ -96,7 +152,13 @@ def profile_decoder(cfg: DecoderConfig, name: str, source: str = "preset") -> Mo
         block_class="Block", num_blocks=cfg.layers, block_params=cfg.block_params,
         root_params=cfg.root_params, largest_layer_params=largest_layer,
         largest_param=cfg.largest_param, factored_state=cfg.factored_state, tied_groups=tied,
-        decoder=cfg, source=source)
+        optim_shapes=_closed_shapes(cfg), decoder=cfg, source=source)
+
+
+def _closed_shapes(cfg: DecoderConfig) -> OptimShapes:
+    """OptimShapes of a decoder shape: every block's tensors, then the root's (tied weights once)."""
+    block, root = cfg.block_matrices(), cfg.root_matrices()
+    return OptimShapes.of(block * cfg.layers + root, [True] * (len(block) * cfg.layers) + [False] * len(root))
 
 
 TP_DEGREES = (1, 2, 4, 8)
@@ -207,6 +269,8 @@ def profile_module(module, name: str | None = None) -> ModelProfile:
         root_params=sum(p.numel() for p in params if id(p) not in in_blocks),
         largest_layer_params=max(own, default=0), largest_param=max(p.numel() for p in params),
         factored_state=factored,
+        optim_shapes=OptimShapes.of([tuple(p.shape) for p in params if p.requires_grad],
+                                    [id(p) in in_blocks for p in params if p.requires_grad]),
         tied_groups=tuple(tuple(g) for g in groups.values() if len(g) > 1),
         decoder=decoder_of(module), source="module")
 

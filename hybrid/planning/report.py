@@ -29,18 +29,23 @@ def _counts(model) -> str:
     return f"{model.params:,} params"
 
 
+def _loss(s) -> str:
+    """The loss kind where it is not eager's whole logits (the line stays as it was otherwise)."""
+    return "" if s.loss == "eager" else f", {s.loss} loss"
+
+
 def _spec_lines(p: Plan) -> list[str]:
     s = p.spec
     if s.global_batch is not None:
         return [f"model {p.model.name}: {_counts(p.model)}; global batch {s.global_batch} x seq {s.seq_len}, "
                 f"{s.precision}, {s.optimizer}, activation checkpointing {s.activation_checkpointing}, "
-                f"attention {s.attention}",
+                f"attention {s.attention}{_loss(s)}",
                 f"global batch {s.global_batch} sequences per step in every row = micro-batch x accumulation x "
                 "data-parallel ranks (batch: micro-batch x accumulation, and the largest micro-batch that fits)",
                 f"cluster {p.cluster.describe()}; memory method {p.method}", *_speed(p), ""]
     return [f"model {p.model.name}: {_counts(p.model)}; micro-batch {s.micro_batch} x seq {s.seq_len}, "
             f"{s.precision}, {s.optimizer}, activation checkpointing {s.activation_checkpointing}, "
-            f"attention {s.attention}",
+            f"attention {s.attention}{_loss(s)}",
             f"global batch {p.global_batch} sequences = micro-batch {s.micro_batch} x accumulation "
             f"{s.gradient_accumulation} x {p.dp_size} data-parallel ranks",
             f"cluster {p.cluster.describe()}; memory method {p.method}", *_speed(p), ""]

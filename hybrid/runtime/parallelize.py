@@ -64,6 +64,9 @@ def check_model(model: nn.Module, layout: Layout, spec) -> None:
     if dims.ep > 1:
         from .backends.ep import check_expert_parallel
         check_expert_parallel(model, dims.ep, layout.dp, layout.pipeline is not None or dims.pp > 1, dims.tp)
+    from .loss import check_loss
+    split = dims.tp > 1 or dims.cp > 1 or dims.pp > 1 or layout.pipeline is not None
+    check_loss(model, spec, f"tp {dims.tp}, cp {dims.cp}, pp {dims.pp}" if split else None)
 
 
 def parallelize(model: nn.Module, layout: Layout, mesh, spec, runtime, options=None) -> Parallelized:
@@ -77,6 +80,8 @@ def parallelize(model: nn.Module, layout: Layout, mesh, spec, runtime, options=N
     if layout.pipeline is not None and spec.precision == "fp16-mixed":
         raise HybridError("fp16-mixed loss scaling is not wired through pipeline schedules; use bf16-mixed or fp32 "
                           "with pp > 1")
+    from .loss import apply_loss
+    apply_loss(model, spec)                 # the head and loss (chunked or fused): whole models only
     out = Parallelized(model)
     pieces = [model] if layout.pipeline is None else split_stages(model, layout, mesh, out)
     for piece in pieces:

@@ -103,7 +103,7 @@ def test_save_config_writes_what_load_reads(tmp_path):
     args = _parse(["plan", "gpt2", "--nodes", "2", "--compile", "--headroom", "0", "--strategies-dir", "strategies",
                    "--expandable-segments", "off", "--save-config", str(saved)])
     assert load_job(str(saved)) == {"model": "gpt2", "nodes": 2, "expandable_segments": "off", "headroom": 0.0,
-                                    "optimizer": "adamw", "compile": True, "attention": "sdpa",
+                                    "optimizer": "adamw", "compile": True, "attention": "sdpa", "loss": "eager",
                                     "method": "analytic", "implementation": "auto", "strategies_dir": ["strategies"]}
     again = _parse(["plan", "--config", str(saved)])
     assert {k: getattr(again, k) for k in JOB_KEYS} == {k: getattr(args, k) for k in JOB_KEYS}

@@ -34,7 +34,7 @@ def test_closed_form_equals_the_transformers_module(name):
     closed = profile_decoder(cfg, name)
     walked = profile_module(build_hf(cfg), name)
     for field in ("params", "block_params", "root_params", "num_blocks", "largest_param", "largest_layer_params",
-                  "factored_state"):
+                  "factored_state", "optim_shapes"):
         assert getattr(closed, field) == getattr(walked, field), field
     assert walked.decoder == cfg          # the shape reads back from the transformers config
 

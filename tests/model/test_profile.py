@@ -24,7 +24,7 @@ def test_closed_form_equals_meta_module(name):
     closed = profile_decoder(get_preset(name), name)
     walked = profile_module(build_decoder(name, device="meta"), name)
     for field in ("params", "block_params", "root_params", "num_blocks", "largest_param",
-                  "largest_layer_params", "factored_state", "tied_groups", "buffer_bytes"):
+                  "largest_layer_params", "factored_state", "optim_shapes", "tied_groups", "buffer_bytes"):
         assert getattr(closed, field) == getattr(walked, field), field
 
 

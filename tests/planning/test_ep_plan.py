@@ -40,7 +40,8 @@ def test_expert_states_split_over_ep_then_sharded_over_expert_shard(strategy, n,
     mine = experts // ep
     m = _est(CAT[strategy], p, SPEC, n, ep)
     assert m.params == int(4 * dense / n + 4 * mine / (n // ep))
-    assert m.optimizer == int(8 * dense / n + 8 * mine / (n // ep))
+    steps = 4 * p.optim_shapes.tensors               # AdamW's 0-dim fp32 step per tensor: bytes, not GiB
+    assert 0 <= m.optimizer - int(8 * dense / n + 8 * mine / (n // ep)) <= steps
     acc = _est(CAT[strategy], p, TrainSpec(1, 4096, gradient_accumulation=2), n, ep)
     held = 4 * (dense + mine)                                      # fp32 no-sync gradients (FSDP2)
     assert acc.model_states - m.model_states == held

@@ -71,8 +71,18 @@ def float8_cast_bytes(d: DecoderConfig, c: int, recipe: str = "tensorwise") -> f
     return (2 * c + 1) * (2 * inputs + outputs)
 
 
-def loss_bytes(vocab: int, c: int, compiled: bool) -> tuple[float, float]:
-    """(forward, backward) elementwise HBM bytes per token of the loss over the vocabulary."""
-    if compiled:
-        return (c + F32) * vocab, (F32 + c) * vocab
-    return (c + 3 * F32) * vocab, (5 * F32 + c) * vocab
+def loss_bytes(vocab: int, c: int, compiled: bool, kind: str = "eager",
+               vocab_parallel: bool = False) -> tuple[float, float]:
+    """(forward, backward) elementwise HBM bytes per token of the loss over the vocabulary, by
+    TrainSpec.loss. chunked: eager's, plus each chunk's forward again in backward (its
+    checkpointed recomputation). fused: Liger's cross-entropy kernel reads each chunk's
+    logits once and writes their gradient in place (r c, w c), backward none (a loss gradient of 1
+    scales nothing); `vocab_parallel` (tensor parallelism): Megatron-LM's vocab-parallel cross-entropy: the fp32 copy
+    (r c, w 4), the in-place shift and exp (r 4, w 4), the sum (r 4), the normalisation (r 4, w
+    4); backward in place (r 4, w 4) and the cast (r 4, w c)."""
+    if kind == "fused":
+        if vocab_parallel:
+            return (c + 6 * F32) * vocab, (3 * F32 + c) * vocab
+        return 2 * c * vocab, 0.0
+    fwd, bwd = ((c + F32) * vocab, (F32 + c) * vocab) if compiled else ((c + 3 * F32) * vocab, (5 * F32 + c) * vocab)
+    return fwd, bwd + (fwd if kind == "chunked" else 0.0)

@@ -49,7 +49,7 @@ from ...families.catalogue import Strategy
 from ...config.cluster import Cluster
 from ...layout.layout import Layout, as_layout
 from .links import Links
-from ...families.placement import optimizer_elements
+from ...families.placement import optimizer_state_bytes
 from ...layout.pipeline import stage_cluster
 from ...model.profile import ModelProfile
 from ..shares import Share, shares
@@ -184,7 +184,7 @@ def elementwise_seconds(profile: ModelProfile, spec: TrainSpec, gpu, tp: int = 1
         from .elementwise import float8_cast_bytes
         total += d.layers * float8_cast_bytes(d, c, spec.float8_recipe)
     if has_head:
-        lf, lb = loss_bytes(d.vocab, c, spec.compile)
+        lf, lb = loss_bytes(d.vocab, c, spec.compile, spec.loss, tp > 1)
         total += lf + lb
     return spec.micro_batch * spec.seq_len * total / tp / gpu.mem_bw
 
@@ -204,6 +204,25 @@ def p2p_seconds(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, tp: in
     fill_drain = 2 * (layout.pp - 1) * one                # on the critical path
     steady = 2 * max(m - 1, 0) * one * (1 - g.comm_overlap)
     return fill_drain + steady
+
+
+NS_STEPS = 5
+"""Newton-Schulz iterations of torch.optim.Muon (DEFAULT_NS_STEPS, Keller Jordan's recipe)."""
+
+
+def muon_step_seconds(profile: ModelProfile, cluster: Cluster, n: int, flops_per_s: float) -> float:
+    """What Muon adds to the optimizer step: each block matrix (r = min, c = max of its sides)
+    orthogonalised in bf16 by NS_STEPS iterations of X X^T (2 r^2 c FLOPs), its quintic polynomial
+    (2 r^3) and the product with X (2 r^2 c), every rank of a shard group computing every matrix
+    whole; and the gather of each whole matrix's update (bf16) over the n ranks that shard it."""
+    d = profile.decoder
+    if d is None:
+        return 0.0
+    mats = [m for m in d.block_matrices() if len(m) == 2]
+    flops = d.layers * NS_STEPS * sum(4 * min(m) ** 2 * max(m) + 2 * min(m) ** 3 for m in mats)
+    gathered = 0.0 if n == 1 else Links(cluster).collective("all_gather", 2 * d.layers * sum(a * b for a, b in mats),
+                                                              n, d.layers * len(mats))
+    return flops / flops_per_s + gathered
 
 
 def step_cost(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
@@ -238,6 +257,9 @@ def step_cost(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec,
     # 312 TFLOP/s; H100 SXM: 495 vs 989); V100/T4 have no TF32, an upper bound there
     peak = g.bf16_flops * (0.5 if spec.precision == "fp32" else 1.0)
     compute = flops / (peak * efficiency)
+    if spec.loss == "chunked" and sh.has_head and stage.decoder is not None:
+        # the chunked loss recomputes each chunk's head matmul in backward (hybrid/runtime/loss.py)
+        compute += 2 * stage.decoder.vocab * stage.decoder.hidden * T / tp / cp / (peak * efficiency)
     from ..float8 import float8_peak
     peak8 = float8_peak(g, spec)
     if spec.float8 and stage.decoder is not None and peak8:
@@ -263,10 +285,13 @@ def step_cost(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec,
     if not strategy.config.optimizer_on_host:
         local = P / (N if fam.sharded_optimizer(strategy) else 1)
         b = spec.bytes
-        step_bytes = 2 * (local * (b.param + b.grad) + optimizer_elements(profile, spec) * local / P * b.state)
+        step_bytes = 2 * (local * (b.param + b.grad) + optimizer_state_bytes(profile, spec) * local / P)
         if fam.keeps_master_copy:                       # fp32 master -> 16-bit params as well
             step_bytes += local * (4 + spec.bytes.compute)
         optimizer = step_bytes / g.mem_bw
+        if spec.optimizer == "muon":
+            optimizer += muon_step_seconds(profile, cluster, N if fam.sharded_optimizer(strategy) else 1,
+                                           peak * efficiency)
     hidden = g.comm_overlap
 
     def exposed(fwd: float, bwd: float) -> float:

@@ -16,6 +16,7 @@ All results are bytes per micro-batch (b sequences of s tokens).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ...model.presets import DecoderConfig
@@ -314,17 +315,49 @@ def activation_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> Activ
         kept = (F32 if autocast else c) * d.hidden * T
         per_layer = (k * kept + (d.layers - k) * full) / d.layers
         recompute = full
-    logits = (2 if autocast else c) * d.vocab * T
-    # log_softmax keeps its fp32 output; the fp32 upcast of bf16 logits is transient.
-    head_fwd = logits + F32 * d.vocab * T + (2 * F32 * d.hidden if d.style == "llama" else c * d.hidden) * T
-    # loss backward: grad of the log-softmax output and grad of its input, both fp32 (b*s*vocab).
-    head_bwd = head_fwd + 2 * F32 * d.vocab * T
+    head_fwd, head_bwd = loss_terms(d, spec, autocast)
     cache = 0
     if autocast:
         # every matmul weight (an MoE block's router; its experts run outside autocast's list)
         cache = 2 * (d.block_matmul_params + d.vocab * d.hidden)           # every matmul weight + LM head
     return ActivationTerms(per_layer=int(per_layer), recompute=int(recompute), head_forward=int(head_fwd),
                            head_backward=int(head_bwd), autocast_cache=int(cache), layers=d.layers)
+
+
+LOSS_CHUNKS = 8
+"""Token chunks of the chunked loss: torchtune's CEWithChunkedOutputLoss num_output_chunks default."""
+
+
+def loss_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool, vocab_parallel: bool = False) -> tuple[int, int]:
+    """(head_forward, head_backward) bytes of one micro-batch's final norm, logits and loss under
+    spec.loss, before the tp split (ActivationTerms' fields; share_activations divides by tp).
+    eager: the c-byte logits, log_softmax's fp32 output, and in backward the fp32 gradients of both.
+    chunked (hybrid/runtime/loss.py): LOSS_CHUNKS chunks of head and cross-entropy, each under
+    activation checkpointing, so forward keeps only the norm's output; backward recomputes one
+    chunk at a time (eager's bytes for T / LOSS_CHUNKS tokens).
+    fused (liger_kernel fused_linear_cross_entropy_forward): forward allocates and keeps the
+    input's gradient (T x h) and the head weight's (vocab x h, the weight's dtype) and makes the
+    logits a chunk at a time, chunk = next power of 2 of T / ceil(vocab / h) tokens; backward only
+    scales them. fused and `vocab_parallel` (tensor parallelism; Megatron-LM's
+    _VocabParallelCrossEntropy): the logits' fp32 copy is turned in place into the softmax it
+    keeps; backward's gradient is that buffer, cast to c."""
+    c = spec.bytes.compute
+    T = spec.micro_batch * spec.seq_len
+    V, h = d.vocab, d.hidden
+    norm = (2 * F32 * h if d.style == "llama" else c * h) * T     # the final norm
+    logit = 2 if autocast else c
+    if spec.loss == "fused" and vocab_parallel:
+        fwd = norm + F32 * V * T
+        return int(fwd), int(fwd + c * V * T)
+    if spec.loss == "fused":
+        chunk = min(T, 1 << max(0, math.ceil(T / math.ceil(V / h)) - 1).bit_length())
+        fwd = norm + (F32 if autocast else c) * (T * h + V * h) + F32 * T      # + the fp32 per-token loss
+        return int(fwd), int(fwd + logit * chunk * V)
+    # log_softmax keeps its fp32 output; the fp32 upcast of bf16 logits is transient.
+    # loss backward: grad of the log-softmax output and grad of its input, both fp32.
+    kept = T if spec.loss == "eager" else math.ceil(T / LOSS_CHUNKS)
+    fwd = norm + ((logit + F32) * V * T if spec.loss == "eager" else 0)
+    return int(fwd), int(norm + (logit + 3 * F32) * V * kept)
 
 
 def largest_transient(d: DecoderConfig, spec: TrainSpec, autocast: bool, tp: int = 1) -> int:

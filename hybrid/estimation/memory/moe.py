@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ...errors import HybridError, NotApplicable
 from ...layout.dims import divisors
-from ...model.profile import ModelProfile
+from ...model.profile import ModelProfile, OptimShapes
 from ...config.spec import TrainSpec
 from .activations import F32, ActivationTerms, _moe_mlp, checkpointed_blocks, moe_pair
 from ...families.placement import Placement, draft, reduce_bytes
@@ -97,7 +97,8 @@ def expert_split(profile: ModelProfile, ep: int) -> tuple[ModelProfile, ModelPro
         dtype_bytes=tuple((k, round(v * mine / profile.params)) for k, v in profile.dtype_bytes),
         buffer_bytes=0, block_params=local * d.expert_params, root_params=0,
         largest_layer_params=local * d.expert_params, largest_param=local * 2 * d.moe_ffn * d.hidden,
-        factored_state=None if profile.factored_state is None else local * fact, tied_groups=())
+        factored_state=None if profile.factored_state is None else local * fact, tied_groups=(),
+        optim_shapes=None if profile.optim_shapes is None else _expert_shapes(L, local, d))
     rest = profile.params - whole
     dense = dataclasses.replace(
         profile, name=f"{profile.name} [dense]", params=rest, trainable_params=round(rest * frac),
@@ -105,8 +106,22 @@ def expert_split(profile: ModelProfile, ep: int) -> tuple[ModelProfile, ModelPro
         dtype_bytes=tuple((k, round(v * rest / profile.params)) for k, v in profile.dtype_bytes),
         block_params=profile.block_params - d.experts * d.expert_params,
         largest_layer_params=d.vocab * d.hidden, largest_param=d.vocab * d.hidden,
-        factored_state=None if profile.factored_state is None else profile.factored_state - d.experts * fact)
+        factored_state=None if profile.factored_state is None else profile.factored_state - d.experts * fact,
+        optim_shapes=None if profile.optim_shapes is None else _without(profile.optim_shapes,
+                                                                         _expert_shapes(L, d.experts, d)))
     return dense, experts
+
+
+def _expert_shapes(layers: int, experts: int, d) -> OptimShapes:
+    """OptimShapes of `experts` stacked experts per block (gate_up e x 2m x h, down e x h x m):
+    3-D tensors, so AdamW's under Muon and 8-bit under bitsandbytes."""
+    one = OptimShapes.of([(experts, 2 * d.moe_ffn, d.hidden), (experts, d.hidden, d.moe_ffn)], [True, True])
+    return OptimShapes(0, (0, 0), layers * one.small, layers * one.quant_blocks, layers * one.tensors, 0)
+
+
+def _without(whole: OptimShapes, part: OptimShapes) -> OptimShapes:
+    return dataclasses.replace(whole, small=whole.small - part.small, tensors=whole.tensors - part.tensors,
+                               quant_blocks=whole.quant_blocks - part.quant_blocks)
 
 
 def alternating_units(summed_mid: float, D: int, E: int, spec: TrainSpec, last: int = 0,
