@@ -62,6 +62,7 @@ class Wrapped:
         self._saver = None           # hybrid.ckpt.background.AsyncSaver of the async saves
         self._tracked: dict = {}     # name -> object whose state every checkpoint carries (track)
         self._restored: dict = {}    # name -> state loaded before its object was tracked
+        self._loaded = False        # a checkpoint was loaded (track then names what it lacks)
         self.resumed_from = None     # the checkpoint folder auto_wrap(resume=) loaded, else None
 
     # --- the loop ------------------------------------------------------------------------------
@@ -321,6 +322,8 @@ class Wrapped:
         self._tracked[name] = obj
         if name in self._restored:
             obj.load_state_dict(self._restored.pop(name))
+        elif self._loaded:
+            _note_untracked(self, name)
         return obj
 
     def load(self, path: str) -> dict:
@@ -352,9 +355,12 @@ class Wrapped:
         if state.get("scaler") is not None:
             self.engine.load_scaler_state(state["scaler"])
         self._restored = dict(state.get("tracked") or {})
+        self._loaded = True
         for name, obj in self._tracked.items():      # tracked already; the others wait for track()
             if name in self._restored:
                 obj.load_state_dict(self._restored.pop(name))
+            else:
+                _note_untracked(self, name)
         self._micro, self._backward_done, self._loss_bad, self._bad_in_row = 0, False, None, 0
 
     def describe(self, every_candidate: bool = False) -> str:
@@ -371,6 +377,13 @@ def check_max_bad_steps(n) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise HybridError(f"max_bad_steps must be a positive integer (non-finite steps in a row that stop training; "
                           f"default 3), got {n!r}")
+
+
+def _note_untracked(w, name: str) -> None:
+    """A tracked object the loaded checkpoint has no state for keeps its own (said once, rank 0)."""
+    if w.runtime.rank == 0:
+        log.warning("hybrid: the loaded checkpoint carries no state for tracked %r (saved before it was tracked): it "
+                    "keeps its current state; a sampler then starts its epoch from the beginning", name)
 
 
 def _note_rng(w, path: str, meta: dict) -> None:

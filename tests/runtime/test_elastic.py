@@ -70,3 +70,56 @@ def test_killed_rank_resumes_to_the_same_loss_on_4_then_2_ranks_seeing_each_samp
         seen = [i for s in range(1 + 6 * epoch, 7 + 6 * epoch) for i in final[s]["ids"]]
         assert sorted(seen) == list(range(N))
         assert all(final[s]["epoch"] == epoch for s in final if (s - 1) // 6 == epoch)
+
+
+def track_cases(path):
+    """w.track: its refusals, state carried by a save, loaded whether tracked before or after the
+    load, and the warning when the checkpoint has none for a tracked name."""
+    import logging
+
+    from hybrid import auto_wrap
+    from hybrid.errors import HybridError
+    from hybrid.runtime.data import ResumableSampler
+    from tests.ckpt.test_checkpoint import _steps, _wrap
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("hybrid").addHandler(handler)
+    w = _wrap("ddp")
+    errors = []
+    for bad in ((object(), "data"), (ResumableSampler(8, 1, 0), "")):
+        try:
+            w.track(*bad)
+        except HybridError as e:
+            errors.append(str(e))
+    sampler = w.track(ResumableSampler(48, 1, 0, seed=1))
+    try:
+        w.track(ResumableSampler(48, 1, 0, seed=1))
+    except HybridError as e:
+        errors.append(str(e))
+    _steps(w, 0, 1)
+    sampler.set_epoch(2)
+    sampler.advance(8)
+    w.save(path)
+    before = ResumableSampler(48, 1, 0, seed=1)
+    w2 = _wrap("ddp", seed=3)
+    w2.track(before)                        # tracked before the load
+    w2.track(ResumableSampler(48, 1, 0, seed=1), name="other")
+    w2.load(path)
+    from tests.runtime.test_backends import TINY
+    from hybrid.model.decoder import build_decoder
+    w3 = auto_wrap(build_decoder(TINY, seed=0), strategy="ddp", precision="fp32", micro_batch=1, seq_len=16,
+                   verbose=False, resume=path)
+    after = w3.track(ResumableSampler(48, 1, 0, seed=1))      # tracked after the resume
+    logging.getLogger("hybrid").removeHandler(handler)
+    return errors, (before.epoch, before.position), (after.epoch, after.position), w3.step_count, lines
+
+
+def test_track_carries_state_and_names_what_it_cannot(tmp_path):
+    from hybrid.runtime.launch import run_ranks
+    errors, before, after, step, lines = run_ranks(1, track_cases, str(tmp_path / "ck"))[0]
+    assert "state_dict() and load_state_dict()" in errors[0] and "non-empty string" in errors[1]
+    assert "'data' is tracked already" in errors[2]
+    assert before == after == (2, 8) and step == 1
+    assert any("no state for tracked 'other'" in x for x in lines)
+    assert any("resumed from" in x and "optimizer step 1; the same world" in x for x in lines)
