@@ -3,7 +3,7 @@ the repo root after ./setup.sh (or `source .venv/bin/activate` and drop the `.ve
 
     .venv/bin/torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --strategy auto --steps 40
     .venv/bin/torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --strategy zero3 \
-        --ckpt-dir ckpt --save-every 10
+        --ckpt-dir ckpt --save-every 10 --async-save
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \
     .venv/bin/torchrun --standalone --nproc-per-node 2 --max-restarts 1 examples/train_gpt.py \
         --ckpt-dir ckpt --resume ...
@@ -14,10 +14,10 @@ store; the shared one can hand restarted workers their dead peers' addresses, py
 The data is synthetic (a fixed random bigram language, so the loss has somewhere to go) and the
 same on every run. The basics every DDP user expects are here: a DistributedSampler order
 (hybrid.runtime.data.ResumableSampler, with set_epoch(epoch)), only rank 0 logs and writes files, a
-barrier before exit; a restarted job (torchrun --max-restarts) resumes from the last checkpoint,
-mid-epoch, on the same batches, at any world size: the sampler's epoch and position in global
-samples are in the checkpoint and re-split over the new ranks, and the global batch (saved too)
-is kept by adjusting gradient accumulation.
+barrier before exit; a restarted job (torchrun --max-restarts) resumes from the last checkpoint
+(auto_wrap(resume=)), mid-epoch, on the same batches, at any world size: the sampler's epoch and
+position in global samples are in the checkpoint (w.track) and re-split over the new ranks, and the
+global batch (saved too) is kept by adjusting gradient accumulation.
 """
 from __future__ import annotations
 
@@ -59,6 +59,8 @@ def parse_args(argv=None):
     ap.add_argument("--ckpt-dir", default=None, help="checkpoint directory (written atomically)")
     ap.add_argument("--save-every", type=int, default=0, help="save every N steps (0: only at the end)")
     ap.add_argument("--resume", action="store_true", help="continue from --ckpt-dir if it holds a checkpoint")
+    ap.add_argument("--async-save", action="store_true",
+                    help="save in the background (returns after the copy into host memory)")
     ap.add_argument("--out", default=None, help="rank 0 writes the final full state dict here (torch.save)")
     ap.add_argument("--crash-at-step", type=int, default=0,
                     help="testing: SIGKILL --crash-rank at this step on the first attempt only")
@@ -77,18 +79,20 @@ def main(argv=None):
     if global_batch is None:     # the run's own (a resumed job keeps it whatever its world size)
         saved = read_meta(args.ckpt_dir)["extra"].get("global_batch") if resume else None
         global_batch = saved or args.micro_batch * int(os.environ.get("WORLD_SIZE", "1"))
+    # resume=: continue from the directory's last committed version (none yet: start fresh)
     w = auto_wrap(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr), strategy=args.strategy,
                   micro_batch=args.micro_batch, seq_len=args.seq_len, precision=args.precision,
-                  gpu_memory=args.gpu_memory, global_batch=global_batch, verbose=True)
+                  gpu_memory=args.gpu_memory, global_batch=global_batch, verbose=True,
+                  resume=args.ckpt_dir if args.resume else None)
     rank = dist.get_rank()
     device = w.runtime.device
     data = synthetic_corpus(args.samples, args.seq_len, args.vocab)
     indexed = torch.utils.data.TensorDataset(torch.arange(len(data)), data.tensors[0])
-    sampler = ResumableSampler(len(data), w.dp_size, w.dp_rank, shuffle=True, seed=0, drop_last=True)
+    # every checkpoint carries the sampler's epoch and position; a resumed job's continues from them
+    sampler = w.track(ResumableSampler(len(data), w.dp_size, w.dp_rank, shuffle=True, seed=0, drop_last=True))
     loader = DataLoader(indexed, batch_size=w.micro_batch, sampler=sampler, drop_last=True)
 
-    if resume:
-        sampler.load_state_dict(w.load(args.ckpt_dir)["sampler"])
+    if w.resumed_from:
         if rank == 0:
             print(f"resumed from {args.ckpt_dir} at step {w.step_count} (epoch {sampler.epoch}, sample "
                   f"{sampler.position}; {w.dp_size} ranks x {w.micro_batch} x {w.gradient_accumulation} "
@@ -120,7 +124,7 @@ def main(argv=None):
             if rank == 0 and (step % 10 == 0 or step == args.steps):
                 print(f"step {step:4d}  epoch {sampler.epoch}  loss {loss.item():.4f}", flush=True)
             if args.ckpt_dir and args.save_every and step % args.save_every == 0:
-                w.save(args.ckpt_dir, extra={"sampler": sampler.state_dict(), "global_batch": w.global_batch})
+                w.save(args.ckpt_dir, extra={"global_batch": w.global_batch}, async_=args.async_save)
             if step == args.crash_at_step and restarts == 0 and rank == args.crash_rank:
                 os.kill(os.getpid(), signal.SIGKILL)       # a hard failure, mid-epoch
             if step >= args.steps:
@@ -128,7 +132,8 @@ def main(argv=None):
         else:
             sampler.set_epoch(sampler.epoch + 1)
     if args.ckpt_dir and not args.save_every:
-        w.save(args.ckpt_dir, extra={"sampler": sampler.state_dict(), "global_batch": w.global_batch})
+        w.save(args.ckpt_dir, extra={"global_batch": w.global_batch})
+    w.close()                                              # waits for an async save still being written
     state = w.state_dict()                                 # collective: every rank
     if rank == 0 and args.out:
         torch.save(state, args.out)

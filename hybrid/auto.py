@@ -104,7 +104,8 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
               tune: bool | int = False, calibration: str | None = None, cp: int | None = None,
               global_batch: int | None = None, global_batch_tokens: int | None = None,
               compile: bool = False, float8: bool = False, float8_recipe: str | None = None, ep: int | None = None,
-              moe_imbalance: float | None = None, max_bad_steps: int = 3, loss: str = "eager") -> Wrapped:
+              moe_imbalance: float | None = None, max_bad_steps: int = 3, loss: str = "eager",
+              resume: str | None = None) -> Wrapped:
     """Wrap `model` for data-parallel training on the current process group (started here from
     torchrun's variables if needed, nccl+cuda or gloo+cpu). The arguments that are job options are
     the JobConfig's rows (hybrid/config/options.py): the CLI's flags of the same name, checked and
@@ -263,7 +264,38 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
                       max_bad_steps)
     if verbose and runtime.rank == 0:
         log.info("%s", wrapped.describe())
+    if resume is not None:
+        _resume(wrapped, resume, runtime)
     return wrapped
+
+
+def _resume(w: Wrapped, path, runtime) -> None:
+    """Load the last committed version at `path` if there is one (every rank must see the same
+    directory), saying where the job continues and whether its layout was planned afresh."""
+    from .ckpt.folder import META
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise HybridError(f"resume must be the checkpoint directory w.save writes (a path), got {short(path)}")
+    path = os.fspath(path)
+    found = os.path.lexists(os.path.join(path, META))
+    if runtime.world_size > 1:
+        seen = [None] * runtime.world_size
+        dist.all_gather_object(seen, found)
+        if len(set(seen)) > 1:
+            raise HybridError(f"resume={path!r}: ranks {[r for r, s in enumerate(seen) if s]} see a checkpoint there "
+                              f"and ranks {[r for r, s in enumerate(seen) if not s]} do not; every rank must see the "
+                              "same directory (a shared file system)")
+    if not found:
+        if runtime.rank == 0:
+            log.info("hybrid: resume=%s holds no checkpoint yet: starting fresh at step 0", path)
+        return
+    meta = w.load_checkpoint(path)
+    w.resumed_from = os.path.join(os.path.abspath(path), meta["data"])
+    if runtime.rank == 0:
+        saved = f"{meta['world_size']} ranks under {meta.get('strategy', '?')} (shard {meta.get('shard_size', '?')})"
+        now = f"{runtime.world_size} ranks under {w.strategy.name} (shard {w.chosen.shard_size})"
+        change = (f"the world changed: saved on {saved}, this job runs {now}: re-planned for {runtime.world_size} "
+                  f"ranks" if meta["world_size"] != runtime.world_size else f"the same world: {now}")
+        log.info("hybrid: resumed from %s at optimizer step %d; %s", w.resumed_from, w.step_count, change)
 
 
 def _with_job_file(path: str, given: dict) -> Wrapped:

@@ -39,6 +39,17 @@ def _is_int(v, lo: int = 0, hi: int = 1 << 62) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v < hi
 
 
+def _check_items(items, files: dict, bad) -> None:
+    """meta.json's `items`: {listed file: [[offset, length, crc32], ...]}, each range inside its file."""
+    if not isinstance(items, dict) or not all(rel in files and isinstance(v, list) for rel, v in items.items()):
+        raise bad("items", "is not an object of listed file: [[offset, length, crc32], ...]")
+    for rel, v in items.items():
+        for entry in v:
+            if not (isinstance(entry, list) and len(entry) == 3 and _is_int(entry[0]) and _is_int(entry[1])
+                    and _is_int(entry[2], 0, 1 << 32) and entry[0] + entry[1] <= files[rel][0]):
+                raise bad("items", f"lists {short(rel)} with {short(entry)}, not [offset, length, crc32] inside it")
+
+
 def validate_meta(meta) -> dict:
     """Every meta.json field load and export use, by type and range; HybridError naming the
     first bad field (its value cut to 80 characters)."""
@@ -61,6 +72,7 @@ def validate_meta(meta) -> dict:
             raise bad("files", str(e)) from None
         if not (isinstance(v, list) and len(v) == 2 and _is_int(v[0]) and _is_int(v[1], 0, 1 << 32)):
             raise bad("files", f"lists {short(rel)} as {short(v)}, not [size, crc32]")
+    _check_items(meta.get("items", {}), files, bad)
     for field, lo in (("step", 0), ("world_size", 1)):
         if not _is_int(meta.get(field), lo):
             raise bad(field, f"is {short(meta.get(field))}, not an integer >= {lo}")
@@ -129,8 +141,10 @@ def check_files(path: str, meta: dict, only: list[str] | None = None) -> None:
 
 def reader(path: str, meta: dict) -> SafeReader:
     """The DCP reader of this version, its metadata read and checked (HybridError naming the entry)."""
+    hashed = "items" in meta        # each item's CRC32 listed: checked on the bytes read for it
     r = SafeReader(os.path.join(path, meta["data"]), {k: v[0] for k, v in meta["files"].items()},
-                   max_chunks=meta["world_size"])
+                   max_chunks=meta["world_size"], sums={k: v[1] for k, v in meta["files"].items()} if hashed else None,
+                   items=meta["items"] if hashed else None)
     try:
         md = r.read_metadata()
     except HybridError as e:
@@ -150,13 +164,15 @@ def check_items(path: str, r: SafeReader, rels: list[str]) -> None:
 
 def read_plain(path: str, meta: dict, rel: str, what: str):
     """A small torch.save'd file of the version (rng-<rank>.pt, loop.pt), confined, size-bounded,
-    with torch.load(weights_only=True)."""
+    read once: its CRC32 checked on those bytes, then torch.load(weights_only=True)."""
     import io
 
     import torch
-    size = meta["files"][rel][0]
+    size, crc = meta["files"][rel]
     try:
         data = read_bounded(os.path.join(path, meta["data"]), rel, size)
+        if zlib.crc32(data) != crc:
+            raise HybridError(f"{rel} is corrupted: it fails its CRC32 check")
         return torch.load(io.BytesIO(data), weights_only=True)
     except HybridError as e:
         raise HybridError(f"checkpoint {path!r}: {e}") from None
@@ -215,6 +231,9 @@ def check_loop(wrapped, state) -> None:
         v = state.get(key, 0)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise HybridError(f"loop.pt: {key} is {short(v)}, not a count")
+    tracked = state.get("tracked", {})
+    if not isinstance(tracked, dict) or not all(isinstance(k, str) for k in tracked):
+        raise HybridError(f"loop.pt: tracked is {short(tracked)}, not an object of name: state")
     live = {"scheduler": wrapped.scheduler.state_dict() if wrapped.scheduler is not None else None,
             "scaler": wrapped.engine.scaler_state()}
     for key, now in live.items():

@@ -25,6 +25,7 @@ import logging
 import os
 import pickle
 import stat
+import zlib
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
@@ -244,20 +245,34 @@ def _load_item(data: bytes, expected, name: str):
 
 class SafeReader(FileSystemReader):
     """FileSystemReader confined to one version folder's dcp/ files as meta.json lists them:
-    `root` the version folder, `files` {path inside root: size}."""
+    `root` the version folder, `files` {path inside root: size}; with `sums` ({path: CRC32} of
+    whole files) and `items` ({path: [[offset, length, CRC32], ...]}) each item is checked on the
+    bytes read for it, and `.metadata` on its bytes: one read of each byte checks and loads it.
+    What `read_data` reads is held until `apply`: DCP raises a failure on every rank first, so a
+    failed load changes nothing."""
 
-    def __init__(self, root: str, files: dict[str, int], max_chunks: int):
+    def __init__(self, root: str, files: dict[str, int], max_chunks: int, sums: dict[str, int] | None = None,
+                 items: dict[str, list] | None = None):
         super().__init__(os.path.join(root, "dcp"))
         self.root, self.max_chunks = root, max_chunks
         self.dcp_files = {k[len("dcp/"):]: v for k, v in files.items() if k.startswith("dcp/")}
+        self.sums = {k[len("dcp/"):]: v for k, v in (sums or {}).items() if k.startswith("dcp/")} if sums else None
+        self.item_sums = None if items is None else {
+            k[len("dcp/"):]: {off: (length, crc) for off, length, crc in v} for k, v in items.items()}
         self.chunks: dict = {}
+        self.pending: list = []
+        self._metadata = None
 
     def read_metadata(self, *args, **kwargs):
         from torch.distributed.checkpoint.metadata import StorageMeta
 
+        if self._metadata is not None:      # DCP asks again on every rank: it was read and checked once
+            return self._metadata
         if ".metadata" not in self.dcp_files:
             raise HybridError("dcp/.metadata is not listed in meta.json")
         data = read_bounded(self.root, "dcp/.metadata", self.dcp_files[".metadata"])
+        if self.sums is not None and zlib.crc32(data) != self.sums.get(".metadata"):
+            raise HybridError("dcp/.metadata is corrupted: it fails its CRC32 check")
         md = load_metadata(data, "dcp/.metadata")
         try:
             self.chunks = check_dcp_metadata(md, self.dcp_files, self.max_chunks)
@@ -266,6 +281,7 @@ class SafeReader(FileSystemReader):
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
+        self._metadata = md
         return md
 
     def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
@@ -285,8 +301,19 @@ class SafeReader(FileSystemReader):
                 data = f.read(info.length)
                 if len(data) != info.length:
                     raise HybridError(f"dcp/{rel} ends inside item {index.fqn!r}")
+                self._check_sum(rel, info, data, index.fqn)
                 offset = None if index.offset is None else tuple(index.offset)
                 yield index, _load_item(data, self.chunks.get((index.fqn, offset)), index.fqn)
+
+    def _check_sum(self, rel: str, info, data: bytes, fqn: str) -> None:
+        if self.item_sums is None:          # a checkpoint hashed per file only: check_files did it
+            return
+        want = self.item_sums.get(rel, {}).get(info.offset)
+        if want is None or want[0] != info.length:
+            raise HybridError(f"dcp/{rel}: item {fqn[:80]!r} (bytes {info.offset}-{info.offset + info.length}) has no "
+                              "CRC32 in meta.json")
+        if zlib.crc32(data) != want[1]:
+            raise HybridError(f"dcp/{rel} is corrupted: it fails its CRC32 check (item {fqn[:80]!r})")
 
     def check_all(self, rels: list[str]) -> None:
         """Load every item stored in the given files and check it, without keeping any (the
@@ -296,7 +323,7 @@ class SafeReader(FileSystemReader):
                 pass
 
     def read_data(self, plan, planner):
-        from torch.distributed.checkpoint.planner import LoadItemType
+        """Read and check every item of this rank's plan, each byte once; held until `apply`."""
         from torch.futures import Future
         per_file: dict[str, list] = {}
         for req in plan.items:
@@ -308,21 +335,28 @@ class SafeReader(FileSystemReader):
             items = [(k, self.storage_data[k]) for k in by_index]
             for index, obj in self.read_items(rel, items):
                 for req in by_index[index]:
-                    if req.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes_checked(req, obj)
-                        continue
-                    part = obj
-                    for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
-                        part = part.narrow(dim, start, length)
-                    target = planner.resolve_tensor(req).detach()
-                    if target.size() != part.size():
-                        raise HybridError(f"checkpoint item {index.fqn!r} has shape {tuple(part.shape)} where "
-                                          f"this job holds {tuple(target.shape)}")
-                    target.copy_(part)
-                    planner.commit_tensor(req, target)
+                    self.pending.append((index, req, obj))
         fut: Future = Future()
         fut.set_result(None)
         return fut
+
+    def apply(self, planner) -> None:
+        """Copy what read_data held into the state dict (once every rank's reads succeeded)."""
+        from torch.distributed.checkpoint.planner import LoadItemType
+        pending, self.pending = self.pending, []
+        for index, req, obj in pending:
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes_checked(req, obj)
+                continue
+            part = obj
+            for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+                part = part.narrow(dim, start, length)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != part.size():
+                raise HybridError(f"checkpoint item {index.fqn!r} has shape {tuple(part.shape)} where "
+                                  f"this job holds {tuple(target.shape)}")
+            target.copy_(part)
+            planner.commit_tensor(req, target)
 
 
 class SafePlanner(DefaultLoadPlanner):
@@ -350,11 +384,14 @@ class _NoMetadataTracebacks(logging.Filter):
 
 
 def dcp_load(state: dict, reader: SafeReader, no_dist: bool = False) -> None:
-    """dcp.load through the confined reader and the safe planner."""
+    """dcp.load through the confined reader and the safe planner; the values are copied into
+    `state` only after every rank read and checked its items."""
     import torch.distributed.checkpoint as dcp
     quiet = _NoMetadataTracebacks()
     logging.getLogger().addFilter(quiet)
+    planner = SafePlanner()
     try:
-        dcp.load(state, storage_reader=reader, planner=SafePlanner(), no_dist=no_dist)
+        dcp.load(state, storage_reader=reader, planner=planner, no_dist=no_dist)
     finally:
         logging.getLogger().removeFilter(quiet)
+    reader.apply(planner)

@@ -11,7 +11,10 @@ Layout of a checkpoint directory:
         rng-<rank>.pt    each rank's RNG states (tensors and numbers only)
         loop.pt          scheduler and loss-scaler state, step counts (plain data)
 A crash before meta.json is replaced leaves the previous version in force; older data folders are
-removed only after the switch. Every file's size and CRC32 are in meta.json and checked on load.
+removed only after the switch. Every file's size and CRC32, and each DCP item's byte range and
+CRC32, are taken as the bytes are written (hybrid/ckpt/writer.py) and listed in meta.json; load
+checks each item on the bytes it reads for it, once. An async save (hybrid/ckpt/background.py)
+stages the state and runs the same write and commit in the background.
 
 Trust: `save` removes only version folders it can prove it wrote: named in meta.json's `history`
 (recorded before the folder is created, so a crashed save's folder is provable too) and carrying a
@@ -38,18 +41,15 @@ import torch
 import torch.distributed as dist
 
 from ..errors import HybridError
-from .folder import (FORMAT, MARKER, META, _crc, check_files, check_items, check_loop, check_rng, dcp_files,
+from .folder import (FORMAT, MARKER, META, check_files, check_items, check_loop, check_rng, dcp_files,
                        first_line, plan_load, read_meta, read_plain, reader, short, validate_meta)
 from ..log import get_logger
 from .lock import BREAK, LOCK, DirLock
 from .safeio import dcp_load, read_bounded
 from .space import why_write_failed
+from .writer import CrcWriter, plain_bytes, write_bytes
 
 log = get_logger(__name__)
-
-
-def _files(root: str) -> list[str]:
-    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
 
 
 def _rng_state() -> dict:
@@ -204,10 +204,10 @@ def _tied(module) -> list[list[str]]:
     return [g for g in names_by_param(module).values() if len(g) > 1]
 
 
-def _broadcast(obj, rank):
+def _broadcast(obj, rank, group=None):
     box = [obj if rank == 0 else None]
     if dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
@@ -232,9 +232,11 @@ def _write_error(path: str, e: BaseException) -> str:
             "(free space, or save somewhere else)")
 
 
-def save(wrapped, path: str, extra: dict | None = None, overwrite: bool = False) -> str:
+def save(wrapped, path: str, extra: dict | None = None, overwrite: bool = False, saver=None) -> str:
     """Write a new version of the checkpoint at `path` (collective: every rank calls it); one job
-    at a time per directory (hybrid/ckpt/lock.py)."""
+    at a time per directory (hybrid/ckpt/lock.py). With `saver` (hybrid/ckpt/background.py) the
+    state is staged into host memory and written in the background: this returns once it is
+    staged, and `saver.wait()` returns when the version is committed. Returns the version folder."""
     rank = dist.get_rank()
     path = os.path.abspath(path)
     name = f"data-{wrapped.step_count:08d}-{uuid.uuid4().hex[:8]}"
@@ -243,75 +245,96 @@ def save(wrapped, path: str, extra: dict | None = None, overwrite: bool = False)
         name, error = _broadcast((name, error), rank)     # a refusal (the lock's owner...) is raised on every rank
         if error:
             raise HybridError(error)
-        return _write_version(wrapped, path, name, history, extra, lock)
+        version = _Version(wrapped, path, name, history, extra, lock)
+        state = wrapped.engine.checkpoint_state()
+        _rank0_buffers(wrapped.module, state["model"])
+        if saver is None:
+            return version.write(state)
+        saver.start(state, version)         # from here on the background commit releases the lock
+        lock = None
+        return version.data
     finally:
         if lock is not None:            # on success and on any failure; a killed writer leaves it stale
             lock.release()
 
 
-def _write_version(wrapped, path: str, name: str, history: list[str], extra: dict | None,
-                   lock: DirLock | None) -> str:
-    """The data, the sizes and CRCs, the commit and the removal of superseded versions, with the
-    directory's lock held by rank 0."""
-    import torch.distributed.checkpoint as dcp
+class _Version:
+    """One version being written: what it records (taken when the save starts, so an async save
+    commits the state of that step) and the commit, with the directory's lock held by rank 0."""
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    data = os.path.join(path, name)
-    engine = wrapped.engine
-    state = engine.checkpoint_state()
-    _rank0_buffers(wrapped.module, state["model"])
-    rng, loop = _rng_state(), wrapped.loop_state() if rank == 0 else None
-    error = None
-    try:        # the writes: a full disk, a quota, an I/O error become one line on every rank
-        dcp.save(state, checkpoint_id=os.path.join(data, "dcp"))   # raises on every rank if one fails
-        torch.save(rng, os.path.join(data, f"rng-{rank}.pt"))
-        if rank == 0:   # scheduler, loss scaler, step counts: plain data
-            torch.save(loop, os.path.join(data, "loop.pt"))
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        error = _write_error(path, e)
-    errors = [None] * world
-    dist.all_gather_object(errors, error)
-    if any(errors):
-        if rank == 0:       # the unfinished version is ours: it was created by this call
-            shutil.rmtree(data, ignore_errors=True)
-        raise HybridError(next(e for e in errors if e))
-    # every file's size and CRC, hashed by the ranks in turn, committed by rank 0
-    files = _broadcast(_files(data), rank)
-    mine = {}
-    for i, f in enumerate(files):
-        if i % world == rank:
-            with open(os.path.join(data, f), "rb") as fh:
-                mine[f] = [os.path.getsize(os.path.join(data, f)), _crc(fh)]
-    gathered = [None] * world
-    dist.all_gather_object(gathered, mine)
-    if rank == 0:
-        meta = {"format": FORMAT, "data": name, "step": wrapped.step_count, "world_size": world,
-                "strategy": wrapped.strategy.name, "family": wrapped.strategy.family,
-                "shard_size": wrapped.chosen.shard_size, "precision": wrapped.chosen.spec.precision,
-                "optimizer": type(engine.user_optimizer).__name__,
-                "model": _model_info(wrapped.module), "params": _param_table(wrapped.module),
-                "tied": _tied(wrapped.module),
-                "files": {k: v for g in gathered for k, v in g.items()}, "extra": extra or {},
-                "history": [name, *history]}
+    def __init__(self, wrapped, path: str, name: str, history: list[str], extra: dict | None, lock: DirLock | None):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.path, self.name, self.history, self.lock = path, name, history, lock
+        self.data = os.path.join(path, name)
+        self.writer = CrcWriter(os.path.join(self.data, "dcp"))
+        self.plain = {f"rng-{rank}.pt": plain_bytes(_rng_state())}
+        self.meta = None
+        if rank == 0:   # scheduler, loss scaler, step counts, tracked data state: plain data
+            self.plain["loop.pt"] = plain_bytes(wrapped.loop_state())
+            engine = wrapped.engine
+            self.meta = {"format": FORMAT, "data": name, "step": wrapped.step_count, "world_size": world,
+                         "strategy": wrapped.strategy.name, "family": wrapped.strategy.family,
+                         "shard_size": wrapped.chosen.shard_size, "precision": wrapped.chosen.spec.precision,
+                         "optimizer": type(engine.user_optimizer).__name__,
+                         "model": _model_info(wrapped.module), "params": _param_table(wrapped.module),
+                         "tied": _tied(wrapped.module), "extra": extra or {}, "history": [name, *history]}
+
+    def write(self, state: dict, group=None) -> str:
+        """DCP's save of `state`, then the plain files and the commit (collectives on `group`)."""
+        import torch.distributed.checkpoint as dcp
+        error = None
         try:
-            if not lock.held():     # taken over meanwhile (by a job that could not see this one): commit nothing
+            dcp.save(state, storage_writer=self.writer, process_group=group)   # raises on every rank if one fails
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            error = _write_error(self.path, e)
+        return self.commit(error, group)
+
+    def commit(self, error: str | None, group=None) -> str:
+        """The plain files, every rank's sizes and CRCs (hashed as they were written) gathered,
+        meta.json replaced by rank 0 only once every rank's writes are complete, superseded versions
+        removed. HybridError on every rank if any rank failed (the previous version stays)."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        files, items = {}, {}
+        if error is None:
+            try:
+                files = {f"dcp/{k}": v for k, v in self.writer.files.items()}
+                items = {f"dcp/{k}": v for k, v in self.writer.items.items()}
+                for rel, buf in self.plain.items():
+                    files[rel] = write_bytes(self.data, rel, buf)
+            except OSError as e:
+                error = _write_error(self.path, e)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (error, files, items), group=group)
+        errors = [g[0] for g in gathered if g[0]]
+        if errors:
+            if rank == 0:       # the unfinished version is ours: it was created by this call
+                shutil.rmtree(self.data, ignore_errors=True)
+            raise HybridError(errors[0])
+        error = self._commit_on_rank0(gathered) if rank == 0 else None
+        error = _broadcast(error, rank, group)
+        if error:
+            raise HybridError(error)
+        return self.data
+
+    def _commit_on_rank0(self, gathered) -> str | None:
+        path, meta = self.path, dict(self.meta)
+        meta["files"] = {k: v for _, fs, _ in gathered for k, v in fs.items()}
+        meta["items"] = {k: v for _, _, its in gathered for k, v in its.items()}
+        try:
+            if not self.lock.held():     # taken over meanwhile (by a job that could not see this one): commit nothing
                 raise HybridError(f"checkpoint directory {path!r}: another job took its lock over while this save "
                                   "ran (one that cannot see this process: another PID namespace?); this version was "
                                   "not committed: save one job at a time into a directory")
             _write_meta(path, meta)          # the commit
         except (OSError, HybridError) as e:
-            shutil.rmtree(data, ignore_errors=True)
-            error = str(e) if isinstance(e, HybridError) else _write_error(path, e)
-        else:
-            for old in history:        # superseded versions this save can prove it wrote, after the switch
-                if _provably_ours(path, old, history):
-                    shutil.rmtree(os.path.join(path, old), ignore_errors=True)
-    error = _broadcast(error, rank)
-    if error:
-        raise HybridError(error)
-    return data
+            shutil.rmtree(self.data, ignore_errors=True)
+            return str(e) if isinstance(e, HybridError) else _write_error(path, e)
+        for old in self.history:        # superseded versions this save can prove it wrote, after the switch
+            if _provably_ours(path, old, self.history):
+                shutil.rmtree(os.path.join(path, old), ignore_errors=True)
+        return None
 
 
 def check_model(meta: dict, module) -> None:
@@ -349,11 +372,20 @@ def _agreed(fn, *args):
     return result
 
 
+def _cause(e: BaseException):
+    """The first rank's exception inside DCP's CheckpointException (or `e` itself)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        cause = sorted(failures.items())[0][1]
+        return cause[0] if isinstance(cause, tuple) else cause
+    return e
+
+
 def load(wrapped, path: str) -> dict:
     """Restore model, optimizer, step and RNG from `path`, whatever strategy and world size wrote
-    it (collective). Returns the `extra` dict given to save. Raises HybridError on a bad
-    checkpoint on every rank alike, before anything of the job is changed; nothing on disk is
-    changed."""
+    it (collective). Returns the checkpoint's meta.json (its `extra`: the dict given to save).
+    Raises HybridError on a bad checkpoint on every rank alike, before anything of the job is
+    changed; nothing on disk is changed."""
     rank, world = dist.get_rank(), dist.get_world_size()
     path = os.path.abspath(path)
     engine = wrapped.engine
@@ -371,10 +403,12 @@ def load(wrapped, path: str) -> dict:
     template = engine.checkpoint_template()         # collective on some engines: every rank, in step
 
     def check_data():
-        files = sorted(meta["files"])
-        check_files(path, meta, [f for i, f in enumerate(files) if i % world == rank])
+        if "items" not in meta:     # hashed per file only (hybrid before async saves): whole files checked first
+            files = sorted(meta["files"])
+            check_files(path, meta, [f for i, f in enumerate(files) if i % world == rank])
         r = reader(path, meta)
-        check_items(path, r, [f for i, f in enumerate(dcp_files(meta)) if i % world == rank])
+        if "items" not in meta:
+            check_items(path, r, [f for i, f in enumerate(dcp_files(meta)) if i % world == rank])
         plan = plan_load(path, template, r.metadata)
         rng = f"rng-{rank}.pt"
         rng = read_plain(path, meta, rng, "RNG state") if meta["world_size"] == world and rng in meta["files"] \
@@ -390,16 +424,18 @@ def load(wrapped, path: str) -> dict:
         return r, plan, rng, loop
 
     r, (to_load, fresh, notes), rng, loop = _agreed(check_data)
-    try:
+    try:        # each item read once, checked on those bytes, applied once every rank's reads succeeded
         dcp_load(to_load, r)
-    except HybridError:
-        raise
+    except HybridError as e:
+        raise HybridError(f"checkpoint {path!r}: {e}") from None
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        cause = _cause(e)
+        if isinstance(cause, HybridError):      # a damaged item: DCP raised it on every rank
+            raise HybridError(f"checkpoint {path!r}: {cause}") from None
         raise HybridError(f"cannot load {path!r} into this job ({wrapped.strategy.name}, optimizer {mine}): "
-                          f"{first_line(e)}; the checks passed, so the files changed or failed while they were "
-                          "read: the model may be partly loaded, load again or restart") from None
+                          f"{first_line(e)}; nothing of this job was changed: load again or restart") from None
     for top, values in fresh.items():
         to_load[top].update(values)
     engine.load_checkpoint_state(to_load)
@@ -412,4 +448,4 @@ def load(wrapped, path: str) -> dict:
     if loop is not None:
         wrapped.load_loop_state(loop)
     dist.barrier()
-    return meta["extra"]
+    return meta

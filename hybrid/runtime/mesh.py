@@ -307,11 +307,14 @@ def shutdown(timeout_s: float | None = None) -> None:
     pair with a peer's training step) until every rank has called shutdown, then destroy the
     process groups; rank 0, which often hosts the store, returns last. Ranks still training see
     that this rank left; if the others do not arrive within `timeout_s` (default: the job's
-    collective timeout), this raises a HybridError naming them instead of hanging."""
+    collective timeout), this raises a HybridError naming them instead of hanging. An async
+    checkpoint save still in flight is waited for first (hybrid/ckpt/background.py)."""
     import time
 
+    from ..ckpt.background import wait_all
     if not dist.is_initialized():
         return
+    wait_all()
     world, rank = dist.get_world_size(), dist.get_rank()
     store = _store()
     timeout = timeout_s if timeout_s is not None else (_STATE["timeout"] or default_timeout(torch.cuda.is_available()))

@@ -59,6 +59,11 @@ class Wrapped:
         self._backward_done = False  # backward() called since the last step()
         self._norm = None            # tensor or float; read lazily (no host sync per step)
         self._clipped = False        # clip_grad_norm_ already ran in this window
+        self._saver = None           # hybrid.ckpt.background.AsyncSaver of the async saves
+        self._tracked: dict = {}     # name -> object whose state every checkpoint carries (track)
+        self._restored: dict = {}    # name -> state loaded before its object was tracked
+        self._loaded = False        # a checkpoint was loaded (track then names what it lacks)
+        self.resumed_from = None     # the checkpoint folder auto_wrap(resume=) loaded, else None
 
     # --- the loop ------------------------------------------------------------------------------
     @property
@@ -259,41 +264,88 @@ class Wrapped:
         a collective for FSDP and ZeRO: call it on every rank."""
         return self.engine.full_state_dict()
 
-    def save(self, path: str, extra: dict | None = None, overwrite: bool = False) -> str:
+    def save(self, path: str, extra: dict | None = None, overwrite: bool = False, async_: bool = False) -> str:
         """Sharded, resumable checkpoint, loadable under another strategy or world size; the
         previous version at `path` stays valid until this one is complete. Collective. Call it at
         an accumulation boundary (after step() on the window's last micro-batch).
+        With async_=True it returns once the state is copied into host memory (DCP's staging) and
+        writes and commits it in the background; the next save, load, wait_for_checkpoint() and
+        close() wait for it (a failure in the background is raised there, on every rank).
         A directory holding files hybrid did not write is refused unless overwrite=True (which
         writes beside them; nothing foreign is ever deleted). Refused (one line, every rank) after a
         backward() whose step() has not run, and when any parameter on any rank is non-finite (the
-        last good version stays)."""
+        last good version stays). Returns the version folder (for async_: once committed)."""
         from ..ckpt.store import save
         if self._micro != 0 or self._backward_done:
             where = ", after backward() and before step()" if self._backward_done else ""
             raise HybridError(f"save() in the middle of an accumulation window (micro-batch {self._micro + 1} of "
                               f"{self.gradient_accumulation}{where}): its gradients would not be in the checkpoint; "
                               "save after step() on the window's last micro-batch")
+        self.wait_for_checkpoint()
         with self._guard("save"):
             if not self.engine.params_finite():
                 raise HybridError(f"save({path!r}) refused: the parameters hold non-finite values (NaN/inf) on some "
                                   "rank, and the checkpoint's last good version is kept; load it (w.load) and lower "
                                   "the learning rate or clip (max_grad_norm=)")
-            return save(self, path, extra, overwrite)
+            if async_ and self._saver is None:
+                from ..ckpt.background import AsyncSaver
+                self._saver = AsyncSaver()
+            return save(self, path, extra, overwrite, self._saver if async_ else None)
+
+    def wait_for_checkpoint(self, timeout: float | None = None) -> str | None:
+        """Wait until the async save in flight is committed (at most `timeout` seconds, default
+        HYBRID_CKPT_TIMEOUT, 1800) and return its version folder; None when none is in flight.
+        Raises the save's failure (HybridError, the same on every rank)."""
+        return self._saver.wait(timeout) if self._saver is not None else None
+
+    def close(self, timeout: float | None = None) -> None:
+        """End of training: wait for the async save in flight (as wait_for_checkpoint) and free
+        its host staging buffers. The model stays usable; a later async save stages afresh."""
+        if self._saver is not None:
+            self._saver.close(timeout)
+
+    def track(self, obj, name: str = "data"):
+        """Carry `obj`'s state in every checkpoint: anything with state_dict() / load_state_dict()
+        whose state is plain data and the same on every rank, such as ResumableSampler (its epoch
+        and position in global samples, which it re-splits over any world size). If this job was
+        resumed (auto_wrap(resume=) or load), the saved state is loaded into it now. Returns `obj`.
+
+            sampler = w.track(ResumableSampler(len(data), w.dp_size, w.dp_rank, seed=0))
+        """
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise HybridError(f"track() takes an object with state_dict() and load_state_dict() (a ResumableSampler, "
+                              f"a stateful data loader); got {type(obj).__name__}")
+        if not isinstance(name, str) or not name:
+            raise HybridError(f"track(name=) must be a non-empty string, got {name!r}")
+        if name in self._tracked:
+            raise HybridError(f"track(): {name!r} is tracked already; give each tracked object its own name=")
+        self._tracked[name] = obj
+        if name in self._restored:
+            obj.load_state_dict(self._restored.pop(name))
+        elif self._loaded:
+            _note_untracked(self, name)
+        return obj
 
     def load(self, path: str) -> dict:
-        """Restore model, optimizer, scheduler, loss scaler, step counts and RNG; returns the
-        `extra` given to save."""
+        """Restore model, optimizer, scheduler, loss scaler, step counts, RNG and tracked objects'
+        state (track); returns the `extra` given to save."""
+        return self.load_checkpoint(path)["extra"]
+
+    def load_checkpoint(self, path: str) -> dict:
+        """load(path), returning the checkpoint's whole meta.json (step, world_size, strategy, extra...)."""
         from ..ckpt.store import load
+        self.wait_for_checkpoint()
         with self._guard("load"):
-            extra = load(self, path)
-        _note_rng(self, path)
-        return extra
+            meta = load(self, path)
+        _note_rng(self, path, meta)
+        return meta
 
     def loop_state(self) -> dict:
         """What the checkpoint keeps besides tensors (plain data: weights_only-loadable)."""
         return {"optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps,
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                "scaler": self.engine.scaler_state()}
+                "scaler": self.engine.scaler_state(),
+                "tracked": {name: obj.state_dict() for name, obj in self._tracked.items()}}
 
     def load_loop_state(self, state: dict) -> None:
         self.optimizer_steps = int(state.get("optimizer_steps", self.optimizer_steps))
@@ -302,6 +354,13 @@ class Wrapped:
             self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler") is not None:
             self.engine.load_scaler_state(state["scaler"])
+        self._restored = dict(state.get("tracked") or {})
+        self._loaded = True
+        for name, obj in self._tracked.items():      # tracked already; the others wait for track()
+            if name in self._restored:
+                obj.load_state_dict(self._restored.pop(name))
+            else:
+                _note_untracked(self, name)
         self._micro, self._backward_done, self._loss_bad, self._bad_in_row = 0, False, None, 0
 
     def describe(self, every_candidate: bool = False) -> str:
@@ -320,14 +379,18 @@ def check_max_bad_steps(n) -> None:
                           f"default 3), got {n!r}")
 
 
-def _note_rng(w, path: str) -> None:
+def _note_untracked(w, name: str) -> None:
+    """A tracked object the loaded checkpoint has no state for keeps its own (said once, rank 0)."""
+    if w.runtime.rank == 0:
+        log.warning("hybrid: the loaded checkpoint carries no state for tracked %r (saved before it was tracked): it "
+                    "keeps its current state; a sampler then starts its epoch from the beginning", name)
+
+
+def _note_rng(w, path: str, meta: dict) -> None:
     """One line saying whether load restored this rank's RNG state or reseeded it: per-rank states
     map onto ranks only at the world size that wrote them (hybrid.ckpt.store.load)."""
-    import os
     import random
 
-    from ..ckpt.folder import read_meta
-    meta = read_meta(os.path.abspath(path))
     world, rank = w.runtime.world_size, w.runtime.rank
     if meta["world_size"] == world and f"rng-{rank}.pt" in meta["files"]:
         if rank == 0:

@@ -109,12 +109,12 @@ def crash_mid_save(path):
 
     def die(*a, **k):
         raise RuntimeError("node lost power")
-    rng_state, ckpt._rng_state = ckpt._rng_state, die      # dies after the data, before the commit
+    commit, ckpt._Version.commit = ckpt._Version.commit, die      # dies after the data, before the commit
     try:
         w.save(path)
     except RuntimeError:
         pass
-    ckpt._rng_state = rng_state
+    ckpt._Version.commit = commit
     w2 = _wrap("fsdp", seed=5)
     w2.load(path)
     restored = w2.state_dict()

@@ -26,25 +26,25 @@ def _wait_for(path, seconds=300):
 
 
 def save_paused(path, gate):
-    """A first version, then a second save that stops (lock held, its data written, not yet hashed)
+    """A first version, then a second save that stops (lock held, its data written, not yet committed)
     until `gate`.go exists; `gate`.held holds this rank's pid meanwhile."""
     import hybrid.ckpt.store as store
     w = _wrap("ddp")
     _train(w)
     w.save(path)
-    real = store._files
+    real = store._Version.commit
 
-    def pause(root):
+    def pause(self, *args):
         with open(gate + ".part", "w") as f:
             f.write(str(os.getpid()))
         os.replace(gate + ".part", gate + ".held")
         _wait_for(gate + ".go", 120)
-        return real(root)
-    store._files = pause
+        return real(self, *args)
+    store._Version.commit = pause
     try:
         w.save(path)
     finally:
-        store._files = real
+        store._Version.commit = real
     return os.getpid()
 
 
@@ -182,22 +182,22 @@ def save_losing_the_lock(path):
     w = _wrap("ddp")
     _train(w)
     w.save(path)
-    real = store._files
+    real = store._Version.commit
 
-    def taken_over(root):
+    def taken_over(self, *args):
         lock = os.path.join(path, ".hybrid-lock")
         with open(lock) as f:
             owner = json.load(f)
         with open(lock, "w") as f:
             json.dump(dict(owner, host="node-7", pid=4242, token="cd" * 16), f)
-        return real(root)
-    store._files = taken_over
+        return real(self, *args)
+    store._Version.commit = taken_over
     try:
         w.save(path)
     except HybridError as e:
         return str(e)
     finally:
-        store._files = real
+        store._Version.commit = real
 
 
 def test_a_save_whose_lock_was_taken_over_commits_nothing(tmp_path):

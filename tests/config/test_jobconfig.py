@@ -19,7 +19,7 @@ COMMANDS = {"plan": True, "tune": True, "estimate": False, "compare": False, "me
 WRAP_SPELLING = {"strategy": "auto"}
 """auto_wrap's default where it spells "not given" its own way: strategy="auto", the planner chooses."""
 WRAP_OWN = {"model", "optimizer", "cluster", "verbose", "scheduler", "max_grad_norm", "find_unused_parameters",
-            "config", "tune", "max_bad_steps"}
+            "config", "tune", "max_bad_steps", "resume"}
 """auto_wrap's arguments that are not job options: the module, the loop and the job file itself."""
 
 
