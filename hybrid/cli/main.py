@@ -61,6 +61,7 @@ def _job(args):
     spec = TrainSpec(micro_batch=or_default("micro_batch", args.micro_batch), seq_len=seq, precision=precision,
                      gradient_accumulation=or_default("gradient_accumulation", args.gradient_accumulation),
                      global_batch=gb, compile=bool(args.compile), float8=bool(args.float8), optimizer=args.optimizer,
+                     fault_tolerant=bool(args.fault_tolerant),
                      activation_checkpointing=or_default("activation_checkpointing", args.activation_checkpointing),
                      attention=args.attention, moe_imbalance=or_default("moe_imbalance", args.moe_imbalance))
     from ..estimation.float8 import check_float8

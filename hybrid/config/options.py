@@ -186,6 +186,9 @@ _GROUPS: dict[str, tuple[Option, ...]] = {
         Option("float8", "bool", False, "torchao float8 training of the block linears (tensorwise, float8 "
                "all-gather under FSDP), behind --compile, as torchtitan's float8 converter; H100/H200 only",
                fill=True),
+        Option("fault_tolerant", "bool", False, "torchft replica groups (pip install 'hybrid[ft]'): each "
+               "dp_replicate group a failure domain that is dropped and rejoins; priced with torchft's all-reduce "
+               "of the gradients across the groups and a quorum per step (docs/fault_tolerance.md)", fill=True),
         Option("attention", "str", "sdpa", "sdpa (flash) | eager (default {default})", fill=True,
                normalise="Attention"),
         Option("shard_size", "int", help="ranks per shard group for hsdp (default: every valid size)",

@@ -148,6 +148,10 @@ class TrainSpec:
     experts receive over the mean, >= 1 (MOE_IMBALANCE: the published default). Scales the routed
     activations, the all-to-all buffers and the busiest rank's expert compute; 1 = perfectly
     balanced routing. Unused for dense models and at ep 1 (a rank computes its own tokens)."""
+    fault_tolerant: bool = False
+    """torchft replica groups (hybrid/runtime/ft.py): each dp_replicate group a failure domain; the
+    gradients are averaged across the groups by torchft's all-reduce after backward (unhidden),
+    and every step takes a quorum (hybrid/estimation/cost/step.py). False: one job, no failover."""
 
     def __post_init__(self):
         for attr in ("micro_batch", "seq_len", "gradient_accumulation", "global_batch"):
@@ -160,7 +164,7 @@ class TrainSpec:
                 or not 1.0 <= self.moe_imbalance <= 1e6:
             raise HybridError(f"moe-imbalance must be a number >= 1 (the busiest expert-parallel rank's tokens over "
                               f"the mean; 1 = balanced), got {self.moe_imbalance!r}")
-        for attr in ("compile", "float8"):
+        for attr in ("compile", "float8", "fault_tolerant"):
             if not isinstance(getattr(self, attr), bool):
                 raise HybridError(f"{attr} must be True or False, got {getattr(self, attr)!r}")
         if self.float8 and not self.compile:
@@ -190,4 +194,5 @@ class TrainSpec:
                 "attention": self.attention, "gradient_accumulation": self.gradient_accumulation,
                 **({"global_batch": self.global_batch} if self.global_batch is not None else {}),
                 **({"compile": True} if self.compile else {}), **({"float8": True} if self.float8 else {}),
-                **({"moe_imbalance": self.moe_imbalance} if self.moe_imbalance != MOE_IMBALANCE else {})}
+                **({"moe_imbalance": self.moe_imbalance} if self.moe_imbalance != MOE_IMBALANCE else {}),
+                **({"fault_tolerant": True} if self.fault_tolerant else {})}

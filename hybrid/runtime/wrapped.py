@@ -39,6 +39,7 @@ class Wrapped:
                       non-finite loss or gradient norm on any rank (skipped on every rank)
     max_bad_steps     non-finite steps in a row that stop training (a HybridError on every rank)
     scheduler         the LR scheduler built from scheduler=, stepped after each optimizer step
+    ft                fault_tolerant=True: this rank's torchft replica group (hybrid/runtime/ft.py), else None
     """
 
     def __init__(self, engine: Engine, plan: Plan, chosen: Candidate, mesh, runtime,
@@ -59,6 +60,7 @@ class Wrapped:
         self._backward_done = False  # backward() called since the last step()
         self._norm = None            # tensor or float; read lazily (no host sync per step)
         self._clipped = False        # clip_grad_norm_ already ran in this window
+        self.ft = None               # FaultTolerantReplicas under fault_tolerant=True
 
     # --- the loop ------------------------------------------------------------------------------
     @property
@@ -124,6 +126,8 @@ class Wrapped:
         group): each rank runs its chunks, the loss is the whole sequences' mean, the logits
         this rank's chunks (hybrid.runtime.backends.cp.rank_positions says which)."""
         self.engine.set_sync(self.sync_gradients)
+        if self.ft is not None and self._micro == 0:
+            self.ft.begin()          # the step's quorum; a group behind heals from a peer here
         with self._guard("forward"):
             if self.engine.cp is not None:
                 return self.engine.cp.forward(self.engine, args, kwargs)
@@ -138,6 +142,8 @@ class Wrapped:
             self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
         with self._guard("backward"):
             self.engine.backward(loss, self.gradient_accumulation, sync=self.sync_gradients)
+            if self.ft is not None and self.sync_gradients:
+                self.ft.reduce_gradients()      # averaged across the replica groups in the quorum
         self._backward_done = True
 
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -160,6 +166,10 @@ class Wrapped:
             raise HybridError("step() was called before backward(): call w.backward(loss) on every micro-batch "
                               "first")
         sync = self.sync_gradients
+        if sync and self.ft is not None and not self.ft.commit():
+            self.engine.drop_step()             # a group failed this step: nothing steps, the step is retried
+            self._loss_bad, self._backward_done, self._clipped, self._micro = None, False, False, 0
+            return
         if sync or self.engine.owns_accumulation:
             with self._guard("step"):
                 result = self.engine.step(sync, None if self._clipped else self.max_grad_norm,
