@@ -174,6 +174,14 @@ class FaultTolerantReplicas:
         self._open = False
         return self.manager.should_commit()
 
+    def loaded(self) -> None:
+        """After Wrapped.load: torchft's step is the checkpoint's optimizer step (a group resumed
+        behind the others heals from them at the next quorum; torchft's Manager docs ask for its
+        state to follow checkpoints)."""
+        m = self.manager
+        m.load_state_dict({"step": self.w.optimizer_steps, "batches_committed": m.batches_committed()})
+        self._open = False
+
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
 

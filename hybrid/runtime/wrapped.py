@@ -296,6 +296,8 @@ class Wrapped:
         from ..ckpt.store import load
         with self._guard("load"):
             extra = load(self, path)
+        if self.ft is not None:
+            self.ft.loaded()                    # torchft's step follows the checkpoint's
         _note_rng(self, path)
         return extra
 

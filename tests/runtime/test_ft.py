@@ -131,3 +131,36 @@ def test_a_dead_lighthouse_is_one_line_within_the_timeout():
     assert "TORCHFT_LIGHTHOUSE" in out["error"] and "within 3 s" in out["error"]
     assert out["seconds"] < 3 + 15                           # the wait, plus planning and wrapping a tiny model
 
+
+
+def save_and_load(path: str) -> dict:
+    import torch
+
+    from hybrid import auto_wrap
+    from hybrid.model.decoder import build_decoder
+    from hybrid.runtime.ft import start_lighthouse
+    from tests.runtime.test_backends import TINY
+    lighthouse = start_lighthouse(min_replicas=1)
+    os.environ.update(TORCHFT_LIGHTHOUSE=lighthouse.address(), HYBRID_TIMEOUT="20")
+    w = auto_wrap(build_decoder(TINY, seed=0), strategy="fsdp", precision="fp32", micro_batch=1, seq_len=16,
+                  verbose=False, fault_tolerant=True)
+    ids = torch.arange(16).reshape(1, 16)
+    for _ in range(2):
+        w.train_step(ids)
+    w.save(path)
+    w.train_step(ids)
+    at = (w.step_count, w.ft.manager.current_step())
+    w.load(path)
+    loaded = (w.step_count, w.ft.manager.current_step())
+    w.train_step(ids)
+    after = (w.step_count, w.ft.manager.current_step())
+    w.ft.shutdown()
+    lighthouse.shutdown()
+    return {"at": at, "loaded": loaded, "after": after}
+
+
+def test_torchfts_step_follows_a_loaded_checkpoint(tmp_path):
+    pytest.importorskip("torchft")
+    from hybrid.runtime.launch import run_ranks
+    out = run_ranks(1, save_and_load, str(tmp_path / "ck"))[0]
+    assert out == {"at": (3, 3), "loaded": (2, 2), "after": (3, 3)}
