@@ -169,10 +169,14 @@ class FaultTolerantReplicas:
                 offset += t.numel()
 
     def commit(self) -> bool:
-        """Whether the step may run: every rank of every group in the quorum got through (torchft's
-        should_commit, a vote inside the group). False: the gradients are dropped, nothing steps."""
+        """Whether the step may run: every rank of this group got through it, its all-reduce across
+        the groups included (torchft's should_commit, a vote inside the group; a group that does
+        not commit falls behind and heals at the next quorum). False: nothing steps."""
         self._open = False
-        return self.manager.should_commit()
+        try:
+            return self.manager.should_commit()
+        except RuntimeError as e:               # this group's manager (its rank 0) is gone
+            raise self._unreachable(e, "vote on the step") from None
 
     def loaded(self) -> None:
         """After Wrapped.load: torchft's step is the checkpoint's optimizer step (a group resumed
