@@ -113,20 +113,27 @@ def dead_lighthouse() -> dict:
     from hybrid.model.decoder import build_decoder
     from tests.runtime.test_backends import TINY
     os.environ.update(TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{free_port()}", HYBRID_TIMEOUT="3")
+    refused = None
+    try:                          # a family that reduces inside its own library is refused first
+        auto_wrap(build_decoder(TINY, seed=0), strategy="zero1", precision="fp32", micro_batch=1, seq_len=16,
+                  verbose=False, fault_tolerant=True)
+    except HybridError as e:
+        refused = str(e)
     start = time.monotonic()
     try:
         w = auto_wrap(build_decoder(TINY, seed=0), strategy="fsdp", precision="fp32", micro_batch=1, seq_len=16,
                       verbose=False, fault_tolerant=True)
         w.train_step(torch.zeros(1, 16, dtype=torch.long))
     except HybridError as e:
-        return {"error": str(e), "seconds": time.monotonic() - start}
-    return {"error": None}
+        return {"refused": refused, "error": str(e), "seconds": time.monotonic() - start}
+    return {"refused": refused, "error": None}
 
 
-def test_a_dead_lighthouse_is_one_line_within_the_timeout():
+def test_a_dead_lighthouse_is_one_line_within_the_timeout_and_zero1_is_refused():
     pytest.importorskip("torchft")
     from hybrid.runtime.launch import run_ranks
     out = run_ranks(1, dead_lighthouse)[0]
+    assert out["refused"].startswith("fault_tolerant=True runs DDP or FSDP inside each replica group; zero1")
     assert out["error"] is not None and "\n" not in out["error"]
     assert "TORCHFT_LIGHTHOUSE" in out["error"] and "within 3 s" in out["error"]
     assert out["seconds"] < 3 + 15                           # the wait, plus planning and wrapping a tiny model
