@@ -105,7 +105,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
               global_batch: int | None = None, global_batch_tokens: int | None = None,
               compile: bool = False, float8: bool = False, float8_recipe: str | None = None, ep: int | None = None,
               moe_imbalance: float | None = None, max_bad_steps: int = 3, loss: str = "eager",
-              resume: str | None = None) -> Wrapped:
+              resume: str | None = None, fault_tolerant: bool = False) -> Wrapped:
     """Wrap `model` for data-parallel training on the current process group (started here from
     torchrun's variables if needed, nccl+cuda or gloo+cpu). The arguments that are job options are
     the JobConfig's rows (hybrid/config/options.py): the CLI's flags of the same name, checked and
@@ -162,6 +162,12 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     float8      torchao float8 training of the block linears (tensorwise; float8 all-gather under
                 FSDP2), behind compile=True, on GPUs with float8 tensor cores (Ada, Hopper, Blackwell, MI300)
     float8_recipe  with float8: "tensorwise" (default) or "mxfp8" (torchao's MX recipe, Blackwell, CUDA only)
+    fault_tolerant  this job is one replica group of a torchft job (pip install 'hybrid[ft]'): the
+                groups average their gradients through torchft's fault-tolerant all-reduce, a group
+                that dies is dropped and rejoins from a healthy peer (hybrid/runtime/ft.py); the
+                layout is planned for this group's ranks (fsdp or ddp), torchft's TORCHFT_LIGHTHOUSE,
+                REPLICA_GROUP_ID and NUM_REPLICA_GROUPS say where the others are
+                (docs/fault_tolerance.md)
     config      a job file (`hybrid plan --save-config`): its values fill every argument left at
                 its default (arguments you pass win, as flags do over --config); nodes,
                 gpus_per_node and gpu become the cluster
@@ -187,6 +193,11 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     cluster = as_cluster(cluster)
     _check_loop_args(max_grad_norm, scheduler)
     check_max_bad_steps(max_bad_steps)
+    replica_env = None
+    if fault_tolerant:
+        from .runtime.ft import ReplicaEnv, require_torchft
+        require_torchft()
+        replica_env = ReplicaEnv.read()
     if cluster is None or cluster.expandable_segments:
         enable_expandable_segments()
     runtime = init_distributed()
@@ -250,6 +261,9 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
             if runtime.rank == 0:
                 log.warning("hybrid: warning: %s is forced but %s", strategy, chosen.reason)
     chosen = _agree(the_plan.chosen, runtime, strategy, cluster)
+    if replica_env is not None:
+        from .runtime.ft import check_layout
+        check_layout(chosen)
     check_model(model, chosen.layout, chosen.spec)     # before any mesh is built
     if chosen.tight and runtime.rank == 0:
         log.warning("hybrid: %s %s", chosen.label, chosen.reason)
@@ -262,6 +276,10 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     sched = scheduler(engine.user_optimizer) if scheduler is not None else None
     wrapped = Wrapped(engine, the_plan, chosen, mesh, runtime, gradient_accumulation, max_grad_norm, sched,
                       max_bad_steps)
+    if replica_env is not None:
+        from .runtime.ft import FaultTolerantReplicas
+        from .runtime.mesh import default_timeout
+        wrapped.ft = FaultTolerantReplicas(wrapped, replica_env, default_timeout(runtime.device.type == "cuda"))
     if verbose and runtime.rank == 0:
         log.info("%s", wrapped.describe())
     if resume is not None:

@@ -62,6 +62,7 @@ def _job(args):
                      gradient_accumulation=or_default("gradient_accumulation", args.gradient_accumulation),
                      global_batch=gb, compile=bool(args.compile), float8=bool(args.float8),
                      float8_recipe=or_default("float8_recipe", args.float8_recipe), optimizer=args.optimizer,
+                     fault_tolerant=bool(args.fault_tolerant),
                      activation_checkpointing=or_default("activation_checkpointing", args.activation_checkpointing),
                      attention=args.attention, loss=args.loss,
                      moe_imbalance=or_default("moe_imbalance", args.moe_imbalance))

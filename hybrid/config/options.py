@@ -200,6 +200,9 @@ _GROUPS: dict[str, tuple[Option, ...]] = {
                "Blackwell, MI300) | mxfp8 (torchao's MX recipe: one e8m0 scale per 32 elements, cuBLAS's MXFP8 "
                "GEMM; Blackwell B200/B300/GB200/GB300 only) (default {default}); each priced at its GPU's peak",
                choices=("tensorwise", "mxfp8")),
+        Option("fault_tolerant", "bool", False, "torchft replica groups (pip install 'hybrid[ft]'): each "
+               "dp_replicate group a failure domain that is dropped and rejoins; priced with torchft's all-reduce "
+               "of the gradients across the groups and a quorum per step (docs/fault_tolerance.md)", fill=True),
         Option("attention", "str", "sdpa", "sdpa (flash) | eager (default {default})", fill=True,
                normalise="Attention"),
         Option("loss", "str", "eager", f"{_either(Loss)}: the whole fp32 logits, torchtune's chunked cross-entropy "

@@ -171,6 +171,10 @@ class TrainSpec:
     experts receive over the mean, >= 1 (MOE_IMBALANCE: the published default). Scales the routed
     activations, the all-to-all buffers and the busiest rank's expert compute; 1 = perfectly
     balanced routing. Unused for dense models and at ep 1 (a rank computes its own tokens)."""
+    fault_tolerant: bool = False
+    """torchft replica groups (hybrid/runtime/ft.py): each dp_replicate group a failure domain; the
+    gradients are averaged across the groups by torchft's all-reduce after backward (unhidden),
+    and every step takes a quorum (hybrid/estimation/cost/step.py). False: one job, no failover."""
 
     def __post_init__(self):
         for attr in ("micro_batch", "seq_len", "gradient_accumulation", "global_batch"):
@@ -183,7 +187,7 @@ class TrainSpec:
                 or not 1.0 <= self.moe_imbalance <= 1e6:
             raise HybridError(f"moe-imbalance must be a number >= 1 (the busiest expert-parallel rank's tokens over "
                               f"the mean; 1 = balanced), got {self.moe_imbalance!r}")
-        for attr in ("compile", "float8"):
+        for attr in ("compile", "float8", "fault_tolerant"):
             if not isinstance(getattr(self, attr), bool):
                 raise HybridError(f"{attr} must be True or False, got {getattr(self, attr)!r}")
         if self.float8_recipe not in FLOAT8_RECIPES:
@@ -221,4 +225,5 @@ class TrainSpec:
                 **({"global_batch": self.global_batch} if self.global_batch is not None else {}),
                 **({"compile": True} if self.compile else {}), **({"float8": True} if self.float8 else {}),
                 **({"float8_recipe": self.float8_recipe} if self.float8_recipe != "tensorwise" else {}),
-                **({"moe_imbalance": self.moe_imbalance} if self.moe_imbalance != MOE_IMBALANCE else {})}
+                **({"moe_imbalance": self.moe_imbalance} if self.moe_imbalance != MOE_IMBALANCE else {}),
+                **({"fault_tolerant": True} if self.fault_tolerant else {})}

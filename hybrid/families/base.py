@@ -145,6 +145,10 @@ class Family:
     torchtitan: bool = True
     """Whether torchtitan runs this family (--emit torchtitan)."""
 
+    fault_tolerant: bool = False
+    """Whether the family reduces gradients with torch's own collectives inside one replica group,
+    so that torchft can average them across groups (hybrid/runtime/ft.py): DDP and FSDP2."""
+
     supports_ep: bool = False
     """Whether the family shards a MoE layer's experts over ep ranks (ep > 1) as a unit of their own
     over the expert_shard ranks (estimation/memory/moe.py, runtime/backends/ep.py; torchtitan's layout)."""

@@ -38,6 +38,7 @@ class DDPFamily(Family):
     name = "ddp"
     config = DDPConfig
     runtime_module = "hybrid.runtime.backends.ddp"
+    fault_tolerant = True
     handoff_module = "hybrid.handoff.ddp"
 
     def validate(self, s, where):

@@ -34,6 +34,7 @@ class FSDPFamily(Family):
     handoff_module = "hybrid.handoff.fsdp"
     emits = "fsdp"
     supports_ep = True
+    fault_tolerant = True
 
     def default_complexity(self, s):
         base = 3 if not s.config.reshard_after_forward else (5 if s.shard == "world" else 4)

@@ -53,6 +53,11 @@ def judge(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec, clu
     spec = layout.train_spec(spec)
     try:
         layout.dp.family_obj.check(layout)
+        if spec.fault_tolerant:
+            from ..estimation.cost.step import fault_tolerance_problem
+            problem = fault_tolerance_problem(layout)
+            if problem is not None:
+                raise problem
         layout = staged(layout, profile, spec, cluster)       # a rejected candidate keeps its stage split
         stages, busiest = rank_estimates(layout, profile, spec, cluster)
         m = stages[busiest]

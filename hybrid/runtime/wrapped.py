@@ -39,6 +39,7 @@ class Wrapped:
                       non-finite loss or gradient norm on any rank (skipped on every rank)
     max_bad_steps     non-finite steps in a row that stop training (a HybridError on every rank)
     scheduler         the LR scheduler built from scheduler=, stepped after each optimizer step
+    ft                fault_tolerant=True: this rank's torchft replica group (hybrid/runtime/ft.py), else None
     """
 
     def __init__(self, engine: Engine, plan: Plan, chosen: Candidate, mesh, runtime,
@@ -64,6 +65,7 @@ class Wrapped:
         self._restored: dict = {}    # name -> state loaded before its object was tracked
         self._loaded = False        # a checkpoint was loaded (track then names what it lacks)
         self.resumed_from = None     # the checkpoint folder auto_wrap(resume=) loaded, else None
+        self.ft = None               # FaultTolerantReplicas under fault_tolerant=True
 
     # --- the loop ------------------------------------------------------------------------------
     @property
@@ -129,6 +131,8 @@ class Wrapped:
         group): each rank runs its chunks, the loss is the whole sequences' mean, the logits
         this rank's chunks (hybrid.runtime.backends.cp.rank_positions says which)."""
         self.engine.set_sync(self.sync_gradients)
+        if self.ft is not None and self._micro == 0:
+            self.ft.begin()          # the step's quorum; a group behind heals from a peer here
         with self._guard("forward"):
             if self.engine.cp is not None:
                 return self.engine.cp.forward(self.engine, args, kwargs)
@@ -143,6 +147,8 @@ class Wrapped:
             self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
         with self._guard("backward"):
             self.engine.backward(loss, self.gradient_accumulation, sync=self.sync_gradients)
+            if self.ft is not None and self.sync_gradients:
+                self.ft.reduce_gradients()      # averaged across the replica groups in the quorum
         self._backward_done = True
 
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -165,6 +171,10 @@ class Wrapped:
             raise HybridError("step() was called before backward(): call w.backward(loss) on every micro-batch "
                               "first")
         sync = self.sync_gradients
+        if sync and self.ft is not None and not self.ft.commit():
+            self.engine.drop_step()             # a group failed this step: nothing steps, the step is retried
+            self._loss_bad, self._backward_done, self._clipped, self._micro = None, False, False, 0
+            return
         if sync or self.engine.owns_accumulation:
             with self._guard("step"):
                 result = self.engine.step(sync, None if self._clipped else self.max_grad_norm,
@@ -337,6 +347,8 @@ class Wrapped:
         self.wait_for_checkpoint()
         with self._guard("load"):
             meta = load(self, path)
+        if self.ft is not None:
+            self.ft.loaded()                    # torchft's step follows the checkpoint's
         _note_rng(self, path, meta)
         return meta
 

@@ -40,6 +40,13 @@ host      (hybrid/families/host.py) collective calls and per-parameter-tensor op
           catalogue, fitted by a calibration from measured trials.
 step      the optimizer step on the GPU is memory-bound: it reads and writes each local parameter,
           its gradient and its states once, at the device memory bandwidth.
+ft        (--fault-tolerant, hybrid/runtime/ft.py) each dp_replicate group is a torchft replica group:
+          the data-parallel family runs inside one group (FSDP over dp_shard, no HSDP all-reduce of
+          its own); after the window's last backward torchft all-reduces the rank's gradient shard
+          (reduce dtype, P / dp_shard elements, one flat buffer) across the R groups, one rank of
+          each (replicas: one NIC per ring; DDP's groups of one rank are consecutive ranks), not
+          hidden behind compute (it starts when backward has ended); plus QUORUM_S per step for
+          the quorum and the commit vote.
 """
 from __future__ import annotations
 
@@ -54,6 +61,12 @@ from ...layout.pipeline import stage_cluster
 from ...model.profile import ModelProfile
 from ..shares import Share, shares
 from ...config.spec import TrainSpec
+
+QUORUM_S = 0.0022
+"""Seconds per step of torchft's synchronous quorum (start_quorum, 1.81 ms) and commit vote
+(should_commit, 0.42 ms): the fastest of 120 steps on loopback, benchmarks/ft_quorum.py
+(benchmarks/results/ft_quorum.md), the RPCs' floor (the medians there are this loaded machine's
+scheduling); a cluster's network round trips come on top."""
 
 SELECTIVE_RECOMPUTE = 0.05
 """Extra step time of selective checkpointing: norms and pointwise ops recomputed in backward are
@@ -82,6 +95,9 @@ class StepCost:
     host_s: float = 0.0
     """Host work per step: collective calls and per-tensor operations at the GPU's
     collective_overhead and tensor_overhead (0 unless a calibration fitted them)."""
+    fault_tolerance_s: float = 0.0
+    """--fault-tolerant: torchft's all-reduce of the gradients across replica groups (in
+    exposed_comm_s) plus the step's quorum and vote (QUORUM_S)."""
 
     @property
     def time_per_token(self) -> float:
@@ -94,7 +110,8 @@ class StepCost:
                 "exposed_comm_s": self.exposed_comm_s, "offload_s": self.offload_s,
                 "optimizer_s": self.optimizer_s, "bubble_s": self.bubble_s, "host_s": self.host_s,
                 "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
-                **({"all_to_all_s": self.all_to_all_s, "straggler_s": self.straggler_s} if self.all_to_all_s else {})}
+                **({"all_to_all_s": self.all_to_all_s, "straggler_s": self.straggler_s} if self.all_to_all_s else {}),
+                **({"fault_tolerance_s": self.fault_tolerance_s} if self.fault_tolerance_s else {})}
 
 
 def model_flops_per_token(profile: ModelProfile, seq_len: int, recompute: bool = False) -> float:
@@ -272,6 +289,9 @@ def step_cost(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec,
     fwd_c, bwd_c = compute / 3, 2 * compute / 3       # backward costs twice the forward
     if recompute:
         fwd_c, bwd_c = compute / 4, 3 * compute / 4
+    ft_comm = 0.0
+    if spec.fault_tolerant:     # the family runs inside one replica group; torchft reduces across them
+        cluster, ft_comm = fault_tolerant_terms(profile, spec, cluster, N)
     comm = strategy.family_obj.comm(strategy, profile, spec, cluster, N, Links(cluster))
     moe_s = straggler = 0.0
     if ep > 1:
@@ -301,20 +321,55 @@ def step_cost(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec,
     micro = exposed(comm.fwd, comm.bwd) + comm.tail * hidden
     last = exposed(comm.fwd, comm.bwd + comm.sync_bwd) + (comm.tail + comm.sync_tail) * hidden
     copies = (ga * comm.copied_micro + comm.copied_sync) / g.mem_bw if W > 1 else 0.0
-    exposed_s = max((ga - 1) * micro + last + comm.after_step, 0.0) + copies + ga * (tp_time + moe_s) + p2p
+    exposed_s = max((ga - 1) * micro + last + comm.after_step, 0.0) + copies + ga * (tp_time + moe_s) + p2p + ft_comm
+    ft_s = ft_comm + QUORUM_S if spec.fault_tolerant else 0.0
     bubble_s = (pp - 1) / pipe.virtual * (compute + tp_time) if pp > 1 else 0.0
     host_s = 0.0
     if g.collective_overhead or g.tensor_overhead:      # hybrid/families/host.py; 0 in the catalogue
         host = fam.host(strategy, profile, spec, cluster, N, sh.stage)
         host_s = host.calls * g.collective_overhead + host.tensors * g.tensor_overhead
-    seconds = ga * compute + bubble_s + exposed_s + comm.offload + optimizer + host_s
+    seconds = ga * compute + bubble_s + exposed_s + comm.offload + optimizer + host_s + (ft_s - ft_comm)
     tokens = ga * T / tp / pp / cp             # tp, cp groups and a pipeline share their micro-batches
     return StepCost(seconds=seconds, compute_s=ga * compute, bubble_s=bubble_s,
                     comm_s=(ga * comm.fwd + (ga * comm.bwd + comm.sync_bwd) + comm.after_step + ga * (tp_time + moe_s)
-                            + p2p),
+                            + p2p + ft_comm),
                     exposed_comm_s=exposed_s, offload_s=comm.offload, optimizer_s=optimizer, host_s=host_s,
                     tokens_per_s_per_gpu=tokens / seconds, all_to_all_s=ga * moe_s, straggler_s=ga * straggler,
+                    fault_tolerance_s=ft_s,
                     mfu=model_flops_per_token(whole, spec.seq_len) * tokens / (seconds * g.bf16_flops))
+
+
+def fault_tolerance_problem(layout: Layout):
+    """NotApplicable when --fault-tolerant cannot run this layout (hybrid/runtime/ft.py): one
+    replica group is the whole job (dp_replicate 1: nothing to fail over to), its family reduces
+    gradients inside its own library, or it has pipeline stages. None when it can."""
+    from ...errors import NotApplicable
+    d = layout.dims
+    if not layout.dp.family_obj.fault_tolerant:
+        return NotApplicable(f"--fault-tolerant: {layout.dp.name} reduces its gradients inside its own library; "
+                             "torchft averages gradients that torch's DDP or FSDP2 reduced within a replica group")
+    if d.dp_replicate == 1:
+        return NotApplicable("--fault-tolerant: dp_replicate 1 is one replica group, nothing to fail over to; "
+                             "replicate over groups of ranks (a shard size below the world)")
+    if d.pp > 1:
+        return NotApplicable(f"--fault-tolerant with pp {d.pp}: torchft's quorum and all-reduce do not wrap a "
+                             "pipeline's schedule here; use pp 1", "pp")
+    return None
+
+
+def fault_tolerant_terms(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, n: int):
+    """(the cluster of one replica group, the seconds of torchft's gradient all-reduce across the
+    groups) for a rank whose family shards over n ranks (the docstring's `ft`). A group of whole
+    nodes is those nodes; a smaller one is one node's n GPUs."""
+    from ...families.placement import reduce_bytes
+    per = cluster.gpus_per_node
+    replicas = cluster.world_size // n
+    group = replace(cluster, nodes=n // per) if n >= per else replace(cluster, nodes=1, gpus_per_node=n)
+    nbytes = reduce_bytes(spec) * profile.trainable_params / n
+    links = Links(cluster)
+    if n == 1:           # groups of one rank (ddp): the ring runs over consecutive ranks, NICs side by side
+        return group, links.collective("all_reduce", nbytes, replicas)
+    return group, links.across_replicas("all_reduce", nbytes, replicas)
 
 
 def expert_parallel_terms(strategy: Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster, N: int,

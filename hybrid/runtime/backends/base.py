@@ -151,6 +151,14 @@ class Engine(ABC):
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def drop_step(self) -> None:
+        """The window's gradients thrown away without a step (torchft voted against committing it):
+        zeroed, and a loss scaler that unscaled them (clip_grad_norm_) ends its iteration."""
+        self.zero_grad()
+        if self.scaler is not None and self._unscaled:
+            self.scaler.update()
+        self._unscaled = False
+
     def _local_params(self) -> list[torch.Tensor]:
         """This rank's parameter data (its shards of DTensors), for the finiteness check."""
         return [getattr(p, "_local_tensor", p) for p in self.model.parameters()]
