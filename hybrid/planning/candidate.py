@@ -2,6 +2,7 @@
 Plan (every candidate, the choice and why). Pure; the planner (hybrid/planning/planner.py) makes them."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..estimation.calibration import MODEL_ERROR
@@ -100,8 +101,8 @@ class Candidate:
     def rank_time(self) -> float:
         """GPU-seconds per useful token, what the planner ranks by: the step's time per token over the
         goodput fraction (failures, restarts and checkpoints), the step's alone without a goodput."""
-        if self.goodput is not None:
-            return self.cost.time_per_token / self.goodput.fraction
+        if self.goodput is not None:        # no useful work at all (failures faster than restarts): never first
+            return self.cost.time_per_token / self.goodput.fraction if self.goodput.fraction > 0 else math.inf
         return self.cost.time_per_token
 
     @property

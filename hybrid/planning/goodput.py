@@ -191,7 +191,9 @@ def daly_fraction(tau: float, delta: float, restart: float, mtbf: float) -> floa
     """Useful time over wall time with failures at rate 1/M, each costing the restart R and the work
     since the last checkpoint (failures may strike during checkpoints and restarts too): Daly 2006's
     T_wall = M e^(R/M) (e^((tau + delta)/M) - 1) T_solve / tau, as T_solve / T_wall."""
-    return tau / (mtbf * math.exp(restart / mtbf) * math.expm1((tau + delta) / mtbf))
+    x = (tau + delta) / mtbf             # in logs: a job that fails far more often than it restarts keeps ~0
+    log_expm1 = x + math.log1p(-math.exp(-x)) if x > 1 else math.log(math.expm1(x))
+    return math.exp(math.log(tau / mtbf) - restart / mtbf - log_expm1)
 
 
 def goodput(layout: "Layout", profile: "ModelProfile", spec: "TrainSpec", cluster: "Cluster", cost: "StepCost",
