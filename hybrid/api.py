@@ -89,7 +89,9 @@ def plan(model, cluster: Cluster | None = None, *, strategies: list[str] | None 
     with the choice and why: what `hybrid plan` prints. Checkpointing is searched unless
     `activation_checkpointing=` pins it; tp, pp and (for an MoE decoder) ep are searched unless pinned. With
     `global_batch=` (sequences per step) or `global_batch_tokens=` every layout trains that batch
-    at its own micro-batch and accumulation (searched; `micro_batch=` pins the micro-batch)."""
+    at its own micro-batch and accumulation (searched; `micro_batch=` pins the micro-batch); without
+    them every layout trains micro-batch x accumulation x the world (planner.implied_batch), as
+    `hybrid plan` does."""
     from .planning.batch import global_batch_of
     from .planning.planner import plan as _plan
 
@@ -108,11 +110,11 @@ def plan(model, cluster: Cluster | None = None, *, strategies: list[str] | None 
         seq = train.get("seq_len") or default_seq_len(profile.max_positions)
         train["global_batch"] = global_batch_of(train.get("global_batch"), tokens, seq,
                                                 train.get("gradient_accumulation"), cli=False)
-    pin = train.get("micro_batch") if train.get("global_batch") is not None else None
+    pin = train.get("micro_batch")
     spec = train_spec(profile, cluster, **train)
     return _plan(profile, spec, cluster, load_catalogue(strategies_dir), shard_size, strategies=strategies,
                  tp=tp, pp=pp, ep=ep, schedule=schedule, efficiency=efficiency, micro_batch=pin,
-                 search_checkpointing=train.get("activation_checkpointing") is None)
+                 search_checkpointing=train.get("activation_checkpointing") is None, hold_batch=True)
 
 
 def estimate(model, strategy: "str | Layout" = DEFAULT_STRATEGY, cluster: Cluster | None = None,

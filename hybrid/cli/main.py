@@ -137,10 +137,20 @@ def _plan(args, strategies=None, search=False):
     from ..estimation.calibration import resolve
     return plan(src.profile, spec, cluster, cat, args.shard_size, strategies=strategies, tp=tp, pp=pp, ep=ep,
                 schedule=args.schedule, calibration=resolve(args.calibration), cp=cp,
-                micro_batch=args.micro_batch if spec.global_batch is not None else None,
+                micro_batch=args.micro_batch if spec.global_batch is not None or search else None,
+                hold_batch=search,
                 estimator=_estimator(args, src, cluster), method=args.method,
                 search_checkpointing=search and args.activation_checkpointing is None and args.method == "analytic",
-                efficiency=args.efficiency, search_shards=search), src
+                efficiency=args.efficiency, search_shards=search,
+                reliability=_reliability(args)), src
+
+
+def _reliability(args):
+    """The goodput figures of --mtbf-gpu-hours, --storage-bandwidth and --async-checkpoint."""
+    from ..planning.goodput import Reliability, parse_bandwidth
+    given = {"mtbf_gpu_hours": args.mtbf_gpu_hours, "async_checkpoint": bool(args.async_checkpoint),
+             "storage_bandwidth": None if args.storage_bandwidth is None else parse_bandwidth(args.storage_bandwidth)}
+    return Reliability(**{k: v for k, v in given.items() if v is not None})
 
 
 def cmd_estimate(args) -> int:

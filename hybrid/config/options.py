@@ -226,6 +226,16 @@ _GROUPS: dict[str, tuple[Option, ...]] = {
         Option("schedule", "str", help="pipeline schedule (default: plan tries 1f1b, or gpipe with fewer "
                "micro-batches than stages, and interleaved)", choices=("1f1b", "gpipe", "interleaved"), listed=True),
     ),
+    # goodput (hybrid/planning/goodput.py): what failures, restarts and checkpoints cost the plan
+    "goodput": (
+        Option("mtbf_gpu_hours", "float", help="GPU-hours between unexpected interruptions; the job fails every "
+               "this / GPUs hours (default: Llama 3's 419 in 54 days on 16,384 GPUs = 50,677, arXiv 2407.21783)",
+               use="plan", lo=1e-3, hi=1e12),
+        Option("storage_bandwidth", "str", help="checkpoint write and read bandwidth per node, e.g. 10GB/s (default: "
+               "Llama 3's 2 TB/s sustained over 2,048 nodes = 0.98 GB/s per node)", use="plan"),
+        Option("async_checkpoint", "bool", False, "price saves as DCP async saves: training waits only for the "
+               "copy to host memory (default: synchronous, training waits for the write)", use="plan", fill=True),
+    ),
     "method and output": (
         Option("method", "str", "analytic", "analytic (closed form, instant; default) | traced (simulate one rank "
                "of the real job with fake tensors, seconds per strategy) | measured (run it here on local ranks)",

@@ -94,6 +94,13 @@ class Family:
         """Whether the planner / --shard-size may choose this preset's shard size."""
         return False
 
+    # --- checkpoints (hybrid/planning/goodput.py) ---------------------------------------------------
+    def checkpoint_shards(self, dims) -> int:
+        """Ranks one copy of a rank's state (its pipeline stage's tensor-parallel share) is split over in
+        the state dict the checkpoint loads into (hybrid/runtime/backends/*.checkpoint_state): FSDP's
+        dp_shard x cp shards."""
+        return dims.dp_shard * dims.cp
+
     # --- estimation -----------------------------------------------------------------------------
     def check(self, layout) -> None:
         """NotApplicable, with the reason, when this family cannot run the layout's dimensions (the

@@ -41,6 +41,10 @@ class DDPFamily(Family):
     fault_tolerant = True
     handoff_module = "hybrid.handoff.ddp"
 
+    def checkpoint_shards(self, dims):
+        """Every data-parallel replica holds (and loads) its whole tensor-parallel share."""
+        return 1
+
     def validate(self, s, where):
         if s.shard not in ("none", "1"):
             raise HybridError(f"{where}: ddp does not shard; use shard: none")

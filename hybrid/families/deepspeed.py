@@ -167,6 +167,11 @@ class DeepSpeedFamily(Family):
             raise HybridError(f"{where}: DeepSpeed ZeRO partitions over the whole world (shard: world); "
                               "for node-local sharding use hpz: node with stage 3, or the fsdp family")
 
+    def checkpoint_shards(self, dims):
+        """The portable checkpoint keeps every full fp32 master and state as 1/world shards
+        (hybrid/runtime/backends/deepspeed.py `_sharded`)."""
+        return dims.world_size
+
     def default_complexity(self, s):
         base = {1: 1, 2: 2, 3: 6}[s.config.stage] + (1 if s.config.hpz else 0)
         return base + 10 * s.config.offload_optimizer + 2 * s.config.offload_params

@@ -2,6 +2,7 @@
 Plan (every candidate, the choice and why). Pure; the planner (hybrid/planning/planner.py) makes them."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..estimation.calibration import MODEL_ERROR
@@ -14,6 +15,7 @@ from ..layout.dims import ParallelDims
 from ..layout.pipeline import StageSplit
 from ..model.profile import ModelProfile
 from ..config.spec import TrainSpec
+from .goodput import Goodput, Reliability
 
 TIE = MODEL_ERROR
 """Predicted speeds within the model's error of the fastest are a tie, broken by simplicity."""
@@ -91,6 +93,17 @@ class Candidate:
     batch: BatchChoice | None = None
     """At a global batch (spec.global_batch): the micro-batch and accumulation this layout trains
     it with, and the largest micro-batch that fits (hybrid/planning/batch.py). None: the spec's, as given."""
+    goodput: Goodput | None = None
+    """Its checkpoints, restarts and the useful rate after failures (hybrid/planning/goodput.py); None
+    without a step time."""
+
+    @property
+    def rank_time(self) -> float:
+        """GPU-seconds per useful token, what the planner ranks by: the step's time per token over the
+        goodput fraction (failures, restarts and checkpoints), the step's alone without a goodput."""
+        if self.goodput is not None:        # no useful work at all (failures faster than restarts): never first
+            return self.cost.time_per_token / self.goodput.fraction if self.goodput.fraction > 0 else math.inf
+        return self.cost.time_per_token
 
     @property
     def strategy(self) -> Strategy:
@@ -150,19 +163,21 @@ class Candidate:
             "floor_bytes": m.floor if m else None, "activations_known": m is not None and m.activations is not None,
             "reason": self.reason,
             **(self.cost.to_dict() if self.cost else {}),
+            **(self.goodput.to_dict() if self.goodput else {}),
             "notes": list(m.notes) if m else [],
             **({"batch": self.batch.to_dict()} if self.batch is not None else {}),
             **self.layout.stages_dict(self.stage_memory),
         }
 
 
-def fastest_fitting(cands, known: bool = True) -> Candidate | None:
+def fastest_fitting(cands, known: bool = True, rate=None) -> Candidate | None:
     """The candidate known to fit (with known=False: whose estimated part fits) that is predicted
     fastest, among those that fit with room when any does (tight ones run only by the allocator's
-    retries)."""
+    retries). `rate`: GPU-seconds per token to rank by (default Candidate.rank_time, by useful tokens)."""
+    rate = rate or (lambda c: c.rank_time)
     ok = (lambda c: c.known_to_fit) if known else (lambda c: c.fits)
     fitting = [c for c in cands if ok(c) and not c.tight] or [c for c in cands if ok(c)]
-    return min(fitting, key=lambda c: c.cost.time_per_token) if fitting else None
+    return min(fitting, key=rate) if fitting else None
 
 
 @dataclass(frozen=True)
@@ -179,6 +194,13 @@ class Plan:
     """Predicted speeds within this fraction of the fastest were a tie, broken by simplicity."""
     calibration: object | None = None
     """The calibration.Calibration the cluster's speed figures came from, if any."""
+    reliability: Reliability | None = None
+    """The failure rate and storage bandwidth the goodput was priced at (hybrid/planning/goodput.py)."""
+    by_speed: Candidate | None = None
+    """The choice on step time alone, where goodput changed it (None: the same choice)."""
+    batch_implied: bool = False
+    """spec.global_batch was not given but implied (planner.implied_batch: micro-batch x accumulation x
+    world size), and every row holds it."""
 
     @property
     def fastest(self) -> Candidate | None:
@@ -239,4 +261,6 @@ class Plan:
             "strategies": [x.to_dict() for x in self.candidates],
             "suggestions": list(self.suggestions), "missing": list(self.missing), "tie": self.tie,
             "calibration": self.calibration.path if self.calibration is not None else None,
+            **(self.reliability.to_dict() if self.reliability is not None else {}),
+            **({"chosen_by_speed": self.by_speed.label} if self.by_speed is not None else {}),
         }

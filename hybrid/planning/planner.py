@@ -5,11 +5,12 @@ A candidate is a preset at one shard size and one activation-checkpointing setti
 CUDA context) is within the GPU's capacity; `tight` when only what must fit does (live tensors,
 context and the fragmentation floor the allocator cannot reclaim: it runs because the allocator
 frees its cache and retries, paying a synchronising cudaFree/cudaMalloc where it does); `OOM`
-otherwise. Among the candidates that fit the fastest wins, and those predicted within the model's
-error of it (calibration.MODEL_ERROR, or a calibration file's) are a tie that goes to the simpler
-one; a tight candidate is chosen only when none fits, and the plan names a faster tight one beside
-a fitting choice. When nothing fits, `suggest` finds the smallest change that would make something
-fit.
+otherwise; `states` where only the model states are known (a bare parameter count), never chosen.
+Among the candidates that fit the fastest (in useful tokens after failures, planning/goodput.py) wins,
+and those predicted within the model's error of it (calibration.MODEL_ERROR, or a calibration file's)
+are a tie that goes to the simpler one; a tight candidate is chosen only when none fits, and the plan
+names a faster tight one beside a fitting choice. When nothing fits, `suggest` finds the smallest
+change that would make something fit.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dataclasses import replace
 
 from . import batch as batch_search
 from .candidate import TIE, Candidate, Plan, fastest_fitting
+from .goodput import Reliability, goodput as goodput_of
 from ..families.catalogue import Strategy, load_catalogue
 from ..layout.layout import AC_ORDER, Layout, as_layout
 from .reach import method_degrees
@@ -33,12 +35,15 @@ from ..layout.pipeline import (StageSplit, batch_schedules, check_stages_with_cp
                        splits_sequences, stage_cluster, stage_degrees)
 from ..model.profile import ModelProfile, tp_degrees
 from ..config.spec import TrainSpec
-from ..units import fmt_bytes
+from ..units import GiB, fmt_bytes
 
 MAX_PP = 64
 """The deepest pipeline the planner tries unpinned (Llama 3 405B trained with 16 stages)."""
 MAX_CP_TRIES = 8
 """Context-parallel degrees a failed plan's suggestions try (the smallest divisors of the world)."""
+SAME_MEMORY = GiB
+"""GPUs whose memory differs by less than this are one memory class (a10g-24gb 23,028 MiB and l4-24gb
+23,034 MiB): a suggestion of one for the other buys no room worth the name, so it is not made."""
 
 
 def judge(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec, cluster: Cluster, estimator=None,
@@ -161,17 +166,19 @@ def enumerate_candidates(catalogue: dict[str, Strategy], profile: ModelProfile, 
     return out
 
 
-def choose(cands, tie: float = TIE, known: bool = True) -> Candidate | None:
-    """The fastest candidate that fits; those predicted within `tie` of it (the model's error)
-    are a tie that goes to the simpler one. Tight candidates (they run only by the allocator's
-    retries) are chosen only when none fits with room."""
-    fastest = fastest_fitting(cands, known)
+def choose(cands, tie: float = TIE, known: bool = True, goodput: bool = True) -> Candidate | None:
+    """The fastest candidate that fits (by useful tokens, Candidate.rank_time; goodput False: by the
+    step alone); those predicted within `tie` of it (the model's error) are a tie that goes to the
+    simpler one. Tight candidates (they run only by the allocator's retries) are chosen only when
+    none fits with room."""
+    rate = (lambda c: c.rank_time) if goodput else (lambda c: c.cost.time_per_token)
+    fastest = fastest_fitting(cands, known, rate)
     if fastest is None:
         return None
-    best = fastest.cost.time_per_token
+    best = rate(fastest)
     close = [c for c in cands if (c.known_to_fit or not known and c.fits) and c.tight == fastest.tight
-             and c.cost.time_per_token <= best * (1 + tie)]
-    return min(close, key=lambda c: (c.layout.simplicity, c.cost.time_per_token))
+             and rate(c) <= best * (1 + tie)]
+    return min(close, key=lambda c: (c.layout.simplicity, rate(c)))
 
 
 def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
@@ -180,7 +187,8 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
          search_checkpointing: bool = False, efficiency: float | None = None,
          suggest_fixes: bool = True, search_shards: bool = True, tp: int | None = None,
          pp: int | None = None, schedule: str | None = None, calibration=None,
-         cp: int | None = None, micro_batch: int | None = None, ep: int | None = 1) -> Plan:
+         cp: int | None = None, micro_batch: int | None = None, ep: int | None = 1,
+         reliability: Reliability | None = None, hold_batch: bool = False) -> Plan:
     """Judge every candidate and choose. A calibration (calibration.Calibration) replaces the
     GPU's speed figures with the fitted ones and its error becomes the tie band (Calibration.tie).
     With search_checkpointing the planner also tries each activation-checkpointing setting (the
@@ -192,8 +200,15 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
     (hybrid/planning/batch.py) unless `micro_batch` pins the micro-batch. ep None tries every expert-parallel
     degree of an MoE model (ep_degrees), an int pins it (1: none). `estimator` (measure/method.
     RunEstimator) replaces the analytic memory of each layout its method runs (layout.METHOD_REACH:
-    unpinned degrees it cannot run are 1, pinned ones raise)."""
+    unpinned degrees it cannot run are 1, pinned ones raise). `reliability` (planning/goodput.py: the
+    failure rate, storage bandwidth, relaunch time; default Reliability()) prices each layout's
+    checkpoints and restarts, and the choice is by useful tokens after them. `hold_batch` (`hybrid plan`):
+    without spec.global_batch every row still trains one global batch, implied_batch's, each layout at its
+    own micro-batch and accumulation (micro_batch pins the micro-batch), so that rows compare the same work."""
+    implied = hold_batch and spec.global_batch is None
+    spec = implied_batch(spec, cluster) if implied else spec
     check_job(profile, spec)
+    rel = reliability if reliability is not None else Reliability()
     method = estimator.method if estimator is not None else method     # RunEstimator: traced or measured
     reach = method_degrees(method, {"tp": tp, "pp": pp, "cp": cp, "ep": ep})    # the degrees that method runs
     tp, pp, cp, ep = reach["tp"], reach["pp"], reach["cp"], reach["ep"]
@@ -238,15 +253,33 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
         todo = [t for t in todo if estimator.runs(t)]
         estimator.expect(len(todo))
     cands = judge_all(todo, profile, spec, cluster, estimator, efficiency, micro_batch, schedule is not None)
+    cands = [with_goodput(c, profile, cluster, rel) for c in cands]
     chosen = choose(cands, tie)
+    by_speed = choose(cands, tie, goodput=False)
     order = sorted(cands, key=lambda c: (not c.fits, c.tight, c.memory is None,
-                                         c.cost.time_per_token if c.fits else (c.memory.total if c.memory else 0)))
+                                         c.rank_time if c.fits else (c.memory.total if c.memory else 0)))
     fixes = ()
     unknown = any(c.fits and c.memory.activations is None for c in cands)    # nothing to suggest: see Plan.missing
     if chosen is None and suggest_fixes and estimator is None and not unknown:
         fixes = tuple(suggest(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp, pp,
-                              micro_batch, cp, ep))
-    return Plan(profile, cluster, spec, tuple(order), chosen, method, fixes, tie, calibration)
+                              micro_batch, cp, ep, implied))
+    return Plan(profile, cluster, spec, tuple(order), chosen, method, fixes, tie, calibration, rel,
+                by_speed if by_speed is not chosen else None, implied)
+
+
+def implied_batch(spec: TrainSpec, cluster: Cluster) -> TrainSpec:
+    """The job at the global batch its micro-batch and accumulation give when every GPU is a
+    data-parallel rank (micro-batch x accumulation x world size): what `hybrid plan` holds for every
+    row when --global-batch is not given."""
+    return replace(spec, global_batch=spec.micro_batch * spec.gradient_accumulation * cluster.world_size)
+
+
+def with_goodput(c: Candidate, profile: ModelProfile, cluster: Cluster, rel: Reliability) -> Candidate:
+    """The candidate with its checkpoint, restart and goodput figures (planning/goodput.py), where it
+    has a step time."""
+    if c.cost is None or c.memory is None:
+        return c
+    return replace(c, goodput=goodput_of(c.layout, profile, c.spec, cluster, c.cost, rel))
 
 
 def judge_all(todo: list[Layout], profile: ModelProfile, spec: TrainSpec, cluster: Cluster, estimator=None,
@@ -262,7 +295,11 @@ def judge_all(todo: list[Layout], profile: ModelProfile, spec: TrainSpec, cluste
 
 
 def _fits_with(profile, spec, cluster, cat, names, search_checkpointing, efficiency, tp=None,
-               pp=None, cp=1, micro_batch=None, ep=1) -> Candidate | None:
+               pp=None, cp=1, micro_batch=None, ep=1, implied=False) -> Candidate | None:
+    """The choice of the job changed as a suggestion changes it; `implied`: its global batch is implied
+    by the micro-batch, accumulation and world (implied_batch), so it follows the change."""
+    if implied:
+        spec = implied_batch(spec, cluster)
     try:
         check_job(profile, spec)
     except HybridError:
@@ -296,13 +333,14 @@ def _size(c: Candidate) -> str:
     return f"{fmt_bytes(c.memory.needed)}, tight" if c.tight else fmt_bytes(c.memory.total)
 
 
-def _larger_ep(profile, spec, cluster, cat, names, efficiency, tp, pp, cp, micro_batch, ep) -> list[str]:
+def _larger_ep(profile, spec, cluster, cat, names, efficiency, tp, pp, cp, micro_batch, ep,
+               implied=False) -> list[str]:
     """An MoE plan at a pinned ep: the smallest larger ep that makes some candidate fit."""
     d = profile.decoder
     if ep is None or d is None or not d.moe:
         return []
     for e in [x for x in divisors(d.experts) if x > ep]:
-        c = _fits_with(profile, spec, cluster, cat, names, True, efficiency, tp, pp, cp, micro_batch, e)
+        c = _fits_with(profile, spec, cluster, cat, names, True, efficiency, tp, pp, cp, micro_batch, e, implied)
         if c:
             return [f"--ep {e} ({c.label}: {_size(c)})"]
     return []
@@ -311,14 +349,18 @@ def _larger_ep(profile, spec, cluster, cat, names, efficiency, tp, pp, cp, micro
 def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[str, Strategy],
             names: list[str], search_checkpointing: bool, efficiency: float | None = None,
             tp: int | None = None, pp: int | None = None, micro_batch: int | None = None,
-            cp: int | None = None, ep: int | None = 1) -> list[str]:
+            cp: int | None = None, ep: int | None = 1, implied: bool = False) -> list[str]:
     """The smallest change along each axis that makes some candidate fit (at a pinned cp, and the
-    plan's ep: a pinned one, or every ep_degrees choice)."""
+    plan's ep: a pinned one, or every ep_degrees choice); `implied`: the global batch is implied_batch's,
+    so a change of nodes or micro-batch changes it as a new plan would. A suggested GPU has at least
+    SAME_MEMORY more memory."""
+    def fits(*a, **kw):
+        return _fits_with(*a, **kw, implied=implied)
     pinned_cp = cp or 1
-    out = _larger_ep(profile, spec, cluster, cat, names, efficiency, tp, pp, pinned_cp, micro_batch, ep)
+    out = _larger_ep(profile, spec, cluster, cat, names, efficiency, tp, pp, pinned_cp, micro_batch, ep, implied)
     if pp is not None:      # pp was pinned: would another degree fit?
         for p in pp_degrees(cluster):
-            c = p > pp and p <= profile.num_blocks and _fits_with(profile, spec, cluster, cat, names, True,
+            c = p > pp and p <= profile.num_blocks and fits(profile, spec, cluster, cat, names, True,
                                                                   efficiency, tp, p, micro_batch=micro_batch)
             if c:
                 out.append(f"--pp {p} ({c.label}: {_size(c)})")
@@ -332,7 +374,7 @@ def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[
                 break
     if splits_sequences(pp) and profile.decoder is not None:   # would splitting the sequence fit?
         for k in [d for d in divisors(cluster.world_size) if d > pinned_cp][:MAX_CP_TRIES - 1]:
-            c = spec.seq_len % (2 * k) == 0 and _fits_with(profile, spec, cluster, cat, names, True, efficiency,
+            c = spec.seq_len % (2 * k) == 0 and fits(profile, spec, cluster, cat, names, True, efficiency,
                                                            tp, 1, k, micro_batch=micro_batch, ep=ep)
             if c:
                 out.append(f"--cp {k} ({c.label}: {_size(c)})")
@@ -341,14 +383,14 @@ def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[
     at = {"micro_batch": micro_batch, "cp": pinned_cp, "ep": ep, "tp": tp, "pp": pp}   # the degrees the user pinned
     if not search_checkpointing and spec.activation_checkpointing != "full":
         for ac in ("selective", "full"):
-            c = _fits_with(profile, replace(spec, activation_checkpointing=ac), cluster, *args, **at)
+            c = fits(profile, replace(spec, activation_checkpointing=ac), cluster, *args, **at)
             if c:
                 out.append(f"--activation-checkpointing {ac} ({c.label}: {_size(c)})")
                 break
     nodes = cluster.nodes
     while nodes < 4096:
         nodes *= 2
-        c = _fits_with(profile, spec, replace(cluster, nodes=nodes), *args, **at)
+        c = fits(profile, spec, replace(cluster, nodes=nodes), *args, **at)
         if c:
             out.append(f"--nodes {nodes} ({c.label} x{c.shard_size}: {_size(c)} per GPU)")
             break
@@ -356,18 +398,24 @@ def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[
         seq = spec.seq_len
         while seq > 128:
             seq //= 2
-            c = _fits_with(profile, replace(spec, seq_len=seq), cluster, *args, **at)
+            c = fits(profile, replace(spec, seq_len=seq), cluster, *args, **at)
             if c:
                 out.append(f"--seq-len {seq} ({c.label}: {_size(c)})")
                 break
-    if spec.micro_batch > 1 and spec.global_batch is None:
-        c = _fits_with(profile, replace(spec, micro_batch=1), cluster, *args, **at)
+    if spec.micro_batch > 1 and (spec.global_batch is None or implied):
+        c = fits(profile, replace(spec, micro_batch=1), cluster, *args,
+                 **{**at, "micro_batch": 1 if micro_batch is not None else None})
         if c:
             out.append(f"--micro-batch 1 ({c.label}: {_size(c)})")
+    return out + _larger_gpu(lambda cl: fits(profile, spec, cl, *args, **at), cluster)
+
+
+def _larger_gpu(fits, cluster: Cluster) -> list[str]:
+    """The smallest catalogue GPU with at least SAME_MEMORY more memory on which `fits(cluster)` chooses
+    a layout that fits by the estimate."""
     for gpu in sorted(GPUS.values(), key=lambda g: g.memory_bytes):
-        if gpu.memory_bytes > cluster.gpu.memory_bytes:
-            c = _fits_with(profile, spec, replace(cluster, gpu=gpu), *args, **at)
+        if gpu.memory_bytes >= cluster.gpu.memory_bytes + SAME_MEMORY:
+            c = fits(replace(cluster, gpu=gpu))
             if c:
-                out.append(f"--gpu {gpu.name} ({c.label}: {_size(c)})")
-                break
-    return out
+                return [f"--gpu {gpu.name} ({c.label}: {_size(c)})"]
+    return []

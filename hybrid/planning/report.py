@@ -40,8 +40,9 @@ def _spec_lines(p: Plan) -> list[str]:
         return [f"model {p.model.name}: {_counts(p.model)}; global batch {s.global_batch} x seq {s.seq_len}, "
                 f"{s.precision}, {s.optimizer}, activation checkpointing {s.activation_checkpointing}, "
                 f"attention {s.attention}{_loss(s)}",
-                f"global batch {s.global_batch} sequences per step in every row = micro-batch x accumulation x "
-                "data-parallel ranks (batch: micro-batch x accumulation, and the largest micro-batch that fits)",
+                f"global batch {s.global_batch} sequences per step in every row{_implied(p)} = micro-batch x "
+                "accumulation x data-parallel ranks (batch: micro-batch x accumulation, and the largest micro-batch "
+                "that fits)",
                 f"cluster {p.cluster.describe()}; memory method {p.method}", *_speed(p), ""]
     return [f"model {p.model.name}: {_counts(p.model)}; micro-batch {s.micro_batch} x seq {s.seq_len}, "
             f"{s.precision}, {s.optimizer}, activation checkpointing {s.activation_checkpointing}, "
@@ -51,9 +52,20 @@ def _spec_lines(p: Plan) -> list[str]:
             f"cluster {p.cluster.describe()}; memory method {p.method}", *_speed(p), ""]
 
 
+def _implied(p: Plan) -> str:
+    """Where the global batch came from when --global-batch was not given (planner.implied_batch)."""
+    if not getattr(p, "batch_implied", False):
+        return ""
+    s = p.spec
+    return (f" (micro-batch {s.micro_batch} x accumulation {s.gradient_accumulation} x {p.cluster.world_size} GPUs; "
+            "--global-batch sets another)")
+
+
 def _speed(p: Plan) -> list[str]:
-    """The header line of a plan made with a calibration file."""
-    return [f"speed {p.calibration.describe()}"] if getattr(p, "calibration", None) is not None else []
+    """The header lines of a plan made with a calibration file, and of its goodput figures."""
+    out = [f"speed {p.calibration.describe()}"] if getattr(p, "calibration", None) is not None else []
+    rel = getattr(p, "reliability", None)
+    return out + ([rel.describe(p.cluster.world_size)] if rel is not None else [])
 
 
 def _mem(c: Candidate, col: str) -> str:
@@ -94,21 +106,34 @@ def ranking_table(cands: list[Candidate], chosen: Candidate | None = None) -> st
     bw = max([0] + [len(c.batch.describe()) + 2 for c in cands if c.batch is not None])
     bcol = (lambda c: f"{c.batch.describe() if c.batch and c.memory else '-':>{bw}}") if bw else (lambda c: "")
     head = (f" {'strategy':<{w}}{'shard':>6}" + (f"{'batch':>{bw}}" if bw else "")
-            + f"{'per GPU':>11}{'fits':>7}{'step s':>9}{'tok/s/GPU':>11}{'MFU':>7}  note")
+            + f"{'per GPU':>11}{'fits':>7}{'step s':>9}{'tok/s/GPU':>11}{'MFU':>7}{GOODPUT_HEAD}  note")
     lines = [head, "-" * (len(head) + 30)]
     for c in cands:
         mark = "*" if c is chosen else " "
         if c.memory is None:
-            lines.append(f"{mark}{c.label:<{w}}{c.shard_size:>6}{bcol(c)}{'-':>11}{'n/a':>7}{'':>9}{'':>11}{'':>7}  "
-                         f"{c.reason}")
+            lines.append(f"{mark}{c.label:<{w}}{c.shard_size:>6}{bcol(c)}{'-':>11}{'n/a':>7}{'':>9}{'':>11}{'':>7}"
+                         f"{_goodput_cols(c)}  {c.reason}")
             continue
         cost = c.cost
         roomy = c.fits and not c.tight
         note = c.memory.describe_largest() + c.layout.pipeline_note(bubble=True) if roomy else c.reason
         lines.append(f"{mark}{c.label:<{w}}{c.shard_size:>6}{bcol(c)}{fmt_bytes(c.memory.total):>11}"
                      f"{_fits(c):>7}{cost.seconds:>9.3f}{cost.tokens_per_s_per_gpu:>11,.0f}"
-                     f"{cost.mfu:>7.1%}  {note}")
+                     f"{cost.mfu:>7.1%}{_goodput_cols(c)}  {note}")
     return "\n".join(lines)
+
+
+GOODPUT_HEAD = f"{'ckpt s':>8}{'every':>7}{'goodput':>9}"
+"""The ranking's goodput columns: seconds a save blocks training, the Young/Daly interval, and the
+useful tokens/s per GPU after failures, restarts and checkpoints (hybrid/planning/goodput.py)."""
+
+
+def _goodput_cols(c: Candidate) -> str:
+    g = c.goodput
+    if g is None:
+        return f"{'':>8}{'':>7}{'':>9}"
+    from .goodput import fmt_duration
+    return f"{g.checkpoint_s:>8.1f}{fmt_duration(g.interval_s):>7}{g.tokens_per_s_per_gpu:>9,.0f}"
 
 
 def _notes(p: Plan, rows: list[Candidate] | None = None) -> list[str]:
@@ -158,10 +183,10 @@ def format_plan(p: Plan, summary: bool = False, top: int | None = None) -> str:
             verdict = ("nothing fits with the allocator's full reserve; fastest that fits tightly (it runs on "
                        "the allocator's retries)")
         best = p.fastest
-        if best is not None and best is not c and best.cost.time_per_token < c.cost.time_per_token:
+        if best is not None and best is not c and best.rank_time < c.rank_time:
             whose = "the calibration's" if p.calibration is not None else "the model's"
             verdict = (f"within {whose} error ({p.tie:.1%}) of {best.label} (predicted "
-                       f"{c.cost.time_per_token / best.cost.time_per_token - 1:.1%} slower) and simpler; "
+                       f"{c.rank_time / best.rank_time - 1:.1%} slower) and simpler; "
                        "measure with hybrid tune")
         shape = (f"micro-batch {c.batch.micro_batch} x accumulation {c.batch.gradient_accumulation} x "
                  f"{c.parallel.dp_size} data-parallel ranks, " if c.batch is not None else "")
@@ -175,6 +200,7 @@ def format_plan(p: Plan, summary: bool = False, top: int | None = None) -> str:
                        f"tokens/s per GPU (+{c.cost.time_per_token / t.cost.time_per_token - 1:.0%}): it fits only "
                        "when the allocator frees its cache, so it is not chosen; to run it anyway, pass its "
                        "--strategy and --activation-checkpointing")
+        out += _goodput_lines(p)
         out += [line for dim in WHY for line in _why(p, dim)]
     elif p.missing:
         states = [x for x in p.candidates if x.fits]
@@ -188,6 +214,27 @@ def format_plan(p: Plan, summary: bool = False, top: int | None = None) -> str:
         if p.suggestions:
             out.append("smallest changes that would fit: " + "; ".join(p.suggestions))
     return "\n".join(out + _notes(p, [c] if c else rows))
+
+
+def _goodput_lines(p: Plan) -> list[str]:
+    """The chosen layout's checkpoints and goodput, and why goodput changed the choice where it did."""
+    c, g = p.chosen, p.chosen.goodput
+    if g is None:
+        return []
+    from .goodput import fmt_duration
+    out = [f"goodput of {c.label}: a save blocks {g.checkpoint_s:.1f} s ({fmt_bytes(g.write_bytes)} written per rank), "
+           f"one every {fmt_duration(g.interval_s)} ({g.interval_s:.0f} s, Young/Daly); a restart takes "
+           f"{g.restart_s:.0f} s (relaunch + load {g.load_s:.1f} s); {g.fraction:.1%} of the time trains: "
+           f"{g.tokens_per_s_per_gpu:,.0f} useful tokens/s per GPU"]
+    s = getattr(p, "by_speed", None)
+    if s is not None and s.goodput is not None:
+        sg = s.goodput
+        out.append(f"why {c.label} by goodput: on step time alone the choice is {s.label} "
+                   f"({s.cost.tokens_per_s_per_gpu:,.0f} tokens/s per GPU against {c.cost.tokens_per_s_per_gpu:,.0f}), "
+                   f"but it keeps {sg.fraction:.1%} of its time after failures (save {sg.checkpoint_s:.1f} s, "
+                   f"restart {sg.restart_s:.0f} s) against {g.fraction:.1%}: {sg.tokens_per_s_per_gpu:,.0f} "
+                   f"useful tokens/s per GPU against {g.tokens_per_s_per_gpu:,.0f}")
+    return out
 
 
 def _ep_cause(c: Candidate, best: Candidate) -> str:

@@ -92,7 +92,7 @@ def test_torchtitan_command_says_what_it_cannot_express(capsys):
 
 @pytest.mark.unit
 def test_deepspeed_for_the_trainer_leaves_its_values_auto(capsys):
-    # the plan chooses tensor parallelism here, which DeepSpeed does not run: zero3 is emitted
+    # the plan chooses hsdp here, which DeepSpeed does not run: its fastest layout that fits is emitted
     out, err = _run(capsys, "plan", "llama3-70b", "--nodes", "8", "--seq-len", "8192", "--emit", "deepspeed",
                     "--for", "trainer")
     cfg = json.loads(out)
@@ -104,7 +104,7 @@ def test_deepspeed_for_the_trainer_leaves_its_values_auto(capsys):
     assert "TrainingArguments(deepspeed=" in err and "bf16=True" in err
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in err    # the plan's allocator, said
     assert "export TORCH_EXTENSIONS_DIR=" in err     # DeepSpeed's op builds go to the job's own cache
-    assert "the plan's choice is fsdp+tp4" in err                  # says why it differs from the choice
+    assert "the plan's choice is hsdp" in err                      # says why it differs from the choice
     engine = json.loads(_run(capsys, "plan", "llama2-7b", "--nodes", "8", "--emit", "deepspeed")[0])
     assert engine["train_batch_size"] == 64 and engine["gradient_clipping"] == 0.0
 
@@ -192,7 +192,7 @@ def test_auto_wrap_takes_the_job_file_and_arguments_win(tmp_path, caplog):
 
 @pytest.mark.unit
 def test_torchtitan_command_carries_the_pipeline(capsys):
-    out, _ = _run(capsys, "plan", "llama3.1-405b", "--nodes", "16", "--seq-len", "8192", "--gradient-accumulation",
+    out, _ = _run(capsys, "plan", "llama3.1-405b", "--nodes", "16", "--seq-len", "8192", "--global-batch",
                   "32", "--strategy", "fsdp-grad-op", "--schedule", "interleaved", "--emit", "torchtitan")
     args = torchtitan_argv(out)
     opt = {a: b for a, b in zip(args, args[1:]) if a.startswith("--") and not b.startswith("--")}

@@ -180,3 +180,34 @@ def test_a_layout_whose_batch_does_not_divide_is_rejected_not_tight(capsys):
     assert odd and all(r["fits"] is False and r["verdict"] == "n/a" for r in odd)
     assert main(["plan", "llama3-8b", "--global-batch", "100"]) == 0
     assert "chosen:" in capsys.readouterr().out
+
+
+HELD = [
+    "plan llama2-7b --nodes 8 --gpus-per-node 8 --seq-len 4096",                   # tp and pp searched, hsdp widths
+    "plan llama3-8b --nodes 2 --gpus-per-node 8 --seq-len 2048 --pp 2",            # a pinned pipeline
+    "plan llama3-8b --nodes 2 --gpus-per-node 8 --seq-len 2048 --tp 4 --micro-batch 2",
+    "plan llama2-7b --nodes 2 --gpus-per-node 8 --seq-len 2048 --gradient-accumulation 4 --strategy hsdp",
+    "plan llama3.1-8b --nodes 1 --gpus-per-node 8 --seq-len 32768",                # cp searched
+    "plan llama3-8b --nodes 1 --gpus-per-node 8 --seq-len 2048 --global-batch 64",
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("command", HELD)
+def test_every_row_of_a_plan_trains_the_global_batch_its_header_states(capsys, command):
+    """tokens/s per GPU x step time x GPUs = global batch x sequence for every row, with or without
+    --global-batch (without it: micro-batch x accumulation x the world, each layout at its own shape)."""
+    import shlex
+    assert main(shlex.split(command) + ["--all"]) == 0
+    table = capsys.readouterr().out
+    assert main(shlex.split(command) + ["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    gb, seq, world = doc["global_batch"], doc["spec"]["seq_len"], doc["world_size"]
+    stated = f"global batch {gb} sequences per step in every row"
+    assert stated in table, table.splitlines()[:3]
+    rows = [r for r in doc["strategies"] if r.get("step_time_s") is not None]
+    assert len(rows) > 3 and len({r["parallel"]["dp_replicate"] * r["parallel"]["dp_shard"] for r in rows}) > 1 \
+        or "--strategy" in command
+    for r in rows:
+        work = r["tokens_per_s_per_gpu"] * r["step_time_s"] * world
+        assert work == pytest.approx(gb * seq, rel=0.01), (r["name"], r["parallel"], r.get("batch"))

@@ -173,3 +173,48 @@ def test_suggestions_keep_the_pinned_degrees(capsys):
                  "--pp", "1", "--json"]) == 0
     fixes = json.loads(capsys.readouterr().out)["suggestions"]
     assert fixes and all("+tp2" in f for f in fixes if not f.startswith("--tp ")), fixes
+
+
+@pytest.mark.unit
+def test_a_suggested_gpu_has_more_memory_and_fits_by_the_estimate(monkeypatch):
+    """A GPU of the same memory class (a10g-24gb and l4-24gb differ by 6 MiB) is never suggested, even
+    where its few extra MiB would fit; the GPU suggested has more memory and its plan chooses a layout."""
+    from dataclasses import replace
+
+    from hybrid.config.cluster import GPUS
+    from hybrid.planning import planner
+    from hybrid.units import GiB, MiB
+    prof, spec = resolve_model("llama2-7b").profile, TrainSpec(1, 2048)
+    a10g = GPUS["a10g-24gb"]
+    on = lambda gpu: plan(prof, spec, Cluster.build(1, 1, gpu), CAT, strategies=["fsdp"], tp=1, pp=1)  # noqa: E731
+    need = min(c.memory.needed for c in on(replace(a10g, name="roomy", memory_bytes=400 * GiB)).candidates)
+    here = replace(a10g, name="here-24gb", memory_bytes=need - 256 * MiB)
+    twin = replace(a10g, name="twin-24gb", memory_bytes=need + 256 * MiB)
+    assert on(twin).chosen is not None                          # the twin would fit, by 256 MiB
+    monkeypatch.setattr(planner, "GPUS", {**GPUS, twin.name: twin})
+    p = on(here)
+    assert p.chosen is None
+    gpus = [s.split()[1] for s in p.suggestions if s.startswith("--gpu ")]
+    assert gpus and twin.name not in gpus
+    for name in gpus:
+        assert GPUS[name].memory_bytes >= here.memory_bytes + GiB
+        again = on(GPUS[name])
+        assert again.chosen is not None and again.chosen.known_to_fit
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("command", [
+    "plan --params 7e9 --nodes 8",
+    "plan llama3.1-405b --nodes 1 --gpus-per-node 8 --gpu a100-40gb --tp 2",
+    "plan llama2-7b --nodes 1 --gpus-per-node 1 --gpu a10g-24gb --strategy fsdp",
+    "plan llama2-7b --nodes 1 --gpus-per-node 8 --seq-len 4096",
+])
+def test_chosen_is_set_only_where_a_row_fits(capsys, command):
+    import shlex
+    assert main(shlex.split(command) + ["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    fits = [r for r in doc["strategies"] if r["fits"]]
+    assert (doc["chosen"] is None) == (not fits), (doc["chosen"], len(fits))
+    if doc["chosen"] is not None:
+        assert any(r["name"] == doc["chosen"] for r in fits)
+    assert {r["verdict"] for r in doc["strategies"]} <= {"fits", "tight", "OOM", "states", "n/a"}
