@@ -367,8 +367,8 @@ def suggest(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, cat: dict[
                 break
     if tp is not None:      # tp was pinned: would another degree fit?
         for t in tp_degrees(profile, cluster.domain):
-            c = t > tp and _fits_with(profile, spec, cluster, cat, names, True, efficiency, t,
-                                            micro_batch=micro_batch, cp=pinned_cp)
+            c = t > tp and fits(profile, spec, cluster, cat, names, True, efficiency, t,
+                                micro_batch=micro_batch, cp=pinned_cp)
             if c:
                 out.append(f"--tp {t} ({c.label}: {_size(c)})")
                 break
