@@ -93,6 +93,15 @@ def _check_loop_args(max_grad_norm, scheduler):
                           f"lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup); got {scheduler!r}")
 
 
+def _replica_env(fault_tolerant: bool):
+    """torchft's replica-group environment under fault_tolerant=True (checked before any process group)."""
+    if not fault_tolerant:
+        return None
+    from .runtime.ft import ReplicaEnv, require_torchft
+    require_torchft()
+    return ReplicaEnv.read()
+
+
 def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = None, seq_len: int | None = None,
               strategy: str = "auto", precision: str | None = None, cluster: Cluster | None = None,
               activation_checkpointing: str | None = None, attention: str = "sdpa",
@@ -193,11 +202,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     cluster = as_cluster(cluster)
     _check_loop_args(max_grad_norm, scheduler)
     check_max_bad_steps(max_bad_steps)
-    replica_env = None
-    if fault_tolerant:
-        from .runtime.ft import ReplicaEnv, require_torchft
-        require_torchft()
-        replica_env = ReplicaEnv.read()
+    replica_env = _replica_env(fault_tolerant)
     if cluster is None or cluster.expandable_segments:
         enable_expandable_segments()
     runtime = init_distributed()

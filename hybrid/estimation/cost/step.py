@@ -50,7 +50,7 @@ ft        (--fault-tolerant, hybrid/runtime/ft.py) each dp_replicate group is a 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...families.catalogue import Strategy
 from ...config.cluster import Cluster
