@@ -17,7 +17,8 @@ from .errors import HybridError, short
 from .runtime.mesh import build_mesh, init_distributed
 from .model.decoder import prepare_for_training
 from .planning.reach import runtime_degrees
-from .runtime.parallelize import build_engine, check_model, parallelize
+from .runtime.parallelize import build_engine, check_model, check_quantized_base, parallelize
+from .model.lora import lora_of, quantization_of
 from .planning.planner import plan as make_plan
 from .model.profile import build_profile
 from .config.spec import TrainSpec, default_precision, default_seq_len
@@ -194,10 +195,15 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
                      activation_checkpointing=or_default("activation_checkpointing", activation_checkpointing),
                      attention=attention, global_batch=gb, compile=compile, float8=float8,
                      gradient_accumulation=or_default("gradient_accumulation", gradient_accumulation),
-                     moe_imbalance=or_default("moe_imbalance", moe_imbalance))
+                     moe_imbalance=or_default("moe_imbalance", moe_imbalance), lora=lora_of(model))
     from .estimation.float8 import check_float8
     check_float8(spec, cluster)
     catalogue = load_catalogue(strategies_dir)
+    if spec.lora is not None and quantization_of(model):
+        # a bitsandbytes base: refused on CPU, planned over the families that run it whole
+        check_quantized_base(model, None)
+        catalogue = {n: s for n, s in catalogue.items() if s.family_obj.runs_bitsandbytes_base}
+        tp, pp, cp = tp or 1, pp or 1, cp or 1
     search = activation_checkpointing is None
     from .estimation.calibration import resolve
     cal = resolve(calibration)

@@ -40,7 +40,7 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
 
 def _job(args):
     from ..config.spec import check_precision, default_precision
-    from ..config.options import or_default
+    from ..config.options import lora_of_options, or_default
     from ..config.jobfile import cluster_of
     from ..model.sources import resolve_model
     from ..config.spec import TrainSpec, default_seq_len
@@ -62,7 +62,8 @@ def _job(args):
                      gradient_accumulation=or_default("gradient_accumulation", args.gradient_accumulation),
                      global_batch=gb, compile=bool(args.compile), float8=bool(args.float8), optimizer=args.optimizer,
                      activation_checkpointing=or_default("activation_checkpointing", args.activation_checkpointing),
-                     attention=args.attention, moe_imbalance=or_default("moe_imbalance", args.moe_imbalance))
+                     attention=args.attention, moe_imbalance=or_default("moe_imbalance", args.moe_imbalance),
+                     lora=lora_of_options(vars(args)))
     from ..estimation.float8 import check_float8
     check_float8(spec, cluster)
     if args.compile and args.method == "traced":

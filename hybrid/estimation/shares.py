@@ -55,6 +55,8 @@ def stage_share(profile: ModelProfile, pipeline, rank: int) -> ModelProfile:
         dtype_bytes=tuple((k, round(v * frac)) for k, v in profile.dtype_bytes), num_blocks=st.blocks,
         root_params=root,
         factored_state=None if profile.factored_state is None else round(profile.factored_state * frac),
+        quantized_params=profile.quantized_params * st.blocks // max(profile.num_blocks, 1),
+        quantized_bytes=profile.quantized_bytes * st.blocks // max(profile.num_blocks, 1),
         tied_groups=(), decoder=dataclasses.replace(d, layers=st.blocks))
 
 
@@ -138,7 +140,8 @@ def tp_share(profile: ModelProfile, tp: int, stage=None) -> ModelProfile:
         root_params=profile.root_params - head + head // tp,
         largest_layer_params=max(1, profile.largest_layer_params // tp),
         largest_param=max(1, profile.largest_param // tp),
-        factored_state=None if profile.factored_state is None else profile.factored_state // tp)
+        factored_state=None if profile.factored_state is None else profile.factored_state // tp,
+        quantized_params=profile.quantized_params // tp, quantized_bytes=profile.quantized_bytes // tp)
 
 
 def local_spec(spec: TrainSpec, cp: int) -> TrainSpec:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..errors import HybridError
 from ..units import MiB
-from .placement import Placement, draft, optimizer_elements, scratch_elements
+from .placement import Placement, draft, optimizer_elements, param_bytes, scratch_elements
 from .base import Comm, Family, FamilyConfig
 
 
@@ -39,6 +39,7 @@ class DDPFamily(Family):
     config = DDPConfig
     runtime_module = "hybrid.runtime.backends.ddp"
     handoff_module = "hybrid.handoff.ddp"
+    runs_bitsandbytes_base = True
 
     def validate(self, s, where):
         if s.shard not in ("none", "1"):
@@ -59,7 +60,7 @@ class DDPFamily(Family):
     def placement(self, s, p, spec, n, cl, stage=None) -> Placement:
         b = spec.bytes
         grads = p.trainable_params * b.grad
-        place = draft(params=p.params * b.param, optimizer=optimizer_elements(p, spec) * b.state,
+        place = draft(params=param_bytes(p, spec), optimizer=optimizer_elements(p, spec) * b.state,
                      scratch=scratch_elements(p, spec) * b.state,
                      autocast=spec.precision in ("bf16-mixed", "fp16-mixed"), grads_end=grads)
         if s.config.gradient_as_bucket_view:

@@ -23,6 +23,7 @@ from .reach import method_degrees
 from ..layout.dims import ParallelDims, divisors, valid_shard_sizes
 from ..config.cluster import GPUS, Cluster
 from ..estimation.cost.step import step_cost
+from ..model.lora import with_lora
 from ..errors import HybridError
 from ..estimation.memory.analytic import NotApplicable, check_job
 from ..estimation.memory.moe import check_ep, check_ep_layouts, ep_degrees
@@ -188,6 +189,7 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
     degree of an MoE model (ep_degrees), an int pins it (1: none). `estimator` (measure/method.
     RunEstimator) replaces the analytic memory of each layout its method runs (layout.METHOD_REACH:
     unpinned degrees it cannot run are 1, pinned ones raise)."""
+    profile = with_lora(profile, spec.lora)          # a whole model gains its adapters (model/lora.py)
     check_job(profile, spec)
     method = estimator.method if estimator is not None else method     # RunEstimator: traced or measured
     reach = method_degrees(method, {"tp": tp, "pp": pp, "cp": cp, "ep": ep})    # the degrees that method runs

@@ -51,6 +51,7 @@ from ...layout.layout import Layout, as_layout
 from .links import Links
 from ...families.placement import optimizer_elements
 from ...layout.pipeline import stage_cluster
+from ...model.lora import with_lora
 from ...model.profile import ModelProfile
 from ..shares import Share, shares
 from ...config.spec import TrainSpec
@@ -100,12 +101,38 @@ class StepCost:
 def model_flops_per_token(profile: ModelProfile, seq_len: int, recompute: bool = False) -> float:
     """Training FLOPs per token (forward + backward), PaLM's 6N + 12LHQT (arXiv 2204.02311, App. B)
     with N the parameters a token passes through (an MoE block's top-k experts of its E, as the
-    MoE papers count 'active' parameters); +1 forward if recomputed."""
+    MoE papers count 'active' parameters); +1 forward if recomputed. A frozen weight (a LoRA base)
+    costs its forward (2 per weight) and its input's gradient (2) but no weight gradient: 4N frozen
+    + 6N trained, the attention's 12LHQT whole (it has no weights); this is the MFU reported."""
+    return forward_flops_per_token(profile, seq_len) * (1 if recompute else 0) + _train_flops(profile, seq_len)
+
+
+def forward_flops_per_token(profile: ModelProfile, seq_len: int) -> float:
+    """One forward's FLOPs per token: 2N + 4LHQT (the attention's third of PaLM's 12LHQT)."""
     d = profile.decoder
-    attn = 12 * d.layers * d.q_dim * seq_len if d else 0
-    active = profile.params - (d.layers * (d.experts - d.top_k) * d.expert_params if d else 0)
-    base = 6 * active + attn
-    return base * (8 / 6) if recompute else base
+    return 2 * _active(profile) + (4 * d.layers * d.q_dim * seq_len if d else 0)
+
+
+def _active(profile: ModelProfile) -> float:
+    d = profile.decoder
+    return profile.params - (d.layers * (d.experts - d.top_k) * d.expert_params if d else 0)
+
+
+def _train_flops(profile: ModelProfile, seq_len: int) -> float:
+    d = profile.decoder
+    active = _active(profile)
+    trained = active * profile.trainable_params / profile.params
+    return 4 * active + 2 * trained + (12 * d.layers * d.q_dim * seq_len if d else 0)
+
+
+def dequantize_seconds(profile: ModelProfile, spec: TrainSpec, gpu) -> float:
+    """One micro-batch's dequantisation of a quantised base (QLoRA): each linear's packed weight
+    is read and written back in the compute dtype for its matmul in forward, again in backward
+    (bitsandbytes' MatMul4Bit), and in a recomputed forward; memory-bound, at the HBM bandwidth."""
+    if not profile.quantized_params:
+        return 0.0
+    passes = 2 + (spec.activation_checkpointing == "full")
+    return passes * (profile.quantized_bytes + spec.bytes.compute * profile.quantized_params) / gpu.mem_bw
 
 
 def tp_comm_seconds(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, tp: int) -> float:
@@ -217,6 +244,7 @@ def step_cost(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec,
     FLOPs (the chunk layout balances the causal attention), FSDP's shard group is dp_shard x cp,
     and the K/V exchange (cp_comm_seconds) is added, unhidden. A bare Strategy stands for its
     layout on the cluster (Layout.of)."""
+    profile = with_lora(profile, spec.lora)
     layout = as_layout(layout, cluster, spec)
     spec = layout.train_spec(spec)
     strategy, shard_size, tp, cp, pp, ep = (layout.dp, layout.dims.dp_shard, layout.dims.tp, layout.dims.cp,
@@ -246,16 +274,18 @@ def step_cost(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec,
         compute -= lin / (peak * efficiency) - lin / (g.fp8_flops * efficiency)
     compute *= 1 + recompute_fraction(stage, spec)
     compute += elementwise_seconds(stage, sh.spec, g, tp, sh.has_head)     # a cp rank streams S / cp tokens
-    fwd_c, bwd_c = compute / 3, 2 * compute / 3       # backward costs twice the forward
-    if recompute:
-        fwd_c, bwd_c = compute / 4, 3 * compute / 4
+    compute += dequantize_seconds(profile, sh.spec, g)
+    # the forward's share of the compute: a third (backward costs twice the forward), a quarter
+    # with recomputation; a LoRA base's backward makes no weight gradients, so about a half
+    fwd_share = forward_flops_per_token(stage, spec.seq_len) / model_flops_per_token(stage, spec.seq_len, recompute)
+    fwd_c, bwd_c = fwd_share * compute, (1 - fwd_share) * compute
     comm = strategy.family_obj.comm(strategy, profile, spec, cluster, N, Links(cluster))
     moe_s = straggler = 0.0
     if ep > 1:
         comm, straggler, moe_s = expert_parallel_terms(strategy, profile, spec, cluster, N, ep, peak * efficiency,
                                                         cp)
         compute += straggler
-        fwd_c, bwd_c = (compute / 4, 3 * compute / 4) if recompute else (compute / 3, 2 * compute / 3)
+        fwd_c, bwd_c = fwd_share * compute, (1 - fwd_share) * compute
     fam = strategy.family_obj
     P = profile.trainable_params
     optimizer = 0.0

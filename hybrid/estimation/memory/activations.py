@@ -178,10 +178,39 @@ def checkpointed_blocks(layers: int, every: int) -> int:
     return -(-layers // every)
 
 
+def lora_layer_delta(d: DecoderConfig, spec: TrainSpec, c: int, autocast: bool) -> float:
+    """Bytes per token a LoRA block saves beyond (or short of) the fully trained block of the same
+    regime (tests/estimation/test_lora.py holds it to saved-tensors hooks on PEFT models). Per
+    adapted linear: B's input, the r-wide A x; under autocast (fp32 adapters over a bf16 base,
+    DDP) also autocast's bf16 copy of the input PEFT casts to the adapter's fp32; with dropout its
+    bool mask and output. Frozen weights need no input for their gradient: a llama RMSNorm's
+    normalised value (kept only for the norm weight's gradient) and the inputs of linears nothing
+    trains (norm outputs, the MLP product) are not saved."""
+    from ...model.lora import adapted
+    lora = spec.lora
+    ca = 2 if autocast else c                       # the adapters' matmuls: autocast's bf16, else the base's dtype
+    linears = [shape for shapes in adapted(d, lora).values() for shape in shapes]
+    delta = sum(ca * lora.rank + (2 * i if autocast else 0) for i, _ in linears)
+    if lora.dropout:
+        delta += sum(i * (1 + (0 if autocast else c)) for i, _ in linears)
+    names = set(adapted(d, lora))
+    h, f = d.hidden, d.ffn
+    if d.style == "llama":
+        delta -= 2 * c * h
+        delta -= c * h * (not names & {"q_proj", "k_proj", "v_proj"}) + c * h * (not names & {"gate_proj", "up_proj"})
+        delta -= c * f * ("down_proj" not in names)
+    else:
+        delta -= c * h * (not names & {"qkv_proj", "c_attn"}) + c * h * (not names & {"fc", "c_fc"})
+        delta -= c * f * (not names & {"proj", "c_proj"})
+    return delta
+
+
 def activation_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> ActivationTerms:
     c = spec.bytes.compute
     T = spec.micro_batch * spec.seq_len
-    full = _layer_full(d, spec, c, autocast) * T
+    lora = spec.lora is not None
+    adapters_autocast, autocast = autocast and lora, autocast and not lora   # a LoRA base is in the compute dtype
+    full = (_layer_full(d, spec, c, autocast) + (lora_layer_delta(d, spec, c, adapters_autocast) if lora else 0)) * T
     ckpt = spec.activation_checkpointing
     if getattr(spec, "compile", False):
         why = compiled_supported(d, spec, autocast)
@@ -208,12 +237,17 @@ def activation_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> Activ
         kept = (F32 if autocast else c) * d.hidden * T
         per_layer = (k * kept + (d.layers - k) * full) / d.layers
         recompute = full
-    logits = (2 if autocast else c) * d.vocab * T
-    # log_softmax keeps its fp32 output; the fp32 upcast of bf16 logits is transient.
-    head_fwd = logits + F32 * d.vocab * T + (2 * F32 * d.hidden if d.style == "llama" else c * d.hidden) * T
+    logits = (2 if autocast or adapters_autocast else c) * d.vocab * T
+    # log_softmax keeps its fp32 output; the fp32 upcast of bf16 logits is transient. A frozen
+    # final norm and head (LoRA) keep nothing of their inputs.
+    final_norm = 0 if lora else (2 * F32 * d.hidden if d.style == "llama" else c * d.hidden) * T
+    head_fwd = logits + F32 * d.vocab * T + final_norm
     # loss backward: grad of the log-softmax output and grad of its input, both fp32 (b*s*vocab).
     head_bwd = head_fwd + 2 * F32 * d.vocab * T
     cache = 0
+    if adapters_autocast:                                     # bf16 copies of the fp32 adapters
+        from ...model.lora import adapter_params
+        cache = 2 * adapter_params(d, spec.lora)
     if autocast:
         # every matmul weight (an MoE block's router; its experts run outside autocast's list)
         matrices = d.layers * sum(m[0] * m[1] for m in d.block_matrices() if len(m) == 2)
