@@ -178,22 +178,25 @@ def checkpointed_blocks(layers: int, every: int) -> int:
     return -(-layers // every)
 
 
-def lora_layer_delta(d: DecoderConfig, spec: TrainSpec, c: int, autocast: bool) -> float:
+def lora_layer_delta(d: DecoderConfig, spec: TrainSpec, c: int, autocast: bool, mask_bytes: int = 1) -> float:
     """Bytes per token a LoRA block saves beyond (or short of) the fully trained block of the same
     regime (tests/estimation/test_lora.py holds it to saved-tensors hooks on PEFT models). Per
-    adapted linear: B's input, the r-wide A x; under autocast (fp32 adapters over a bf16 base,
-    DDP) also autocast's bf16 copy of the input PEFT casts to the adapter's fp32; with dropout its
-    bool mask and output. Frozen weights need no input for their gradient: a llama RMSNorm's
-    normalised value (kept only for the norm weight's gradient) and the inputs of linears nothing
-    trains (norm outputs, the MLP product) are not saved."""
+    adapted linear: B's input, the r-wide A x, and A's input: the linear's own input (shared by
+    the linears that read it), or a copy of its own under autocast (fp32 adapters over a bf16 base,
+    DDP: PEFT casts the input to the adapter's fp32, autocast back to bf16) and with dropout (its
+    output, and its mask: `mask_bytes`, 1 for CUDA's fused dropout's bool mask, c for the scaled
+    noise the CPU kernel keeps). Frozen weights need no input for their gradient: a llama RMSNorm's
+    normalised value (kept only for the norm weight's gradient) and a linear input no trainable
+    weight reads (norm outputs, the MLP product) are not saved."""
     from ...model.lora import adapted
     lora = spec.lora
     ca = 2 if autocast else c                       # the adapters' matmuls: autocast's bf16, else the base's dtype
     linears = [shape for shapes in adapted(d, lora).values() for shape in shapes]
-    delta = sum(ca * lora.rank + (2 * i if autocast else 0) for i, _ in linears)
-    if lora.dropout:
-        delta += sum(i * (1 + (0 if autocast else c)) for i, _ in linears)
-    names = set(adapted(d, lora))
+    delta = sum(ca * lora.rank for _ in linears)
+    own_copy = autocast or lora.dropout > 0         # A reads a tensor of its own, not the linear's input
+    if own_copy:
+        delta += sum(i * (2 if autocast else c) + (mask_bytes if lora.dropout else 0) * i for i, _ in linears)
+    names = set(() if own_copy else adapted(d, lora))
     h, f = d.hidden, d.ffn
     if d.style == "llama":
         delta -= 2 * c * h
