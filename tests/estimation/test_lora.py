@@ -95,3 +95,24 @@ def test_lora_step_estimate_matches_memtracker(targets):
     m = estimate(load_catalogue()["ddp"], build_profile(model), spec, Cluster(1, 1, gpu=cpu_spec(1)))
     assert m.phase == "loss"
     assert m.tensors - m.grads == pytest.approx(measured, rel=0.05)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_model_flops_count_what_torch_computes(lora):
+    """torch's FlopCounterMode over one forward and backward: a frozen base's matmuls run forward
+    and input-gradient only (4 per weight), the adapters' all three (6), the attention whole. A
+    small vocabulary keeps the embedding (no matmul) out of the way; block 0's frozen q/k/v input
+    gradients, which torch skips, are the residue."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hybrid.estimation.cost.step import model_flops_per_token
+    from hybrid.model.profile import build_profile
+    cfg = DecoderConfig("llama", 64, 128, 4, 4, 344, 512, kv_heads=2, hf_model_type="llama")
+    model = build_hf(cfg, device="cpu", attention="eager")      # CPU SDPA has no FLOP formula registered
+    if lora:
+        model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=list(ALL)))
+    ids = torch.randint(0, cfg.vocab, (1, 128))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    expected = model_flops_per_token(build_profile(model), 128) * 128
+    assert counter.get_total_flops() == pytest.approx(expected, rel=0.03)
