@@ -199,9 +199,9 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     from .estimation.float8 import check_float8
     check_float8(spec, cluster)
     catalogue = load_catalogue(strategies_dir)
-    if spec.lora is not None and quantization_of(model):
-        # a bitsandbytes base: refused on CPU, planned over the families that run it whole
-        check_quantized_base(model, None)
+    check_quantized_base(model, None)                 # a bitsandbytes base trains on CUDA only
+    if quantization_of(model):
+        # ... over the families that run it whole
         catalogue = {n: s for n, s in catalogue.items() if s.family_obj.runs_bitsandbytes_base}
         tp, pp, cp = tp or 1, pp or 1, cp or 1
     search = activation_checkpointing is None
