@@ -66,6 +66,9 @@ def _job(args):
                      lora=lora_of_options(vars(args)))
     from ..estimation.float8 import check_float8
     check_float8(spec, cluster)
+    if spec.lora is not None and args.method != "analytic":
+        raise HybridError(f"--method {args.method} runs the model without adapters; --lora-rank is estimated by "
+                          "--method analytic (docs/finetuning.md), or pass a PEFT model to hybrid.plan")
     if args.compile and args.method == "traced":
         raise HybridError("--method traced runs the blocks eagerly; a compiled job's blocks keep what AOTAutograd's "
                           "partitioner saves, which --method analytic counts (hybrid/measure/compiled.py)")

@@ -255,7 +255,10 @@ def lora_lines(p: Plan, c: Candidate | None) -> list[str]:
     else:
         line += f" in {dtype} (no fp32 master: nothing updates it)"
     out.append(line)
-    if c is not None and c.memory is not None:
+    if c is not None and c.memory is not None and c.memory.cpu and not c.memory.params:
+        out.append(f"{c.label} ({c.parallel.describe()}) keeps the parameters, sharded, in host memory "
+                   f"({fmt_bytes(c.memory.cpu)} per rank with the optimizer state) and gathers each block to the GPU")
+    elif c is not None and c.memory is not None:
         out.append(f"{c.label} ({c.parallel.describe()}) holds {fmt_bytes(c.memory.params)} of parameters per GPU "
                    f"(the frozen base {'sharded with the adapters' if c.memory.params < base * 0.9 else 'whole'}"
                    f"{'; its all-gathers carry the frozen base too' if c.memory.params < base * 0.9 else ''}), "

@@ -50,3 +50,9 @@ def test_fine_tuning_options_bad_input_exit_2(capsys, argv, match):
     code, out, err = run(capsys, "plan", "llama3-8b", "--json", *argv)
     assert code == 2 and out == ""
     assert match in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.unit
+def test_lora_is_refused_by_the_methods_that_run_the_model_without_adapters(capsys):
+    code, out, err = run(capsys, "plan", "tiny-llama", "--lora-rank", "8", "--method", "traced")
+    assert code == 2 and "--method traced runs the model without adapters" in err
