@@ -88,3 +88,17 @@ def test_a_bitsandbytes_base_is_refused_on_cpu_in_one_line():
     with pytest.raises(HybridError, match=r"bitsandbytes-quantised \(nf4\), which trains on CUDA only; plan it "
                                           "anywhere with `hybrid plan MODEL --lora-rank R --quantize-base nf4`"):
         check_quantized_base(model, None)
+
+
+@pytest.mark.torch
+def test_frozen_parameters_are_held_in_the_compute_dtype_under_mixed_precision():
+    """What the estimate counts (TrainSpec.frozen_bytes): no fp32 master for what nothing updates."""
+    from hybrid.config.spec import TrainSpec
+    from hybrid.runtime.parallelize import frozen_to_compute_dtype
+    layer = torch.nn.Linear(8, 8)
+    layer.weight.requires_grad_(False)
+    frozen_to_compute_dtype(layer, TrainSpec(precision="fp32"))
+    assert layer.weight.dtype == torch.float32
+    frozen_to_compute_dtype(layer, TrainSpec(precision="bf16-mixed"))
+    assert layer.weight.dtype == torch.bfloat16 and layer.bias.dtype == torch.float32
+    assert TrainSpec(precision="bf16-mixed").frozen_bytes == 2 and TrainSpec(precision="fp32").frozen_bytes == 4
