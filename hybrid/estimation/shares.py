@@ -57,6 +57,8 @@ def stage_share(profile: ModelProfile, pipeline, rank: int) -> ModelProfile:
         root_params=root,
         factored_state=None if profile.factored_state is None else round(profile.factored_state * frac),
         optim_shapes=None if profile.optim_shapes is None else profile.optim_shapes.scaled(frac),
+        quantized_params=profile.quantized_params * st.blocks // max(profile.num_blocks, 1),
+        quantized_bytes=profile.quantized_bytes * st.blocks // max(profile.num_blocks, 1),
         tied_groups=(), decoder=held)
 
 
@@ -142,7 +144,8 @@ def tp_share(profile: ModelProfile, tp: int, stage=None) -> ModelProfile:
         largest_param=max(1, profile.largest_param // tp),
         factored_state=None if profile.factored_state is None else profile.factored_state // tp,
         optim_shapes=None if profile.optim_shapes is None else dataclasses.replace(
-            profile.optim_shapes.scaled(frac, split=True), block_matrices=profile.optim_shapes.block_matrices // tp))
+            profile.optim_shapes.scaled(frac, split=True), block_matrices=profile.optim_shapes.block_matrices // tp),
+        quantized_params=profile.quantized_params // tp, quantized_bytes=profile.quantized_bytes // tp)
 
 
 def local_spec(spec: TrainSpec, cp: int) -> TrainSpec:

@@ -160,6 +160,11 @@ class Family:
     """Whether the family shards a MoE layer's experts over ep ranks (ep > 1) as a unit of their own
     over the expert_shard ranks (estimation/memory/moe.py, runtime/backends/ep.py; torchtitan's layout)."""
 
+    runs_bitsandbytes_base: bool = False
+    """Whether the runtime trains a module whose frozen base bitsandbytes quantised (Params4bit,
+    Int8Params): only a family that keeps whole replicas does (FSDP2 and ZeRO-3 shard plain
+    tensors, and would drop the quantisation state bitsandbytes keeps beside each parameter)."""
+
     def sharded_optimizer(self, s) -> bool:
         """Whether the optimizer step runs on 1/N of the parameters."""
         return True

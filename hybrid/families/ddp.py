@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..errors import HybridError
 from ..units import MiB
-from .placement import Placement, draft, optimizer_state_bytes, step_scratch_bytes
+from .placement import Placement, draft, optimizer_state_bytes, param_bytes, step_scratch_bytes
 from .base import Comm, Family, FamilyConfig
 
 
@@ -40,6 +40,7 @@ class DDPFamily(Family):
     runtime_module = "hybrid.runtime.backends.ddp"
     fault_tolerant = True
     handoff_module = "hybrid.handoff.ddp"
+    runs_bitsandbytes_base = True
 
     def checkpoint_shards(self, dims):
         """Every data-parallel replica holds (and loads) its whole tensor-parallel share."""
@@ -64,7 +65,7 @@ class DDPFamily(Family):
     def placement(self, s, p, spec, n, cl, stage=None) -> Placement:
         b = spec.bytes
         grads = p.trainable_params * b.grad
-        place = draft(params=p.params * b.param, optimizer=optimizer_state_bytes(p, spec),
+        place = draft(params=param_bytes(p, spec), optimizer=optimizer_state_bytes(p, spec),
                      scratch=sum(step_scratch_bytes(p, spec)),
                      autocast=spec.precision in ("bf16-mixed", "fp16-mixed"), grads_end=grads)
         if s.config.gradient_as_bucket_view:

@@ -291,6 +291,10 @@ class DecoderConfig:
         d["stack"] = [asdict(ly) for ly in self.stack]
         return d
 
+    def attention_flops(self, seq: int) -> float:
+        """Forward FLOPs per token of the attention cores alone (QK^T and AV; no weights)."""
+        return sum(n * ly.attention.core_flops(seq) for ly, n in _kinds(self))
+
     def flops_per_token(self, seq: int) -> float:
         """Training FLOPs per token (forward and backward: 3x the forward), counting the matmuls a
         token goes through - every block's projections, an MoE block's router, top-k and shared

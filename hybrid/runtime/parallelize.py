@@ -67,6 +67,42 @@ def check_model(model: nn.Module, layout: Layout, spec) -> None:
     from .loss import check_loss
     split = dims.tp > 1 or dims.cp > 1 or dims.pp > 1 or layout.pipeline is not None
     check_loss(model, spec, f"tp {dims.tp}, cp {dims.cp}, pp {dims.pp}" if split else None)
+    check_quantized_base(model, layout)
+
+
+def check_quantized_base(model: nn.Module, layout: Layout | None) -> None:
+    """A bitsandbytes-quantised base trains on CUDA (its 4-bit and int8 matmuls), whole on every
+    rank: a family that runs it (Family.runs_bitsandbytes_base), no tp, cp or pipeline stages
+    (layout None: the device only)."""
+    from ..model.lora import quantization_of
+    kind = quantization_of(model)
+    if kind is None:
+        return
+    import torch
+    if not torch.cuda.is_available():
+        raise HybridError(f"this model's base is bitsandbytes-quantised ({kind}), which trains on CUDA only; plan it "
+                          "anywhere with `hybrid plan MODEL --lora-rank R --quantize-base nf4`, train it on CUDA GPUs")
+    if layout is None:
+        return
+    d = layout.dims
+    if not layout.dp.family_obj.runs_bitsandbytes_base or d.tp > 1 or d.cp > 1 or d.pp > 1:
+        raise HybridError(f"{layout.label}: a bitsandbytes-quantised ({kind}) base trains here as whole replicas "
+                          "(FSDP2 and ZeRO-3 would shard away its quantisation state); pass strategy='ddp' with "
+                          "tp, cp and pp 1")
+
+
+def frozen_to_compute_dtype(module: nn.Module, spec) -> None:
+    """Under the mixed precisions a frozen floating-point parameter (a LoRA base) has no fp32
+    master to keep, so it is held in the compute dtype, as the estimate counts it (spec.frozen_bytes);
+    trainable parameters keep their fp32 masters."""
+    from .backends.base import compute_dtype
+    low = compute_dtype(spec)
+    if low is None:
+        return
+    import torch
+    for p in module.parameters():
+        if not p.requires_grad and p.is_floating_point() and p.dtype == torch.float32:
+            p.data = p.data.to(low)
 
 
 def parallelize(model: nn.Module, layout: Layout, mesh, spec, runtime, options=None) -> Parallelized:
@@ -99,6 +135,7 @@ def parallelize_piece(piece: nn.Module, layout: Layout, mesh, spec, runtime, opt
     from .float8 import apply_float8
     backend, dims = layout.dp.family_obj.runtime(), layout.dims
     tp = cp = None
+    frozen_to_compute_dtype(piece, spec)
     backend.place(layout.dp, piece, spec, runtime)
     apply_float8(piece, spec, fsdp=backend.float8_all_gather(layout, staged))
     if dims.tp > 1:
