@@ -121,6 +121,17 @@ class Family:
                                  "hsdp strategy with ep, or ep 1", "ep")
         return None
 
+    def applied_wrap(self, layout, staged: bool) -> tuple[str, str, bool | None, bool]:
+        """The data-parallel wrap this family's runtime applies to the layout: (wrap, units,
+        reshard_after_forward, whether mixed precision runs under torch.autocast), as
+        hybrid.layout.applied.AppliedPlan records it."""
+        raise NotImplementedError
+
+    def priced_strategy(self, s, applied):
+        """The strategy whose placement is what runs under `applied` (an AppliedPlan or None): the
+        preset itself unless the family's runtime wraps through another family (ddp over tp)."""
+        return s
+
     def problems(self, layout) -> list:
         """Every reason (NotApplicable, naming its dimension) this family cannot run the layout's
         pipeline, tensor- and context-parallel dimensions, in that order; empty when it can."""

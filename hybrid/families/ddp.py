@@ -53,6 +53,24 @@ class DDPFamily(Family):
     def sharded_optimizer(self, s):
         return False
 
+    def applied_wrap(self, layout, staged):
+        # torch's DDP takes no DTensor parameters and breaks under a pipeline schedule: replication
+        # over tensor-parallel groups or of a stage runs through FSDP2 (runtime/backends/ddp.py wrap),
+        # one unit per block and the root, kept gathered from forward to backward
+        if layout.dims.tp > 1 or staged:
+            return "fsdp", "blocks+root", False, False
+        return "ddp", "buckets", None, True
+
+    def priced_strategy(self, s, applied):
+        # replication through FSDP2 (applied_wrap) is priced as that wrap: whole parameters (a shard
+        # group of 1), kept gathered from forward to backward, MixedPrecisionPolicy's casts
+        if applied is None or applied.wrap != "fsdp":
+            return s
+        from dataclasses import replace
+        from .fsdp import FSDPConfig
+        return replace(s, name=f"{s.name}-through-fsdp2", family="fsdp",
+                       config=FSDPConfig(reshard_after_forward=applied.reshards))
+
     def problems(self, layout):
         s, d = layout.dp, layout.dims
         if d.cp > 1 and d.tp > 1:

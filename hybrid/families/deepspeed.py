@@ -144,6 +144,9 @@ class DeepSpeedFamily(Family):
     keeps_master_copy = True
     torchtitan = False
 
+    def applied_wrap(self, layout, staged):
+        return "deepspeed", f"zero stage {layout.dp.config.stage}", None, False
+
     def problems(self, layout):
         s, d, out = layout.dp, layout.dims, []
         if d.pp > 1:

@@ -44,6 +44,9 @@ class FSDPFamily(Family):
     def shard_is_free(self, s):
         return s.shard == "node"
 
+    def applied_wrap(self, layout, staged):
+        return "fsdp", "blocks+root", layout.dp.config.reshard_after_forward, False
+
     def placement(self, s, p, spec, n, cl, stage=None) -> Placement:
         b = spec.bytes
         c = b.compute

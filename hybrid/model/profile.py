@@ -185,6 +185,7 @@ def tp_degrees(profile: ModelProfile, gpus_per_node: int) -> list[int]:
 
 
 HF_LAYERS = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "qwen2": "Qwen2DecoderLayer",
+             "qwen3": "Qwen3DecoderLayer",
              "gpt2": "GPT2Block", "mixtral": "MixtralDecoderLayer", "olmoe": "OlmoeDecoderLayer",
              "qwen3_moe": "Qwen3MoeDecoderLayer"}
 """transformers' decoder-layer class per model_type, for presets and config.json files (a

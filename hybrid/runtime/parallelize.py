@@ -12,12 +12,16 @@ parallelising), wrap, engine.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch.nn as nn
 
 from ..errors import HybridError
 from ..layout.layout import Layout
 from ..layout.dims import ParallelDims
+
+if TYPE_CHECKING:
+    from ..layout.applied import AppliedPlan
 
 
 @dataclass
@@ -39,12 +43,29 @@ class Parallelized:
     """With stages: optimizer-state FQN -> the model's own (canonical) name."""
     tied: list = field(default_factory=list)
     """With stages: groups of names that shared one Parameter before the split."""
+    plan: object = None
+    """hybrid.layout.applied.AppliedPlan: what was applied (decided before applying it)."""
 
 
-def runs_transformers(dims: ParallelDims, prefer_hf: bool) -> bool:
-    """Whether a preset may run as its transformers model: not with tensor parallelism, whose
-    sequence parallelism our decoders run (as the analytic model assumes)."""
-    return prefer_hf and dims.tp == 1
+def implementation_of(model: nn.Module) -> str:
+    """Which code a module is (hybrid.layout.applied.IMPLEMENTATIONS): hybrid's decoder (or a
+    pipeline stage of it), a transformers decoder, or another module."""
+    from ..model.decoder import Decoder
+    from .stages import DecoderStage
+    if isinstance(model, (Decoder, DecoderStage)):
+        return "hybrid"
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return "module"
+    return "transformers" if isinstance(model, PreTrainedModel) else "module"
+
+
+def plan_of(model: nn.Module, layout: Layout, spec) -> "AppliedPlan":
+    """The AppliedPlan parallelize applies to `model` (hybrid.layout.applied.applied_plan, the
+    function the estimate reads too)."""
+    from ..layout.applied import applied_plan
+    return applied_plan(layout, implementation_of(model), layout.train_spec(spec).precision)
 
 
 def layout_of_mesh(strategy, mesh, spec) -> Layout:
@@ -118,7 +139,7 @@ def parallelize(model: nn.Module, layout: Layout, mesh, spec, runtime, options=N
                           "with pp > 1")
     from .loss import apply_loss
     apply_loss(model, spec)                 # the head and loss (chunked or fused): whole models only
-    out = Parallelized(model)
+    out = Parallelized(model, plan=plan_of(model, layout, spec))
     pieces = [model] if layout.pipeline is None else split_stages(model, layout, mesh, out)
     for piece in pieces:
         runner, out.tp, out.cp = parallelize_piece(piece, layout, mesh, spec, runtime, options,
@@ -140,7 +161,7 @@ def parallelize_piece(piece: nn.Module, layout: Layout, mesh, spec, runtime, opt
     apply_float8(piece, spec, fsdp=backend.float8_all_gather(layout, staged))
     if dims.tp > 1:
         from .backends.tp import apply_tensor_parallel
-        tp = apply_tensor_parallel(piece, mesh["tp"])
+        tp = apply_tensor_parallel(piece, mesh["tp"], plan_of(piece, layout, spec).sequence_parallel)
     if dims.cp > 1:
         from .backends.cp import ContextParallel
         cp = ContextParallel(piece, mesh["cp"])

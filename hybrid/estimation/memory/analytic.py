@@ -62,9 +62,10 @@ def estimate(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec, 
     layout.check(profile)
     sh = shares(profile, layout, spec, rank)
     dims = layout.dims
-    moe = expert_parallel(layout.dp, sh.profile, sh.spec, cluster, dims.dp_shard, dims.cp, dims.ep, placement_of,
+    priced = layout.dp.family_obj.priced_strategy(layout.dp, sh.applied)
+    moe = expert_parallel(priced, sh.profile, sh.spec, cluster, dims.dp_shard, dims.cp, dims.ep, placement_of,
                           staged=sh.stage is not None)
-    place = moe.placement if moe else placement_of(layout.dp, sh.profile, sh.spec, cluster, dims.dp_shard * dims.cp,
+    place = moe.placement if moe else placement_of(priced, sh.profile, sh.spec, cluster, dims.dp_shard * dims.cp,
                                                  sh.stage)
     act, notes = activations(sh, place.autocast)
     if moe:
