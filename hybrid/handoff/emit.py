@@ -55,10 +55,14 @@ def emit(kind: str, p: Plan, profile: ModelProfile, name: str | None = None,
         c = _pick_torchtitan(p, name)
         return torchtitan_command(c, p), c
     if kind == "accelerate":
-        c = _named(p, name) or p.chosen
+        c = _named(p, name, _accelerate_runs) or p.chosen
         if c is None:
             raise HybridError("nothing fits this job, so there is no layout to emit; see `hybrid plan` for why")
         _expressible(c, kind)
+        if not _accelerate_runs(c):
+            raise HybridError(f"{c.layout.label}: Accelerate's ParallelismConfig composes tp/cp only with a sharded "
+                              f"data-parallel dimension, not with dp_replicate {c.parallel.dp_replicate} x dp_shard 1; "
+                              "emit an fsdp or hsdp layout with dp_shard > 1 (--strategy fsdp), or --emit torchtitan")
         return accelerate_yaml(c, p, profile), c
     if kind not in KINDS:
         raise HybridError(f"unknown --emit {kind!r}. Available: {', '.join(CHOICES)}")
@@ -87,11 +91,18 @@ def _expressible(c: Candidate, kind: str) -> None:
                               f"--{dim} 1")
 
 
-def _named(p: Plan, name: str | None) -> Candidate | None:
-    """The fastest fitting candidate of the named strategy (None without a name)."""
+def _accelerate_runs(c: Candidate) -> bool:
+    """Accelerate's ParallelismConfig refuses tp or cp over pure replication (dp_replicate > 1 with
+    dp_shard 1: accelerate/parallelism_config.py); every other layout of its dimensions it composes."""
+    d = c.parallel
+    return not (d.dp_replicate > 1 and d.dp_shard == 1 and (d.tp > 1 or d.cp > 1))
+
+
+def _named(p: Plan, name: str | None, runs=lambda c: True) -> Candidate | None:
+    """The fastest fitting candidate of the named strategy that the hand-off `runs` (None without a name)."""
     if not name:
         return None
-    fitting = [c for c in p.candidates if c.name == name and c.known_to_fit]
+    fitting = [c for c in p.candidates if c.name == name and c.known_to_fit and runs(c)]
     if not fitting:
         raise HybridError(f"strategy {name!r} has no layout that fits this job; see `hybrid plan --strategy {name}`")
     return min(fitting, key=lambda c: c.cost.time_per_token)

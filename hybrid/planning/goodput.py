@@ -156,7 +156,9 @@ def state_bytes(profile: "ModelProfile", spec: "TrainSpec", fp32_master: bool = 
     in the state dtype); gradients are not saved."""
     b = spec.bytes
     param, state = (FP32, FP32) if fp32_master else (b.param, b.state)
-    return int(profile.params * param + optimizer_state_bytes(profile, spec, state=state))
+    # less torch's 0-dim step per tensor, which DCP writes as a few bytes of metadata, not a tensor item
+    steps = FP32 * profile.optim_shapes.tensors if profile.optim_shapes is not None and spec.optimizer == "adamw" else 0
+    return int(profile.params * param + optimizer_state_bytes(profile, spec, state=state) - steps)
 
 
 def checkpoint_bytes(layout: "Layout", profile: "ModelProfile", spec: "TrainSpec") -> tuple[int, int]:
