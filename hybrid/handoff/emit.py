@@ -94,8 +94,8 @@ def _expressible(c: Candidate, kind: str) -> None:
 def _accelerate_runs(c: Candidate) -> bool:
     """Accelerate's ParallelismConfig refuses tp or cp over pure replication (dp_replicate > 1 with
     dp_shard 1: accelerate/parallelism_config.py); every other layout of its dimensions it composes."""
-    d = c.parallel
-    return not (d.dp_replicate > 1 and d.dp_shard == 1 and (d.tp > 1 or d.cp > 1))
+    d, used = c.parallel, c.layout.used()
+    return not (d.dp_replicate > 1 and d.dp_shard == 1 and ("tp" in used or "cp" in used))
 
 
 def _named(p: Plan, name: str | None, runs=lambda c: True) -> Candidate | None:
