@@ -175,6 +175,8 @@ def _prepare(path: str, name: str, overwrite: bool) -> tuple[str | None, list[st
         if isinstance(e, HybridError):
             return str(e), [], None
         why = why_write_failed(e, path) or f"{e.strerror or e}; choose a writable directory"
+        if os.path.isfile(os.path.join(path, "meta.json")):   # meta.json is replaced whole or not at all
+            return f"cannot write checkpoint {path!r}: {why}; the previous version is still in force", [], None
         return f"cannot write a checkpoint to {path!r}: {why}", [], None
     return None, list(dict.fromkeys(history)), lock
 

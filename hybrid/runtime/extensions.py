@@ -185,6 +185,24 @@ def built(root: str, op: str = SHM_OP) -> bool:
 _TRIED: set[str] = set()
 
 
+def _kill_session(sid: int) -> None:
+    """SIGKILL every process of session `sid` (the build child started one): ninja runs each compile
+    in a process group of its own, which killpg of the child's group does not reach; they stay in
+    its session. /proc/PID/stat's sixth field is the session id."""
+    try:
+        os.killpg(sid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()) if os.path.isdir("/proc") else ():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid:
+                os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            continue            # exited meanwhile, or not ours to kill
+
+
 def build_op(root: str, timeout: float = BUILD_TIMEOUT_S) -> None:
     """Build DeepSpeed's CPU comm op in a child process bounded by `timeout` seconds, if it is not
     built yet, so that no rank builds it unbounded inside deepspeed.comm.init_distributed; the child
@@ -198,7 +216,7 @@ def build_op(root: str, timeout: float = BUILD_TIMEOUT_S) -> None:
     try:
         _, err = child.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
+        _kill_session(child.pid)
         child.wait()
         deadline = time.monotonic() + 2.0       # the killed group's compilers may take a moment to exit
         for lock in locks(root):

@@ -17,7 +17,7 @@ SMALL = ["tiny-gpt", "--gpus-per-node", "2", "--micro-batch", "2", "--seq-len", 
 def test_tune_reports_oom_over_the_cap_runs_the_rest_and_calibrates(tmp_path, capsys):
     # 2 ranks: ddp keeps ~4.7 MiB of live tensors, fsdp ~3.7 MiB: a 4.3 MiB cap is OOM for ddp only
     cal = tmp_path / "cal.yaml"
-    code = main(["tune", *SMALL, "--strategies", "ddp,fsdp", "--top", "2", "--gpu-memory", str(int(4.3 * 2**20)),
+    code = main(["tune", *SMALL, "--strategies", "ddp,fsdp", "--top", "2", "--gpu-memory", f"{int(4.3 * 2**20)}B",
                  "--json", "--save-calibration", str(cal)])
     out = capsys.readouterr().out
     assert code == 0
