@@ -14,7 +14,7 @@ CAT = load_catalogue()
 CLUSTER = Cluster.build(1, 4, "h100-80gb")
 
 
-@pytest.mark.unit
+@pytest.mark.torch
 def test_programs_group_as_the_trace_runs_them():
     """DeepSpeed traces as its FSDP2 equivalent and a traced run ignores host offload: the presets that
     share a program, and those that do not."""
