@@ -37,8 +37,8 @@ PYCHECK
 stamp=.venv/.hybrid-setup
 want="$(sha256sum pyproject.toml | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  say "installing hybrid (editable) with deepspeed, transformers, accelerate, matplotlib, pytest and ruff (a few minutes on a fresh machine)"
-  "$VPY" -m pip install -q -e ".[dev,hf,plot]" 2>&1 | grep -v "^WARNING: Location" || true
+  say "installing hybrid (editable) with deepspeed, transformers, accelerate, peft, bitsandbytes, matplotlib, pytest and ruff (a few minutes on a fresh machine)"
+  "$VPY" -m pip install -q -e ".[dev,hf,plot,lora]" 2>&1 | grep -v "^WARNING: Location" || true
   "$VPY" -c "import hybrid, deepspeed, yaml, pytest" >/dev/null 2>&1 || { echo "setup: install failed"; exit 1; }
   echo "$want" > "$stamp"
 else

@@ -15,7 +15,7 @@ from .api import estimate, plan
 from .config.cluster import Cluster
 from .errors import HybridError
 from .layout.dims import ParallelDims
-from .config.spec import TrainSpec
+from .config.spec import LoRA, TrainSpec
 
 if TYPE_CHECKING:
     from .auto import auto_wrap
@@ -26,7 +26,7 @@ __version__ = "0.2.0"
 
 _compat.install()
 
-__all__ = ["Cluster", "HybridError", "ParallelDims", "TrainSpec", "Wrapped", "auto_wrap", "estimate", "plan",
+__all__ = ["Cluster", "HybridError", "LoRA", "ParallelDims", "TrainSpec", "Wrapped", "auto_wrap", "estimate", "plan",
            "shutdown"]
 
 _LAZY = {"auto_wrap": "auto", "Wrapped": "runtime.wrapped", "shutdown": "runtime.mesh"}

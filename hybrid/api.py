@@ -46,6 +46,15 @@ def profile_of(model) -> ModelProfile:
                       f"an nn.Module or a callable returning one; got {type(model).__name__}")
 
 
+def lora_of_model(model, train: dict) -> None:
+    """A PEFT module's LoRA (model/lora.lora_of) as the job's `lora` unless one is given."""
+    if train.get("lora") is None and hasattr(model, "parameters"):
+        from .model.lora import lora_of
+        found = lora_of(model)
+        if found is not None:
+            train["lora"] = found
+
+
 def check_arguments(**values) -> None:
     """The arguments through the CLI's checks of the options of the same name (hybrid/config/options.py:
     type, range, choices); a value of another type than the option's strings (a Checkpointing, a
@@ -105,6 +114,7 @@ def plan(model, cluster: Cluster | None = None, *, strategies: list[str] | None 
                     global_batch_tokens=train.get("global_batch_tokens"))
     strategies_dir = _check_dirs(strategies_dir)
     profile = profile_of(model)
+    lora_of_model(model, train)
     tokens = train.pop("global_batch_tokens", None)
     if train.get("global_batch") is not None or tokens is not None:
         seq = train.get("seq_len") or default_seq_len(profile.max_positions)
@@ -137,6 +147,8 @@ def estimate(model, strategy: "str | Layout" = DEFAULT_STRATEGY, cluster: Cluste
     profile = profile_of(model)
     if spec is not None and train:
         raise HybridError(f"pass either spec= or training keywords ({', '.join(sorted(train))}), not both")
+    if spec is None:
+        lora_of_model(model, train)
     spec = spec or train_spec(profile, cluster, **train)
     if spec.global_batch is not None:
         raise HybridError("estimate() takes one batch shape (micro_batch=, gradient_accumulation=); a global_batch "

@@ -17,7 +17,8 @@ from .errors import HybridError, short
 from .runtime.mesh import build_mesh, init_distributed
 from .model.decoder import prepare_for_training
 from .planning.reach import runtime_degrees
-from .runtime.parallelize import build_engine, check_model, parallelize
+from .runtime.parallelize import build_engine, check_model, check_quantized_base, parallelize
+from .model.lora import lora_of, quantization_of
 from .planning.planner import plan as make_plan
 from .model.profile import build_profile
 from .config.spec import TrainSpec, default_precision, default_seq_len
@@ -91,6 +92,19 @@ def _check_loop_args(max_grad_norm, scheduler):
     if scheduler is not None and not callable(scheduler):
         raise HybridError("scheduler must be a callable that takes the optimizer and returns an LR scheduler, e.g. "
                           f"lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup); got {scheduler!r}")
+
+
+def _what_runs(model, spec: TrainSpec, catalogue: dict, tp, pp, cp):
+    """The catalogue and degrees this model can run: chunked and fused losses replace a whole
+    model's head (hybrid/runtime/loss.py), and a bitsandbytes base trains on CUDA only, whole on
+    every rank (families that run it, tp, cp and pp 1)."""
+    if spec.loss != "eager":
+        tp, pp, cp = tp or 1, pp or 1, cp or 1
+    check_quantized_base(model, None)
+    if quantization_of(model):
+        catalogue = {n: s for n, s in catalogue.items() if s.family_obj.runs_bitsandbytes_base}
+        tp, pp, cp = tp or 1, pp or 1, cp or 1
+    return catalogue, tp, pp, cp
 
 
 def _replica_env(fault_tolerant: bool):
@@ -227,12 +241,10 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
                      attention=attention, global_batch=gb, compile=compile, float8=float8, loss=loss,
                      float8_recipe=or_default("float8_recipe", float8_recipe),
                      gradient_accumulation=or_default("gradient_accumulation", gradient_accumulation),
-                     moe_imbalance=or_default("moe_imbalance", moe_imbalance))
+                     moe_imbalance=or_default("moe_imbalance", moe_imbalance), lora=lora_of(model))
     from .estimation.float8 import check_float8
     check_float8(spec, cluster)
-    if spec.loss != "eager":        # chunked and fused replace a whole model's head (hybrid/runtime/loss.py)
-        tp, pp, cp = tp or 1, pp or 1, cp or 1
-    catalogue = load_catalogue(strategies_dir)
+    catalogue, tp, pp, cp = _what_runs(model, spec, load_catalogue(strategies_dir), tp, pp, cp)
     search = activation_checkpointing is None
     from .estimation.calibration import resolve
     cal = resolve(calibration)

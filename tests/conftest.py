@@ -16,7 +16,9 @@ hold no unit test are not collected (nothing in them could run); one that does m
 """
 import functools
 import importlib.abc
+import importlib.util
 import os
+import re
 import sys
 
 import pytest
@@ -41,6 +43,43 @@ def pytest_addoption(parser):
                           "`pytest -m unit --no-torch` checks that the unit tier needs none of them")
 
 
+WORKERS_ENV = "HYBRID_TEST_WORKERS"
+"""Worker processes (pytest-xdist) for a run of the whole suite or a marker selection of it: this
+variable, else the CPUs this process may use, at most 4. `-n N` on the command line wins (`-n 0`: one
+process); a run naming files or tests runs in one process unless it passes `-n`."""
+
+
+def workers(env=os.environ, cpus=None) -> int:
+    if env.get(WORKERS_ENV, "").strip():
+        value = env[WORKERS_ENV].strip()
+        if not value.isdigit():
+            raise pytest.UsageError(f"{WORKERS_ENV}={value!r}: a whole number of worker processes (0: none)")
+        return int(value)
+    cpus = cpus if cpus is not None else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else os.cpu_count() or 1
+    return min(cpus, 4)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """The whole suite (or `-m TIER` of it) is spread over worker processes where pytest-xdist is
+    installed (the dev extra): on 2 cores the gloo ranks' start-ups and waits overlap the other
+    worker's tests. Each worker takes tests as it goes idle (`--dist worksteal`)."""
+    if not config.pluginmanager.hasplugin("xdist") or os.environ.get("PYTEST_XDIST_WORKER"):
+        return None
+    opt = config.option
+    if opt.numprocesses is not None or opt.collectonly or opt.usepdb or opt.tx:
+        return None
+    if config.args_source != pytest.Config.ArgsSource.TESTPATHS:
+        return None
+    n = workers()
+    if n > 1:
+        opt.numprocesses = n
+        if opt.dist == "no":
+            opt.dist = "worksteal"
+    return None
+
+
 def pytest_configure(config):
     if config.getoption("--no-torch"):
         loaded = sorted(m for m in sys.modules if m.split(".")[0] in HEAVY)
@@ -62,6 +101,24 @@ def _extension_cache():
         raise pytest.UsageError(str(e)) from None
 
 
+RANK_PRELOAD = ("deepspeed", "hybrid.auto", "hybrid.ckpt.store", "hybrid.model.decoder", "hybrid.runtime.backends.ddp",
+                "hybrid.runtime.backends.fsdp", "hybrid.runtime.backends.deepspeed", "hybrid.runtime.backends.tp",
+                "hybrid.runtime.backends.cp", "hybrid.runtime.backends.ep", "hybrid.runtime.backends.pipeline")
+"""What the ranks of run_ranks import in (nearly) every test: imported once by the fork server of each
+test process (hybrid.runtime.launch.preload) instead of by every rank of every launch (~1.5 s of CPU)."""
+
+
+def pytest_runtest_setup(item):
+    """Before the first test of a tier that launches ranks (torch's import is theirs, not the unit tier's)."""
+    if not _PRELOADED and {m.name for m in item.iter_markers()} & {"torch", "fakepg", "gloo", "gpu"}:
+        from hybrid.runtime.launch import preload
+        preload(*RANK_PRELOAD)
+        _PRELOADED.append(True)
+
+
+_PRELOADED: list = []
+
+
 @functools.cache
 def _torch() -> bool:
     """torch can be imported here (installed, and not blocked by --no-torch)."""
@@ -80,15 +137,32 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def only_unit(markexpr: str) -> bool:
+    """Whether a `-m` expression can select unit tests only: false for every test of another tier
+    (with or without `safety`). An expression naming any other marker is not judged (False)."""
+    names = set(re.findall(r"[A-Za-z_]\w*", markexpr)) - {"and", "or", "not"}
+    if not names or not names <= {*TIERS, "safety"} or re.search(r"[^\w\s()]", markexpr):
+        return False
+    code = compile(markexpr, "<-m>", "eval")
+    return not any(eval(code, {"__builtins__": {}}, {**dict.fromkeys(names, False), tier: True, "safety": safety})
+                   for tier in TIERS if tier != "unit" for safety in (False, True))
+
+
 def pytest_ignore_collect(collection_path, config):
-    """Without torch only unit tests can run: a test module that holds none is not imported."""
-    if collection_path.suffix == ".py" and collection_path.name.startswith("test_") and not _torch():
+    """A test module that holds no unit test is not imported where only unit tests can run: without
+    torch, and under `-m unit` (so that the fast subset imports no torch, 50 s of collection on 2 cores)."""
+    if collection_path.suffix == ".py" and collection_path.name.startswith("test_") and (
+            only_unit(config.option.markexpr or "") or not _torch()):
         return "mark.unit" not in collection_path.read_text(encoding="utf-8")
     return None
 
 
 def pytest_report_header(config):
-    if not _torch():
+    try:                                    # found, not imported: the unit tier never imports torch
+        found = importlib.util.find_spec("torch") is not None
+    except ImportError:                     # blocked by --no-torch
+        found = False
+    if not found:
         return "torch not importable: only test modules holding unit tests are collected"
     return None
 

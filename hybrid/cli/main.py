@@ -40,7 +40,7 @@ def _common(p: argparse.ArgumentParser, search: bool = False) -> None:
 
 def _job(args):
     from ..config.spec import check_precision, default_precision
-    from ..config.options import or_default
+    from ..config.options import lora_of_options, or_default
     from ..config.jobfile import cluster_of
     from ..model.sources import resolve_model
     from ..config.spec import TrainSpec, default_seq_len
@@ -65,9 +65,13 @@ def _job(args):
                      fault_tolerant=bool(args.fault_tolerant),
                      activation_checkpointing=or_default("activation_checkpointing", args.activation_checkpointing),
                      attention=args.attention, loss=args.loss,
-                     moe_imbalance=or_default("moe_imbalance", args.moe_imbalance))
+                     moe_imbalance=or_default("moe_imbalance", args.moe_imbalance),
+                     lora=lora_of_options(vars(args)))
     from ..estimation.float8 import check_float8
     check_float8(spec, cluster)
+    if spec.lora is not None and args.method != "analytic":
+        raise HybridError(f"--method {args.method} runs the model without adapters; --lora-rank is estimated by "
+                          "--method analytic (docs/finetuning.md), or pass a PEFT model to hybrid.plan")
     if args.compile and args.method == "traced":
         raise HybridError("--method traced runs the blocks eagerly; a compiled job's blocks keep what AOTAutograd's "
                           "partitioner saves, which --method analytic counts (hybrid/measure/compiled.py)")

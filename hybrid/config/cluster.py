@@ -61,7 +61,7 @@ published MFU of 40-50% for 7B-70B dense training (Megatron-LM, arXiv 2104.04473
 # whose peak torchtitan does not know ("between SXM and NVL"): its factor absorbs that.
 A100_EFFICIENCY = 0.65
 H100_EFFICIENCY = 0.52
-H100_96GB_EFFICIENCY = 0.48
+H100_96GB_EFFICIENCY = 0.46
 
 
 @dataclass(frozen=True)

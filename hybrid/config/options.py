@@ -18,7 +18,7 @@ from typing import Literal, get_args
 from .cluster import (A100_EFFICIENCY, ALLOCATOR_HEADROOM, DEFAULT_EFFICIENCY, EXPANDABLE_HEADROOM, H100_EFFICIENCY,
                       gpu_names)
 from ..errors import HybridError, short
-from .spec import MOE_IMBALANCE, Checkpointing, Loss, Optimizer, Precision
+from .spec import MAX_LORA_RANK, MOE_IMBALANCE, Checkpointing, Loss, Optimizer, Precision
 
 Kind = Literal["int", "float", "str", "list", "onoff", "bool"]
 Use = Literal["argument", "cluster", "plan", "cli"]
@@ -236,6 +236,19 @@ _GROUPS: dict[str, tuple[Option, ...]] = {
         Option("async_checkpoint", "bool", False, "price saves as DCP async saves: training waits only for the "
                "copy to host memory (default: synchronous, training waits for the write)", use="plan", fill=True),
     ),
+    "fine-tuning": (
+        Option("lora_rank", "int", help="fine-tune LoRA adapters of this rank on a frozen base (PEFT's r, e.g. 16): "
+               "only the adapters keep fp32 masters, gradients and optimizer state; the base is held in the compute "
+               "dtype (or quantised: --quantize-base)", use="plan", lo=1, hi=MAX_LORA_RANK),
+        Option("lora_targets", "str", help="with --lora-rank: comma-separated module-name suffixes that get adapters "
+               "(PEFT's target_modules; default: the attention and MLP projections, "
+               "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj or the gpt2-style ones)", use="plan"),
+        Option("quantize_base", "str", help="with --lora-rank: store the frozen base's block linears quantised, as "
+               "QLoRA: nf4 (bitsandbytes 4-bit NormalFloat, double-quantised constants) | int8 (LLM.int8)",
+               use="plan", choices=("nf4", "int8")),
+        Option("lora_dropout", "float", help="with --lora-rank: PEFT's lora_dropout on each adapter's input "
+               "(default 0, PEFT's)", use="plan", lo=0.0, hi=0.99),
+    ),
     "method and output": (
         Option("method", "str", "analytic", "analytic (closed form, instant; default) | traced (simulate one rank "
                "of the real job with fake tensors, seconds per strategy) | measured (run it here on local ranks)",
@@ -279,3 +292,23 @@ PLAN_ONLY = tuple(k for k, o in OPTIONS.items() if o.use == "plan")
 def or_default(name: str, value):
     """The value where given, else the option's default."""
     return OPTIONS[name].default if value is None else value
+
+
+def lora_of_options(values: dict):
+    """The LoRA (config/spec.LoRA) of the fine-tuning options in `values` (the parsed flags or a
+    job), None without --lora-rank; the other fine-tuning options need it."""
+    from .spec import LoRA
+    rank = values.get("lora_rank")
+    if rank is None:
+        given = [OPTIONS[k].flag for k in ("lora_targets", "quantize_base", "lora_dropout")
+                 if values.get(k) is not None]
+        if given:
+            raise HybridError(f"{given[0]} needs --lora-rank R (LoRA trains adapters of rank R over the frozen"
+                              f"{' quantised' if values.get('quantize_base') else ''} base), e.g. --lora-rank 16")
+        return None
+    targets = values.get("lora_targets")
+    kw = {"targets": tuple(t for t in targets.split(",") if t.strip())} if targets is not None else {}
+    if targets is not None and not kw["targets"]:
+        raise HybridError(f"lora-targets {short(targets)} names no module: give comma-separated suffixes, e.g. "
+                          "q_proj,v_proj")
+    return LoRA(rank=rank, quantize=values.get("quantize_base"), dropout=values.get("lora_dropout") or 0.0, **kw)

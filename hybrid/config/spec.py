@@ -12,6 +12,7 @@ Loss = Literal["eager", "chunked", "fused"]
 Checkpointing = Literal["none", "selective", "op", "full"]
 """Plus "layer:N" (full recomputation of every N-th block), checked by checkpointing()."""
 Attention = Literal["sdpa", "eager"]
+Quantize = Literal["nf4", "int8"]
 
 _ALIASES = {"flash": "sdpa", "bf16_mixed": "bf16-mixed", "mixed": "bf16-mixed", "adam": "adamw",
             "adamw8bit": "adamw-8bit", "adamw_8bit": "adamw-8bit", "adamw_bf16": "adamw-bf16",
@@ -87,6 +88,60 @@ def check_precision(precision: str, cluster) -> None:
 
 def default_seq_len(max_positions: int | None) -> int:
     return min(max_positions or 2048, DEFAULT_SEQ_LEN)
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "qkv_proj", "fc", "proj", "c_attn", "c_proj", "c_fc")
+"""Default --lora-targets: the attention and MLP projections (llama-style names, which transformers
+and our decoder share, then gpt2-style: our decoder's qkv_proj, o_proj, fc, proj and transformers'
+c_attn, c_proj, c_fc); the names a model does not have are skipped."""
+
+MAX_LORA_RANK = 65536
+"""Largest --lora-rank: beyond any adapter (LoRA papers use 1-256) and below any hidden size that
+would make an adapter pointless."""
+
+
+@dataclass(frozen=True)
+class LoRA:
+    """Low-rank adapters on a frozen base (Hu et al. 2021, arXiv 2106.09685), as PEFT builds them:
+    each target linear (out x in) gains A (rank x in) and B (out x rank), trained; everything else
+    frozen. With `quantize`, the base linears are stored quantised (QLoRA, arXiv 2305.14314)."""
+
+    rank: int
+    """r, the adapters' inner dimension (PEFT's LoraConfig.r), 1 to MAX_LORA_RANK."""
+    targets: tuple[str, ...] = LORA_TARGETS
+    """Module-name suffixes that get adapters (PEFT's target_modules): the given ones must all
+    exist in the model; the default's names a model lacks are skipped."""
+    quantize: Quantize | None = None
+    """nf4 (bitsandbytes 4-bit NormalFloat, blocksize 64, double-quantised constants) | int8
+    (LLM.int8, row-wise scales) for the base's block linears; None: the base in the training dtype."""
+    dropout: float = 0.0
+    """PEFT's lora_dropout on each adapter's input (default 0: PEFT's, no mask saved)."""
+
+    def __post_init__(self):
+        r = self.rank
+        if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= MAX_LORA_RANK:
+            raise HybridError(f"lora-rank must be a positive integer at most {MAX_LORA_RANK} (the adapters' inner "
+                              f"dimension, e.g. 16), got {r!r}")
+        targets = (self.targets,) if isinstance(self.targets, str) else self.targets
+        if not isinstance(targets, (tuple, list)) or not targets \
+                or not all(isinstance(t, str) and t.strip() for t in targets):
+            raise HybridError(f"lora-targets must be module-name suffixes, e.g. q_proj,v_proj; got {self.targets!r}")
+        object.__setattr__(self, "targets", tuple(dict.fromkeys(t.strip() for t in targets)))
+        if self.quantize is not None:
+            object.__setattr__(self, "quantize", choice("quantize-base", self.quantize, Quantize))
+        d = self.dropout
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d < 1.0:
+            raise HybridError(f"lora-dropout must be a number in [0, 1), got {d!r}")
+
+    @property
+    def default_targets(self) -> bool:
+        return self.targets == LORA_TARGETS
+
+    def to_dict(self) -> dict:
+        return {"lora_rank": self.rank, **({} if self.default_targets else {"lora_targets": list(self.targets)}),
+                **({"quantize_base": self.quantize} if self.quantize else {}),
+                **({"lora_dropout": self.dropout} if self.dropout else {})}
 
 
 @dataclass(frozen=True)
@@ -176,7 +231,15 @@ class TrainSpec:
     gradients are averaged across the groups by torchft's all-reduce after backward (unhidden),
     and every step takes a quorum (hybrid/estimation/cost/step.py). False: one job, no failover."""
 
+    lora: LoRA | None = None
+    """Fine-tune low-rank adapters on a frozen base (QLoRA with lora.quantize): only the adapters
+    have fp32 masters, gradients and optimizer state; the frozen base is held in the compute dtype
+    under the mixed precisions (nothing updates it, so it has no fp32 master) or quantised. None:
+    every parameter the model trains (requires_grad) is trained in full."""
+
     def __post_init__(self):
+        if self.lora is not None and not isinstance(self.lora, LoRA):
+            raise HybridError(f"lora must be a hybrid LoRA(rank=...), got {type(self.lora).__name__}")
         for attr in ("micro_batch", "seq_len", "gradient_accumulation", "global_batch"):
             v = getattr(self, attr)
             if v is None and attr == "global_batch":
@@ -217,6 +280,14 @@ class TrainSpec:
     def bytes(self) -> DtypeBytes:
         return _DTYPE_BYTES[self.precision]
 
+    @property
+    def frozen_bytes(self) -> int:
+        """Bytes per element of a frozen (requires_grad=False) parameter: the compute dtype under
+        the mixed precisions (nothing updates it, so no fp32 master is kept; the runtime casts it:
+        runtime/parallelize.py), else the parameter dtype."""
+        b = self.bytes
+        return b.compute if self.mixed else b.param
+
     def to_dict(self) -> dict:
         return {"micro_batch": self.micro_batch, "seq_len": self.seq_len, "precision": self.precision,
                 "optimizer": self.optimizer, "activation_checkpointing": self.activation_checkpointing,
@@ -226,4 +297,5 @@ class TrainSpec:
                 **({"compile": True} if self.compile else {}), **({"float8": True} if self.float8 else {}),
                 **({"float8_recipe": self.float8_recipe} if self.float8_recipe != "tensorwise" else {}),
                 **({"moe_imbalance": self.moe_imbalance} if self.moe_imbalance != MOE_IMBALANCE else {}),
-                **({"fault_tolerant": True} if self.fault_tolerant else {})}
+                **({"fault_tolerant": True} if self.fault_tolerant else {}),
+                **(self.lora.to_dict() if self.lora else {})}

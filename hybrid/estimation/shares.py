@@ -10,6 +10,7 @@ from ..errors import HybridError
 from .memory.activations import ActivationTerms
 from ..model.profile import ModelProfile
 from ..config.spec import TrainSpec
+from ..layout.applied import AppliedPlan, applied_plan
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ def stage_share(profile: ModelProfile, pipeline, rank: int) -> ModelProfile:
         root_params=root,
         factored_state=None if profile.factored_state is None else round(profile.factored_state * frac),
         optim_shapes=None if profile.optim_shapes is None else profile.optim_shapes.scaled(frac),
+        quantized_params=profile.quantized_params * st.blocks // max(profile.num_blocks, 1),
+        quantized_bytes=profile.quantized_bytes * st.blocks // max(profile.num_blocks, 1),
         tied_groups=(), decoder=held)
 
 
@@ -88,6 +91,17 @@ class Share:
     """The job on this rank: each sequence S / cp long (local_spec)."""
     tp: int
     cp: int
+    applied: AppliedPlan | None = None
+    """What the runtime applies for the layout (hybrid/layout/applied.py): sequence and loss
+    parallelism, the data-parallel wrap."""
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.applied is not None and self.applied.sequence_parallel
+
+    @property
+    def loss_parallel(self) -> bool:
+        return self.applied is not None and self.applied.loss_parallel
 
     @property
     def has_head(self) -> bool:
@@ -104,14 +118,15 @@ class Share:
         return self.cp > 1
 
 
-def shares(profile: ModelProfile, layout, spec: TrainSpec, rank: int = 0) -> Share:
-    """Rank `rank` of the pipeline (0 without one) under `layout`: pipeline stage, then cp, then tp."""
+def shares(profile: ModelProfile, layout, spec: TrainSpec, rank: int = 0, implementation: str = "hybrid") -> Share:
+    """Rank `rank` of the pipeline (0 without one) under `layout`: pipeline stage, then cp, then tp;
+    `implementation` (hybrid.layout.applied.IMPLEMENTATIONS): the code the runtime applies it to."""
     stage, held = None, profile
     if layout.pipeline is not None:
         stage, held = stage_of(profile, layout.pipeline, rank), stage_share(profile, layout.pipeline, rank)
     tp, cp = layout.dims.tp, layout.dims.cp
     return Share(whole=profile, whole_spec=spec, stage=stage, held=held, profile=tp_share(held, tp, stage),
-                 spec=local_spec(spec, cp), tp=tp, cp=cp)
+                 spec=local_spec(spec, cp), tp=tp, cp=cp, applied=applied_plan(layout, implementation, spec.precision))
 
 
 def tp_share(profile: ModelProfile, tp: int, stage=None) -> ModelProfile:
@@ -142,7 +157,8 @@ def tp_share(profile: ModelProfile, tp: int, stage=None) -> ModelProfile:
         largest_param=max(1, profile.largest_param // tp),
         factored_state=None if profile.factored_state is None else profile.factored_state // tp,
         optim_shapes=None if profile.optim_shapes is None else dataclasses.replace(
-            profile.optim_shapes.scaled(frac, split=True), block_matrices=profile.optim_shapes.block_matrices // tp))
+            profile.optim_shapes.scaled(frac, split=True), block_matrices=profile.optim_shapes.block_matrices // tp),
+        quantized_params=profile.quantized_params // tp, quantized_bytes=profile.quantized_bytes // tp)
 
 
 def local_spec(spec: TrainSpec, cp: int) -> TrainSpec:
@@ -162,6 +178,9 @@ def share_activations(sh: Share, act: ActivationTerms, autocast: bool, notes: li
     Returns (the terms, notes)."""
     from .memory.cp import with_gathered_kv
     spec, tp, cp = sh.spec, sh.tp, sh.cp
+    if tp > 1 and not (sh.sequence_parallel and sh.loss_parallel):
+        raise HybridError(f"tensor parallel {tp} without sequence parallelism or the vocab-parallel loss is not "
+                          "priced (the runtime applies both: hybrid/layout/applied.py); use tp 1")
     if tp > 1:
         # the attention and MLP inputs are all-gathered, and the column-wise matmuls keep them
         # whole: in every stored block, or only in the recomputed one under full checkpointing

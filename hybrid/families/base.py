@@ -121,6 +121,17 @@ class Family:
                                  "hsdp strategy with ep, or ep 1", "ep")
         return None
 
+    def applied_wrap(self, layout, staged: bool) -> tuple[str, str, bool | None, bool]:
+        """The data-parallel wrap this family's runtime applies to the layout: (wrap, units,
+        reshard_after_forward, whether mixed precision runs under torch.autocast), as
+        hybrid.layout.applied.AppliedPlan records it."""
+        raise NotImplementedError
+
+    def priced_strategy(self, s, applied):
+        """The strategy whose placement is what runs under `applied` (an AppliedPlan or None): the
+        preset itself unless the family's runtime wraps through another family (ddp over tp)."""
+        return s
+
     def problems(self, layout) -> list:
         """Every reason (NotApplicable, naming its dimension) this family cannot run the layout's
         pipeline, tensor- and context-parallel dimensions, in that order; empty when it can."""
@@ -159,6 +170,11 @@ class Family:
     supports_ep: bool = False
     """Whether the family shards a MoE layer's experts over ep ranks (ep > 1) as a unit of their own
     over the expert_shard ranks (estimation/memory/moe.py, runtime/backends/ep.py; torchtitan's layout)."""
+
+    runs_bitsandbytes_base: bool = False
+    """Whether the runtime trains a module whose frozen base bitsandbytes quantised (Params4bit,
+    Int8Params): only a family that keeps whole replicas does (FSDP2 and ZeRO-3 shard plain
+    tensors, and would drop the quantisation state bitsandbytes keeps beside each parameter)."""
 
     def sharded_optimizer(self, s) -> bool:
         """Whether the optimizer step runs on 1/N of the parameters."""

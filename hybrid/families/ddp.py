@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..errors import HybridError
 from ..units import MiB
-from .placement import Placement, draft, optimizer_state_bytes, step_scratch_bytes
+from .placement import Placement, draft, optimizer_state_bytes, param_bytes, step_scratch_bytes
 from .base import Comm, Family, FamilyConfig
 
 
@@ -40,6 +40,7 @@ class DDPFamily(Family):
     runtime_module = "hybrid.runtime.backends.ddp"
     fault_tolerant = True
     handoff_module = "hybrid.handoff.ddp"
+    runs_bitsandbytes_base = True
 
     def checkpoint_shards(self, dims):
         """Every data-parallel replica holds (and loads) its whole tensor-parallel share."""
@@ -51,6 +52,24 @@ class DDPFamily(Family):
 
     def sharded_optimizer(self, s):
         return False
+
+    def applied_wrap(self, layout, staged):
+        # torch's DDP takes no DTensor parameters and breaks under a pipeline schedule: replication
+        # over tensor-parallel groups or of a stage runs through FSDP2 (runtime/backends/ddp.py wrap),
+        # one unit per block and the root, kept gathered from forward to backward
+        if layout.dims.tp > 1 or staged:
+            return "fsdp", "blocks+root", False, False
+        return "ddp", "buckets", None, True
+
+    def priced_strategy(self, s, applied):
+        # replication through FSDP2 (applied_wrap) is priced as that wrap: whole parameters (a shard
+        # group of 1), kept gathered from forward to backward, MixedPrecisionPolicy's casts
+        if applied is None or applied.wrap != "fsdp":
+            return s
+        from dataclasses import replace
+        from .fsdp import FSDPConfig
+        return replace(s, name=f"{s.name}-through-fsdp2", family="fsdp",
+                       config=FSDPConfig(reshard_after_forward=applied.reshards))
 
     def problems(self, layout):
         s, d = layout.dp, layout.dims
@@ -64,7 +83,7 @@ class DDPFamily(Family):
     def placement(self, s, p, spec, n, cl, stage=None) -> Placement:
         b = spec.bytes
         grads = p.trainable_params * b.grad
-        place = draft(params=p.params * b.param, optimizer=optimizer_state_bytes(p, spec),
+        place = draft(params=param_bytes(p, spec), optimizer=optimizer_state_bytes(p, spec),
                      scratch=sum(step_scratch_bytes(p, spec)),
                      autocast=spec.precision in ("bf16-mixed", "fp16-mixed"), grads_end=grads)
         if s.config.gradient_as_bucket_view:

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from ..errors import HybridError
 from ..config.cluster import HOST_STEP_RATE, PCIE_BW
 from ..layout.dims import validate_shard_size
-from .placement import FP32, Placement, draft, NotApplicable, optimizer_state_bytes, step_scratch_bytes
+from .placement import (FP32, Placement, draft, NotApplicable, gathered_bytes, optimizer_state_bytes, param_bytes,
+                        step_scratch_bytes)
 from .base import Comm, Family, HostOffloadConfig
 
 SUB_GROUP_SIZE = 1_000_000_000
@@ -143,6 +144,9 @@ class DeepSpeedFamily(Family):
     keeps_master_copy = True
     torchtitan = False
 
+    def applied_wrap(self, layout, staged):
+        return "deepspeed", f"zero stage {layout.dp.config.stage}", None, False
+
     def problems(self, layout):
         s, d, out = layout.dp, layout.dims, []
         if d.pp > 1:
@@ -201,7 +205,7 @@ class DeepSpeedFamily(Family):
         scratch = step_scratch_bytes(p, spec, FP32)[0] / n
         place = draft()
         if s.config.stage in (1, 2):
-            place.params = p.params * c           # the module's bf16 params, whole on every rank
+            place.params = param_bytes(p, spec, c)  # the module's 16-bit params, whole on every rank
             # stage 1 keeps full bf16 grads until the step; stage 2 reduces them into a 1/N partition
             place.grads_end = P * c if s.config.stage == 1 else P * c / n
             if spec.gradient_accumulation > 1:
@@ -212,7 +216,7 @@ class DeepSpeedFamily(Family):
             place.buffers_start = place.buffers_mid = place.buffers_end = c * reduce_bucket
         else:
             small = persistent_params(p, persist)
-            place.params = c * (p.params / n + small * (1 - 1 / n))
+            place.params = param_bytes(p, spec, c) / n + c * small * (1 - 1 / n)
             # stage3.py allocates grad_partitions_flat_buffer (1/N, 16-bit) once, at init
             place.grads_start = place.grads_end = P * c / n
             # ... and makes the fp32 grad one sub-group (sub_group_size, default 1e9) at a time
@@ -276,9 +280,10 @@ class DeepSpeedFamily(Family):
             return Comm(bwd=links.collective("reduce_scatter", c * P, W, units),
                         after_step=links.collective("all_gather", c * P, W, 1), offload=offload,
                         copied_micro=2 * c * P)
-        ag = links.collective("all_gather", c * A, W, units)         # stage 3 gathers frozen params too
+        everything = gathered_bytes(p, spec, A, p.num_blocks)       # stage 3 gathers frozen params too
+        ag = links.collective("all_gather", everything, W, units)
         hpz = s.config.hpz_size(cl)
-        bwd = (links.collective("all_gather", c * A, hpz, units) if hpz else ag)
+        bwd = (links.collective("all_gather", everything, hpz, units) if hpz else ag)
         bwd += links.collective("reduce_scatter", c * P, W, units)
         tail = links.collective("all_gather", unit_bytes, W) + links.collective("reduce_scatter", unit_bytes, W)
         return Comm(fwd=ag, bwd=bwd, tail=tail, offload=offload,

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from ..errors import HybridError
 from ..config.cluster import HOST_STEP_RATE, PCIE_BW
-from .placement import Placement, draft, optimizer_state_bytes, reduce_bytes, step_scratch_bytes
+from .placement import (Placement, draft, gathered_bytes, optimizer_state_bytes, param_bytes, reduce_bytes,
+                        step_scratch_bytes)
 from .base import Comm, Family, HostOffloadConfig
 
 
@@ -43,6 +44,9 @@ class FSDPFamily(Family):
     def shard_is_free(self, s):
         return s.shard == "node"
 
+    def applied_wrap(self, layout, staged):
+        return "fsdp", "blocks+root", layout.dp.config.reshard_after_forward, False
+
     def placement(self, s, p, spec, n, cl, stage=None) -> Placement:
         b = spec.bytes
         c = b.compute
@@ -61,8 +65,15 @@ class FSDPFamily(Family):
         # the head's (or embedding's) unsharded gradient: its tensor-parallel share, none on a
         # middle pipeline stage (the root holds it, as tp_share and stage_share count it)
         head = min(p.decoder.vocab * p.decoder.hidden, root) if p.decoder else root
+        # what of a block and of the root trains (and so makes gradients): a LoRA model's adapters
+        # all sit in its blocks; other partly frozen models are taken as evenly frozen
+        if spec.lora is not None and p.num_blocks:
+            unit_frac, root_frac = min(1.0, P / max(p.num_blocks * unit, 1)), 0.0
+        else:
+            unit_frac = root_frac = P / p.params
+        blocks = p.num_blocks if p.num_blocks else 0
         scratch, whole = step_scratch_bytes(p, spec)     # whole: Muon's gathered matrix
-        sharded = dict(params=p.params * b.param / n, optimizer=optimizer_state_bytes(p, spec) / n,
+        sharded = dict(params=param_bytes(p, spec) / n, optimizer=optimizer_state_bytes(p, spec) / n,
                        grads=P * b.grad / n, scratch=scratch / n + whole)
         if s.config.offload_params:
             place.cpu = sharded["params"] + sharded["optimizer"] + sharded["grads"] + sharded["scratch"]
@@ -72,8 +83,9 @@ class FSDPFamily(Family):
             place.grads_end, place.scratch = sharded["grads"], sharded["scratch"]
         # The root (embeddings, final norm, head) is not resharded after forward (FSDP2 keeps the root
         # gathered for backward); blocks are gathered one at a time plus one prefetched.
-        gathered_blocks = 2 * unit if s.config.reshard_after_forward else every_block + unit
-        place.buffers_start = c * (root + (unit if s.config.reshard_after_forward else every_block))
+        gathered_unit = gathered_bytes(p, spec, unit, 1 if blocks else 0)
+        gathered_all = gathered_bytes(p, spec, every_block, blocks)
+        place.buffers_start = c * root + (gathered_unit if s.config.reshard_after_forward else gathered_all)
         # resharded after forward (reshard_after_forward=True is passed explicitly, so FSDP2 reshards
         # the root too), the root and the last block are gathered again by the root's pre-backward
         # hook on its outputs: after the loss backward when the loss is computed outside (traced)
@@ -81,8 +93,9 @@ class FSDPFamily(Family):
         # in a block's backward: root params + the head's unsharded grad, two blocks gathered (the
         # block and the prefetched one, whose all-gather output and copy-out overlap it), and the
         # block's reduce-scatter input in the reduce dtype (its grads themselves: unit_grads)
-        place.buffers_mid = c * (root + head + gathered_blocks) + rb * unit
-        place.buffers_end = c * (2 * root) + rb * root
+        gathered_blocks = 2 * gathered_unit if s.config.reshard_after_forward else gathered_all + gathered_unit
+        place.buffers_mid = c * (root + head * root_frac) + gathered_blocks + rb * unit * unit_frac
+        place.buffers_end = c * root + (c + rb) * root * root_frac
         if stage is not None:
             # a pipeline stage reduce-scatters once, after its last micro-batch (perform_reduce_grad):
             # until then only the accumulated unsharded gradients exist, then only the shards
@@ -100,7 +113,7 @@ class FSDPFamily(Family):
             # ... and with set_reshard_after_backward(False): a block's parameters stay gathered
             # from its backward until its next forward reshards them; all the blocks' at the end
             # of a backward (the stage root's are resharded: traced)
-            place.buffers_end = c * every_block
+            place.buffers_end = gathered_all
             place.notes.append("pipeline stage: FSDP keeps the stage's parameters gathered after their backward "
                              "until the step's reduce-scatter (torch.distributed.pipelining)")
         return Placement.of(place)
@@ -111,10 +124,11 @@ class FSDPFamily(Family):
         # all-gather every param (frozen ones too) in every forward and again in backward (unless
         # kept), reduce-scatter the trainable ones' grads in the shard group at the window's end;
         # HSDP adds an all-reduce across replicas
-        c, rb, P, A = spec.bytes.compute, reduce_bytes(spec), p.trainable_params, p.params
+        rb, P, A = reduce_bytes(spec), p.trainable_params, p.params
         units = max(p.num_blocks, 1) + 1
-        unit_bytes = c * (p.block_params or p.params)
-        ag = links.collective("all_gather", c * A, n, units)
+        unit_bytes = gathered_bytes(p, spec, p.block_params or p.params, 1 if p.num_blocks else 0)
+        everything = gathered_bytes(p, spec, A, p.num_blocks)       # a quantised base travels packed
+        ag = links.collective("all_gather", everything, n, units)
         sync = links.collective("reduce_scatter", rb * P, n, units)
         sync += links.across_replicas("all_reduce", rb * P / n, cl.world_size // n, units)
         tail = links.collective("all_gather", unit_bytes, n) + links.collective("reduce_scatter", unit_bytes, n)
@@ -124,7 +138,7 @@ class FSDPFamily(Family):
             offload = spec.bytes.param * (A + P) / n / PCIE_BW + (P / n) / HOST_STEP_RATE
         return Comm(fwd=ag, bwd=ag if s.config.reshard_after_forward else 0.0, sync_bwd=sync, tail=tail,
                     offload=offload,
-                    copied_micro=gathers * 2 * c * A,   # copy-out of each gather
+                    copied_micro=gathers * 2 * everything,   # copy-out of each gather
                     copied_sync=2 * rb * P)             # chunk_cat per reduce-scatter
 
     def host(self, s, p, spec, cl, n, stage=None):

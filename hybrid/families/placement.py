@@ -127,6 +127,31 @@ def step_scratch_bytes(profile: ModelProfile, spec: TrainSpec, state: int | None
     return (P - sh.block_matrices + m * n) * s, newton_schulz_bytes(profile)
 
 
+def frozen_bytes(profile: ModelProfile, spec: TrainSpec) -> float:
+    """Bytes of the frozen parameters (a LoRA base) as trained: spec.frozen_bytes each (the
+    compute dtype under the mixed precisions: they have no fp32 master), the quantised ones as
+    stored (packed values and their constants, model/lora.py)."""
+    frozen = profile.params - profile.trainable_params
+    return (frozen - profile.quantized_params) * spec.frozen_bytes + profile.quantized_bytes
+
+
+def param_bytes(profile: ModelProfile, spec: TrainSpec, trainable: int | None = None) -> float:
+    """Bytes of every parameter a rank stores whole: the trainable ones at `trainable` bytes each
+    (default the precision's parameter dtype: the fp32 master under the mixed precisions) plus
+    the frozen ones (frozen_bytes). The one source for the families' parameter memory."""
+    b = spec.bytes.param if trainable is None else trainable
+    return profile.trainable_params * b + frozen_bytes(profile, spec)
+
+
+def gathered_bytes(profile: ModelProfile, spec: TrainSpec, elements: float, blocks: float = 0) -> float:
+    """Bytes of `elements` parameters all-gathered in the compute dtype, `blocks` of the model's
+    blocks among them: their quantised linears travel and sit gathered packed (QLoRA under FSDP
+    gathers the 4-bit storage; each linear is dequantised for its matmul, a transient)."""
+    n = max(profile.num_blocks, 1)
+    q_elems, q_bytes = profile.quantized_params * blocks / n, profile.quantized_bytes * blocks / n
+    return spec.bytes.compute * (elements - q_elems) + q_bytes
+
+
 def reduce_bytes(spec: TrainSpec) -> int:
     """Bytes per gradient element as FSDP2 reduce-scatters it: MixedPrecisionPolicy(reduce_dtype=
     float32) for the mixed precisions and fp32; pure bf16 reduces in bf16 (the one source)."""

@@ -177,8 +177,6 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
     (TraceCache): traces of the same program already run for another candidate are reused."""
     import torch.distributed as dist
 
-    from ..runtime.parallelize import runs_transformers
-
     check_traceable(source)
     if dist.is_initialized():
         raise HybridError("a traced estimate starts its own fake process group; run it outside a "
@@ -190,7 +188,6 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
         raise problem
     dims = ParallelDims(dp_shard=n, cp=cp, tp=tp, ep=ep)
     strategy.family_obj.check(Layout(dims, strategy))
-    prefer_hf = runs_transformers(dims, prefer_hf)
     placement_of(strategy, source.profile, spec, cluster, n * cp)   # NotApplicable, before tracing
     start = time.perf_counter()
     layers = source.decoder_cfg.layers if source.decoder_cfg is not None else 0

@@ -291,6 +291,10 @@ class DecoderConfig:
         d["stack"] = [asdict(ly) for ly in self.stack]
         return d
 
+    def attention_flops(self, seq: int) -> float:
+        """Forward FLOPs per token of the attention cores alone (QK^T and AV; no weights)."""
+        return sum(n * ly.attention.core_flops(seq) for ly, n in _kinds(self))
+
     def flops_per_token(self, seq: int) -> float:
         """Training FLOPs per token (forward and backward: 3x the forward), counting the matmuls a
         token goes through - every block's projections, an MoE block's router, top-k and shared
@@ -374,17 +378,22 @@ def from_hf_config(cfg: dict) -> DecoderConfig | None:
     """Read a transformers config.json dict into our shape, or None for an architecture we do not
     know in closed form (the caller then builds it with transformers and profiles the module)."""
     mt = cfg.get("model_type")
-    if mt in ("llama", "mistral") and not cfg.get("attention_bias") and not cfg.get("mlp_bias"):
+    if mt in ("llama", "mistral", "qwen3") and not cfg.get("attention_bias") and not cfg.get("mlp_bias"):
         hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        if cfg.get("head_dim") not in (None, hidden // heads):
+        if cfg.get("head_dim") not in (None, hidden // heads) and mt != "qwen3":
             return None
+        if mt == "qwen3" and cfg.get("use_sliding_window"):
+            return None
+        head = cfg.get("head_dim") if mt == "qwen3" else None
         return DecoderConfig("llama", cfg["vocab_size"], hidden, cfg["num_hidden_layers"], heads,
                              cfg["intermediate_size"], cfg.get("max_position_embeddings", 2048),
                              kv_heads=cfg.get("num_key_value_heads") or heads,
                              tied=bool(cfg.get("tie_word_embeddings", False)),
                              norm_eps=cfg.get("rms_norm_eps", 1e-5),
                              rope_theta=_rope_theta(cfg), hf_model_type=mt,
-                             sliding_window=cfg.get("sliding_window") if mt == "mistral" else None)
+                             sliding_window=cfg.get("sliding_window") if mt == "mistral" else None,
+                             head_size=head if head not in (None, hidden // heads) else None,
+                             qk_norm="head" if mt == "qwen3" else None)
     if mt in ("mixtral", "qwen3_moe", "olmoe"):
         return _moe_from_hf(cfg, mt)
     if mt == "gpt2":

@@ -6,6 +6,7 @@ when they can be read. torch is imported only when a module has to be built or w
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from math import ceil
@@ -106,6 +107,10 @@ class ModelProfile:
     by a shape-only forward on the meta device (see probe_activations)."""
     source: str = "module"
     """preset | hf-config | module | params."""
+    quantized_params: int = 0
+    """Frozen elements stored quantised (a QLoRA base's block linears, model/lora.py); 0: none."""
+    quantized_bytes: int = 0
+    """Their bytes as stored: packed values and quantisation constants."""
 
     @property
     def max_positions(self) -> int | None:
@@ -131,7 +136,8 @@ class ModelProfile:
         d = {k: getattr(self, k) for k in ("name", "params", "trainable_params", "param_bytes",
                                            "buffer_bytes", "block_class", "num_blocks", "block_params",
                                            "root_params", "largest_layer_params", "largest_param",
-                                           "factored_state", "activation_bytes_per_sample", "source")}
+                                           "factored_state", "activation_bytes_per_sample", "source",
+                                           "quantized_params", "quantized_bytes")}
         d["active_params"] = self.active_params
         d["active_non_embedding_params"] = self.active_non_embedding_params
         d["dtype_bytes"] = dict(self.dtype_bytes)
@@ -179,6 +185,7 @@ def tp_degrees(profile: ModelProfile, gpus_per_node: int) -> list[int]:
 
 
 HF_LAYERS = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "qwen2": "Qwen2DecoderLayer",
+             "qwen3": "Qwen3DecoderLayer",
              "gpt2": "GPT2Block", "mixtral": "MixtralDecoderLayer", "olmoe": "OlmoeDecoderLayer",
              "qwen3_moe": "Qwen3MoeDecoderLayer"}
 """transformers' decoder-layer class per model_type, for presets and config.json files (a
@@ -251,6 +258,7 @@ def profile_module(module, name: str | None = None) -> ModelProfile:
                           "there is nothing to train or shard")
     groups = names_by_param(module)
     dtype_bytes: Counter = Counter()
+    q_elems, q_bytes = quantized_storage(params)
     for p in params:
         dtype_bytes[str(p.dtype).replace("torch.", "")] += p.numel() * p.element_size()
     cls, blocks = find_blocks(text_decoder(module))
@@ -259,9 +267,10 @@ def profile_module(module, name: str | None = None) -> ModelProfile:
     own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()]
     factored = sum((p.shape[-2] + p.shape[-1]) * (p.numel() // (p.shape[-2] * p.shape[-1]))
                    if p.dim() >= 2 else p.numel() for p in params)
+    packed = sum(p.numel() for p in params if quantized_elements(p))
     return ModelProfile(
         name=name or type(module).__name__,
-        params=sum(p.numel() for p in params),
+        params=sum(p.numel() for p in params) - packed + q_elems, quantized_params=q_elems, quantized_bytes=q_bytes,
         trainable_params=sum(p.numel() for p in params if p.requires_grad),
         param_bytes=sum(dtype_bytes.values()), dtype_bytes=tuple(sorted(dtype_bytes.items())),
         buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
@@ -282,6 +291,43 @@ def text_decoder(module):
         if lm is not None and hasattr(lm, "parameters"):
             return lm
     return module
+
+
+def quantized_elements(p) -> int:
+    """Weights a bitsandbytes-quantised parameter stands for (Params4bit packs two per byte and
+    keeps the shape in its quant_state; Int8Params one per byte), 0 for an ordinary parameter."""
+    kind = type(p).__name__
+    state = getattr(p, "quant_state", None)
+    if kind == "Params4bit" and state is not None:
+        return math.prod(state.shape)
+    if kind == "Int8Params" and str(p.dtype) == "torch.int8":
+        return p.numel()
+    return 0
+
+
+def quantized_storage(params) -> tuple[int, int]:
+    """(weights, bytes) of the quantised parameters: the packed values and every tensor of their
+    quantisation state (absmax, the nested state's absmax and code, the code, the offset; Int8Params'
+    row scales SCB), each storage once."""
+    seen: dict[int, int] = {}
+    elements = 0
+    for p in params:
+        n = quantized_elements(p)
+        if not n:
+            continue
+        elements += n
+        state = getattr(p, "quant_state", None)
+        tensors = [p]
+        if state is not None:
+            nested = getattr(state, "state2", None)
+            tensors += [state.absmax, state.code, getattr(state, "offset", None)]
+            tensors += [nested.absmax, nested.code] if nested is not None else []
+        tensors.append(getattr(p, "SCB", None))
+        for t in tensors:
+            if t is not None and hasattr(t, "untyped_storage"):
+                st = t.untyped_storage()
+                seen[st.data_ptr() or id(st)] = st.nbytes()
+    return elements, sum(seen.values())
 
 
 def decoder_of(module) -> DecoderConfig | None:

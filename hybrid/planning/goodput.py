@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import HybridError
-from ..families.placement import FP32, optimizer_elements
+from ..families.placement import FP32, optimizer_state_bytes
 from ..units import _BYTE_UNITS, _NUMBER
 
 if TYPE_CHECKING:
@@ -152,11 +152,11 @@ def state_bytes(profile: "ModelProfile", spec: "TrainSpec", fp32_master: bool = 
     """Bytes of the model and optimizer state the checkpoint holds for `profile` (a whole model, a
     stage, a tp share): each parameter in the dtype the engine keeps it (fp32 masters under mixed
     precision; with `fp32_master`, a family that keeps its own fp32 master copy, DeepSpeed, saves that,
-    hybrid/runtime/backends/deepspeed.py) and the optimizer's state elements (placement.optimizer_elements)
-    in the state dtype; gradients are not saved."""
+    hybrid/runtime/backends/deepspeed.py) and what the optimizer keeps (placement.optimizer_state_bytes,
+    in the state dtype); gradients are not saved."""
     b = spec.bytes
     param, state = (FP32, FP32) if fp32_master else (b.param, b.state)
-    return int(profile.params * param + optimizer_elements(profile, spec) * state)
+    return int(profile.params * param + optimizer_state_bytes(profile, spec, state=state))
 
 
 def checkpoint_bytes(layout: "Layout", profile: "ModelProfile", spec: "TrainSpec") -> tuple[int, int]:

@@ -25,6 +25,7 @@ from .reach import method_degrees
 from ..layout.dims import ParallelDims, divisors, valid_shard_sizes
 from ..config.cluster import GPUS, Cluster
 from ..estimation.cost.step import step_cost
+from ..model.lora import with_lora
 from ..errors import HybridError
 from ..estimation.memory.analytic import NotApplicable, check_job
 from ..estimation.memory.moe import check_ep, check_ep_layouts, ep_degrees
@@ -207,6 +208,7 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
     own micro-batch and accumulation (micro_batch pins the micro-batch), so that rows compare the same work."""
     implied = hold_batch and spec.global_batch is None
     spec = implied_batch(spec, cluster) if implied else spec
+    profile = with_lora(profile, spec.lora)          # a whole model gains its adapters (model/lora.py)
     check_job(profile, spec)
     rel = reliability if reliability is not None else Reliability()
     method = estimator.method if estimator is not None else method     # RunEstimator: traced or measured

@@ -202,6 +202,7 @@ def format_plan(p: Plan, summary: bool = False, top: int | None = None) -> str:
                        "--strategy and --activation-checkpointing")
         out += _goodput_lines(p)
         out += [line for dim in WHY for line in _why(p, dim)]
+        out += lora_lines(p, c)
     elif p.missing:
         states = [x for x in p.candidates if x.fits]
         best = min(states, key=lambda x: x.cost.time_per_token)
@@ -285,6 +286,47 @@ def _why(p: Plan, dim: str) -> list[str]:
     return [f"{head} ({-gain:.1%} faster, within the model's error): the tie goes to the simpler layout{tie}{why}"]
 
 
+def lora_lines(p: Plan, c: Candidate | None) -> list[str]:
+    """How a LoRA job fits: the adapters and their states, the frozen base's bytes (quantised and
+    not), the chosen layout's share of it, and what the MFU counts. Empty without LoRA."""
+    lora, m, s = p.spec.lora, p.model, p.spec
+    if lora is None:
+        return []
+    from ..families.placement import frozen_bytes
+    from ..model.lora import adapted
+    d = m.decoder
+    names = adapted(d, lora) if d is not None and m.source != "module" else {}
+    where = (f" on {', '.join(names)} ({sum(len(v) for v in names.values())} linears per block, {d.layers} blocks)"
+             if names else "")
+    frozen = m.params - m.trainable_params
+    state = 4 + 4 + s.bytes.state * (2 if s.optimizer == "adamw" else 1 if s.optimizer == "sgd" else 0)
+    out = [f"fine-tuning: LoRA r{lora.rank}{where}: adapters {m.trainable_params:,} params "
+           f"({m.trainable_params / m.params:.2%}), each with an fp32 master, gradient and {s.optimizer} state"
+           f"{f' ({state} B/param)' if s.optimizer in ('adamw', 'sgd') else ''}"]
+    base = frozen_bytes(m, s)
+    plain = frozen - m.quantized_params
+    dtype = {2: "bf16" if "bf16" in s.precision else "fp16", 4: "fp32"}[s.frozen_bytes]
+    line = f"frozen base {frozen:,} params, {fmt_bytes(base)}"
+    if m.quantized_params:
+        line += (f": {m.quantized_params:,} block-linear weights in {lora.quantize} "
+                 f"({8 * m.quantized_bytes / m.quantized_params:.3f} bits each with its quantisation constants, "
+                 f"{fmt_bytes(m.quantized_bytes)}) and {plain:,} in {dtype} ({fmt_bytes(plain * s.frozen_bytes)})")
+    else:
+        line += f" in {dtype} (no fp32 master: nothing updates it)"
+    out.append(line)
+    if c is not None and c.memory is not None and c.memory.cpu and not c.memory.params:
+        out.append(f"{c.label} ({c.parallel.describe()}) keeps the parameters, sharded, in host memory "
+                   f"({fmt_bytes(c.memory.cpu)} per rank with the optimizer state) and gathers each block to the GPU")
+    elif c is not None and c.memory is not None:
+        out.append(f"{c.label} ({c.parallel.describe()}) holds {fmt_bytes(c.memory.params)} of parameters per GPU "
+                   f"(the frozen base {'sharded with the adapters' if c.memory.params < base * 0.9 else 'whole'}"
+                   f"{'; its all-gathers carry the frozen base too' if c.memory.params < base * 0.9 else ''}), "
+                   f"{fmt_bytes(c.memory.optimizer)} of optimizer state")
+    out.append("MFU counts 4 FLOPs per frozen weight and token (its forward and its input's gradient) and 6 per "
+               "adapter weight; the frozen weights' gradients are never computed and not counted")
+    return out
+
+
 def format_estimate(p: Plan) -> str:
     out = _header(p) + [breakdown_table(list(p.candidates)), ""]
     for c in p.candidates:
@@ -299,6 +341,7 @@ def format_estimate(p: Plan) -> str:
         out.append(line)
         if c.memory and c.memory.cpu:
             out.append(f"host memory per rank: {fmt_bytes(c.memory.cpu)}")
+    out += lora_lines(p, p.candidates[0] if len(p.candidates) == 1 else None)
     return "\n".join(out + _notes(p))
 
 

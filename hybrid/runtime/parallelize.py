@@ -12,12 +12,16 @@ parallelising), wrap, engine.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch.nn as nn
 
 from ..errors import HybridError
 from ..layout.layout import Layout
 from ..layout.dims import ParallelDims
+
+if TYPE_CHECKING:
+    from ..layout.applied import AppliedPlan
 
 
 @dataclass
@@ -39,12 +43,29 @@ class Parallelized:
     """With stages: optimizer-state FQN -> the model's own (canonical) name."""
     tied: list = field(default_factory=list)
     """With stages: groups of names that shared one Parameter before the split."""
+    plan: object = None
+    """hybrid.layout.applied.AppliedPlan: what was applied (decided before applying it)."""
 
 
-def runs_transformers(dims: ParallelDims, prefer_hf: bool) -> bool:
-    """Whether a preset may run as its transformers model: not with tensor parallelism, whose
-    sequence parallelism our decoders run (as the analytic model assumes)."""
-    return prefer_hf and dims.tp == 1
+def implementation_of(model: nn.Module) -> str:
+    """Which code a module is (hybrid.layout.applied.IMPLEMENTATIONS): hybrid's decoder (or a
+    pipeline stage of it), a transformers decoder, or another module."""
+    from ..model.decoder import Decoder
+    from .stages import DecoderStage
+    if isinstance(model, (Decoder, DecoderStage)):
+        return "hybrid"
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return "module"
+    return "transformers" if isinstance(model, PreTrainedModel) else "module"
+
+
+def plan_of(model: nn.Module, layout: Layout, spec) -> "AppliedPlan":
+    """The AppliedPlan parallelize applies to `model` (hybrid.layout.applied.applied_plan, the
+    function the estimate reads too)."""
+    from ..layout.applied import applied_plan
+    return applied_plan(layout, implementation_of(model), layout.train_spec(spec).precision)
 
 
 def layout_of_mesh(strategy, mesh, spec) -> Layout:
@@ -67,6 +88,42 @@ def check_model(model: nn.Module, layout: Layout, spec) -> None:
     from .loss import check_loss
     split = dims.tp > 1 or dims.cp > 1 or dims.pp > 1 or layout.pipeline is not None
     check_loss(model, spec, f"tp {dims.tp}, cp {dims.cp}, pp {dims.pp}" if split else None)
+    check_quantized_base(model, layout)
+
+
+def check_quantized_base(model: nn.Module, layout: Layout | None) -> None:
+    """A bitsandbytes-quantised base trains on CUDA (its 4-bit and int8 matmuls), whole on every
+    rank: a family that runs it (Family.runs_bitsandbytes_base), no tp, cp or pipeline stages
+    (layout None: the device only)."""
+    from ..model.lora import quantization_of
+    kind = quantization_of(model)
+    if kind is None:
+        return
+    import torch
+    if not torch.cuda.is_available():
+        raise HybridError(f"this model's base is bitsandbytes-quantised ({kind}), which trains on CUDA only; plan it "
+                          "anywhere with `hybrid plan MODEL --lora-rank R --quantize-base nf4`, train it on CUDA GPUs")
+    if layout is None:
+        return
+    d = layout.dims
+    if not layout.dp.family_obj.runs_bitsandbytes_base or d.tp > 1 or d.cp > 1 or d.pp > 1:
+        raise HybridError(f"{layout.label}: a bitsandbytes-quantised ({kind}) base trains here as whole replicas "
+                          "(FSDP2 and ZeRO-3 would shard away its quantisation state); pass strategy='ddp' with "
+                          "tp, cp and pp 1")
+
+
+def frozen_to_compute_dtype(module: nn.Module, spec) -> None:
+    """Under the mixed precisions a frozen floating-point parameter (a LoRA base) has no fp32
+    master to keep, so it is held in the compute dtype, as the estimate counts it (spec.frozen_bytes);
+    trainable parameters keep their fp32 masters."""
+    from .backends.base import compute_dtype
+    low = compute_dtype(spec)
+    if low is None:
+        return
+    import torch
+    for p in module.parameters():
+        if not p.requires_grad and p.is_floating_point() and p.dtype == torch.float32:
+            p.data = p.data.to(low)
 
 
 def parallelize(model: nn.Module, layout: Layout, mesh, spec, runtime, options=None) -> Parallelized:
@@ -82,7 +139,7 @@ def parallelize(model: nn.Module, layout: Layout, mesh, spec, runtime, options=N
                           "with pp > 1")
     from .loss import apply_loss
     apply_loss(model, spec)                 # the head and loss (chunked or fused): whole models only
-    out = Parallelized(model)
+    out = Parallelized(model, plan=plan_of(model, layout, spec))
     pieces = [model] if layout.pipeline is None else split_stages(model, layout, mesh, out)
     for piece in pieces:
         runner, out.tp, out.cp = parallelize_piece(piece, layout, mesh, spec, runtime, options,
@@ -99,11 +156,12 @@ def parallelize_piece(piece: nn.Module, layout: Layout, mesh, spec, runtime, opt
     from .float8 import apply_float8
     backend, dims = layout.dp.family_obj.runtime(), layout.dims
     tp = cp = None
+    frozen_to_compute_dtype(piece, spec)
     backend.place(layout.dp, piece, spec, runtime)
     apply_float8(piece, spec, fsdp=backend.float8_all_gather(layout, staged))
     if dims.tp > 1:
         from .backends.tp import apply_tensor_parallel
-        tp = apply_tensor_parallel(piece, mesh["tp"])
+        tp = apply_tensor_parallel(piece, mesh["tp"], plan_of(piece, layout, spec).sequence_parallel)
     if dims.cp > 1:
         from .backends.cp import ContextParallel
         cp = ContextParallel(piece, mesh["cp"])

@@ -60,7 +60,7 @@ def test_the_common_flags_are_the_table_and_nothing_else():
     assert dests == [o.name for o in OPTIONS.values() if not o.flag_per_command]
     groups = [g.title for g in p._action_groups if g._group_actions and g.title not in ("positional arguments",
                                                                                           "options")]
-    assert groups == ["cluster", "training step", "goodput", "method and output"]
+    assert groups == ["cluster", "training step", "goodput", "fine-tuning", "method and output"]
 
 
 @pytest.mark.unit

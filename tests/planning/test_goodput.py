@@ -68,7 +68,8 @@ def test_bytes_per_rank_follow_what_each_family_holds():
     prof = resolve_model("llama2-7b").profile
     spec = TrainSpec(1, 4096)
     whole = state_bytes(prof, spec)
-    assert whole == prof.params * 4 + 2 * prof.trainable_params * 4       # fp32 masters + AdamW's two moments
+    # fp32 masters + AdamW's two moments + its 0-dim fp32 step per tensor
+    assert whole == prof.params * 4 + 2 * prof.trainable_params * 4 + 4 * prof.optim_shapes.tensors
     cl = Cluster.build(8, 8, "h100-80gb")
     for name, held in (("fsdp", whole // 64), ("zero1", whole // 64), ("ddp", whole)):
         write, read = checkpoint_bytes(_layout(name, cl, spec), prof, spec)

@@ -27,7 +27,12 @@ def gpt2():
     return build_decoder(GPT2, seed=0)
 
 
-MODELS = {"ours": None, "hf": hf_llama, "gpt2": gpt2}
+def hf_qwen3():
+    from tests.runtime.test_tp import hf_qwen3 as build
+    return build()
+
+
+MODELS = {"ours": None, "hf": hf_llama, "gpt2": gpt2, "qwen3": hf_qwen3}
 
 
 def run_cases(cases):
@@ -48,7 +53,8 @@ def test_cp2_on_two_ranks_equals_one_process():
              "fsdp+cp2+full": ("fsdp", "ours", {"cp": 2, "activation_checkpointing": "full"}),
              "fsdp+cp2+selective": ("fsdp", "ours", {"cp": 2, "activation_checkpointing": "selective"}),
              "gpt2+cp2": ("fsdp", "gpt2", {"cp": 2}),
-             "hf+cp2": ("fsdp", "hf", {"cp": 2})}
+             "hf+cp2": ("fsdp", "hf", {"cp": 2}),
+             "qwen3+cp2": ("fsdp", "qwen3", {"cp": 2})}
     check_against(run_ranks(2, run_cases, cases), 1, cases)
 
 

@@ -12,15 +12,37 @@ from tests.runtime.test_loop import check, train
 pytestmark = pytest.mark.gloo
 
 
-def train_tp(runs):
-    """runs: [(strategy, tp)] -> results keyed like test_loop.check expects (by strategy label)."""
-    return {f"{s}+tp{t}": train(s, tp=t) for s, t in runs}
+def train_tp(runs, qwen3_runs=()):
+    """runs: [(strategy, tp)] -> results keyed like test_loop.check expects (by strategy label);
+    qwen3_runs: the same on a tiny transformers Qwen3 (keyed 'qwen3:...')."""
+    out = {f"{s}+tp{t}": train(s, tp=t) for s, t in runs}
+    out.update({f"qwen3:{s}+tp{t}": train(s, tp=t, model_fn=hf_qwen3) for s, t in qwen3_runs})
+    return out
+
+
+def hf_qwen3():
+    """A tiny transformers Qwen3 (q/k norms per head, head_dim 16 beside hidden 64 / 4 heads)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        tie_word_embeddings=False, max_position_embeddings=64))
 
 
 def test_tp2_on_two_ranks_equals_one_process():
+    """Our decoder and a transformers Qwen3 (its own base_model_tp_plan's projections, with sequence
+    parallelism and the vocab-parallel loss: refused before for its q/k norms) under fsdp and ddp
+    over tp 2, one launch."""
+    from tests.runtime.test_loop import reference
     runs = [("fsdp", 2), ("ddp", 2)]
-    res = run_ranks(2, train_tp, runs)
+    res = run_ranks(2, train_tp, runs, runs)
     check(res, 1, [f"{s}+tp{t}" for s, t in runs])           # one data-parallel rank: the global batch
+    ref = reference(1, model_fn=hf_qwen3)[0]
+    for r in res:
+        for s, t in runs:
+            got = r[f"qwen3:{s}+tp{t}"]["state"]
+            diff = max((got[k] - ref[k]).abs().max().item() for k in ref)
+            assert diff < 1e-5, (s, diff)
 
 
 def test_dp2_by_tp2_on_four_ranks_fsdp_and_ddp_outer():

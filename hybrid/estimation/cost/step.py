@@ -58,6 +58,7 @@ from ...layout.layout import Layout, as_layout
 from .links import Links
 from ...families.placement import optimizer_state_bytes
 from ...layout.pipeline import stage_cluster
+from ...model.lora import with_lora
 from ...model.profile import ModelProfile
 from ..shares import Share, shares
 from ...config.spec import TrainSpec
@@ -118,10 +119,44 @@ def model_flops_per_token(profile: ModelProfile, seq_len: int, recompute: bool =
     """Training FLOPs per token (forward + backward): a decoder's from its anatomy
     (DecoderConfig.flops_per_token: the matmuls a token passes through, an MoE block's top-k experts
     of its E, and each layer's attention; PaLM's 6N + 12LHQT, arXiv 2204.02311 App. B, for a dense
-    decoder), 6 per parameter for any other model; +1 forward if recomputed."""
+    decoder), 6 per parameter for any other model; +1 forward if recomputed. A frozen weight (a LoRA
+    base) costs its forward (2 per weight) and its input's gradient (2) but no weight gradient, the
+    attention's core costs all three; this is the MFU reported."""
+    return forward_flops_per_token(profile, seq_len) * (1 if recompute else 0) + _train_flops(profile, seq_len)
+
+
+def forward_flops_per_token(profile: ModelProfile, seq_len: int) -> float:
+    """One forward's FLOPs per token: the decoder's third of flops_per_token and 2 per adapter weight
+    (LoRA: the parameters beside a frozen decoder); 2 per parameter for any other model."""
     d = profile.decoder
-    base = d.flops_per_token(seq_len) if d is not None else 6 * profile.params
-    return base * (8 / 6) if recompute else base
+    if d is None:
+        return 2 * profile.params
+    return d.flops_per_token(seq_len) / 3 + 2 * _adapters(profile)
+
+
+def _adapters(profile: ModelProfile) -> int:
+    """Trainable weights outside the decoder's own count: a LoRA model's adapters (0 without frozen weights)."""
+    d = profile.decoder
+    return max(profile.params - d.params, 0) if profile.trainable_params < profile.params else 0
+
+
+def _train_flops(profile: ModelProfile, seq_len: int) -> float:
+    d = profile.decoder
+    if d is None:
+        return 4 * profile.params + 2 * profile.trainable_params
+    fwd = d.flops_per_token(seq_len) / 3
+    frozen = min(profile.params - profile.trainable_params, d.params) / d.params
+    return 3 * fwd - frozen * (fwd - d.attention_flops(seq_len)) + 6 * _adapters(profile)
+
+
+def dequantize_seconds(profile: ModelProfile, spec: TrainSpec, gpu) -> float:
+    """One micro-batch's dequantisation of a quantised base (QLoRA): each linear's packed weight
+    is read and written back in the compute dtype for its matmul in forward, again in backward
+    (bitsandbytes' MatMul4Bit), and in a recomputed forward; memory-bound, at the HBM bandwidth."""
+    if not profile.quantized_params:
+        return 0.0
+    passes = 2 + (spec.activation_checkpointing == "full")
+    return passes * (profile.quantized_bytes + spec.bytes.compute * profile.quantized_params) / gpu.mem_bw
 
 
 def tp_comm_seconds(profile: ModelProfile, spec: TrainSpec, cluster: Cluster, tp: int) -> float:
@@ -252,6 +287,7 @@ def step_cost(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec,
     FLOPs (the chunk layout balances the causal attention), FSDP's shard group is dp_shard x cp,
     and the K/V exchange (cp_comm_seconds) is added, unhidden. A bare Strategy stands for its
     layout on the cluster (Layout.of)."""
+    profile = with_lora(profile, spec.lora)
     layout = as_layout(layout, cluster, spec)
     spec = layout.train_spec(spec)
     strategy, shard_size, tp, cp, pp, ep = (layout.dp, layout.dims.dp_shard, layout.dims.tp, layout.dims.cp,
@@ -286,9 +322,11 @@ def step_cost(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec,
         compute -= lin / (peak * efficiency) - lin / (peak8 * efficiency)
     compute *= 1 + recompute_fraction(stage, spec)
     compute += elementwise_seconds(stage, sh.spec, g, tp, sh.has_head)     # a cp rank streams S / cp tokens
-    fwd_c, bwd_c = compute / 3, 2 * compute / 3       # backward costs twice the forward
-    if recompute:
-        fwd_c, bwd_c = compute / 4, 3 * compute / 4
+    compute += dequantize_seconds(profile, sh.spec, g)
+    # the forward's share of the compute: a third (backward costs twice the forward), a quarter
+    # with recomputation; a LoRA base's backward makes no weight gradients, so about a half
+    fwd_share = forward_flops_per_token(stage, spec.seq_len) / model_flops_per_token(stage, spec.seq_len, recompute)
+    fwd_c, bwd_c = fwd_share * compute, (1 - fwd_share) * compute
     ft_comm = 0.0
     if spec.fault_tolerant:     # the family runs inside one replica group; torchft reduces across them
         cluster, ft_comm = fault_tolerant_terms(profile, spec, cluster, N)
@@ -298,7 +336,7 @@ def step_cost(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec,
         comm, straggler, moe_s = expert_parallel_terms(strategy, profile, spec, cluster, N, ep, peak * efficiency,
                                                         cp)
         compute += straggler
-        fwd_c, bwd_c = (compute / 4, 3 * compute / 4) if recompute else (compute / 3, 2 * compute / 3)
+        fwd_c, bwd_c = fwd_share * compute, (1 - fwd_share) * compute
     fam = strategy.family_obj
     P = profile.trainable_params
     optimizer = 0.0

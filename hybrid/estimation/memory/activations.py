@@ -283,11 +283,47 @@ def _read_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> tuple[floa
     return sum(per) / len(per), max(full)
 
 
+def lora_layer_delta(d: DecoderConfig, spec: TrainSpec, c: int, autocast: bool, mask_bytes: int = 1) -> float:
+    """Bytes per token a LoRA block saves beyond (or short of) the fully trained block of the same
+    regime (tests/estimation/test_lora.py holds it to saved-tensors hooks on PEFT models). Per
+    adapted linear: B's input, the r-wide A x, and A's input: the linear's own input (shared by
+    the linears that read it), or a copy of its own under autocast (fp32 adapters over a bf16 base,
+    DDP: PEFT casts the input to the adapter's fp32, autocast back to bf16) and with dropout (its
+    output, and its mask: `mask_bytes`, 1 for CUDA's fused dropout's bool mask, c for the scaled
+    noise the CPU kernel keeps). Frozen weights need no input for their gradient: a llama RMSNorm's
+    normalised value (kept only for the norm weight's gradient) and a linear input no trainable
+    weight reads (norm outputs, the MLP product) are not saved."""
+    from ...model.lora import adapted
+    lora = spec.lora
+    ca = 2 if autocast else c                       # the adapters' matmuls: autocast's bf16, else the base's dtype
+    linears = [shape for shapes in adapted(d, lora).values() for shape in shapes]
+    delta = sum(ca * lora.rank for _ in linears)
+    own_copy = autocast or lora.dropout > 0         # A reads a tensor of its own, not the linear's input
+    if own_copy:
+        delta += sum(i * (2 if autocast else c) + (mask_bytes if lora.dropout else 0) * i for i, _ in linears)
+    names = set(() if own_copy else adapted(d, lora))
+    h, f = d.hidden, d.ffn
+    if d.style == "llama":
+        delta -= 2 * c * h
+        delta -= c * h * (not names & {"q_proj", "k_proj", "v_proj"}) + c * h * (not names & {"gate_proj", "up_proj"})
+        delta -= c * f * ("down_proj" not in names)
+    else:
+        delta -= c * h * (not names & {"qkv_proj", "c_attn"}) + c * h * (not names & {"fc", "c_fc"})
+        delta -= c * f * (not names & {"proj", "c_proj"})
+    return delta
+
+
 def activation_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> ActivationTerms:
     c = spec.bytes.compute
     T = spec.micro_batch * spec.seq_len
+    lora = spec.lora is not None
+    adapters_autocast, autocast = autocast and lora, autocast and not lora   # a LoRA base is in the compute dtype
+    if lora and d.stack:
+        from ...errors import NotApplicable
+        raise NotApplicable("LoRA on a decoder read from its module is not modelled; use a preset's closed form")
     ckpt = spec.activation_checkpointing
-    full = 0.0 if d.stack else _layer_full(d, spec, c, autocast) * T
+    full = 0.0 if d.stack else (_layer_full(d, spec, c, autocast)
+                                + (lora_layer_delta(d, spec, c, adapters_autocast) if lora else 0)) * T
     if d.stack:
         per_layer, recompute = _read_terms(d, spec, autocast)
     elif getattr(spec, "compile", False):
@@ -315,8 +351,14 @@ def activation_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> Activ
         kept = (F32 if autocast else c) * d.hidden * T
         per_layer = (k * kept + (d.layers - k) * full) / d.layers
         recompute = full
-    head_fwd, head_bwd = loss_terms(d, spec, autocast)
+    head_fwd, head_bwd = loss_terms(d, spec, autocast or adapters_autocast)
+    if lora:      # a frozen final norm and head keep nothing of their inputs (the loss still keeps its own)
+        frozen_norm = (2 * F32 * d.hidden if d.style == "llama" else c * d.hidden) * T
+        head_fwd, head_bwd = head_fwd - frozen_norm, head_bwd - frozen_norm
     cache = 0
+    if adapters_autocast:                                     # bf16 copies of the fp32 adapters
+        from ...model.lora import adapter_params
+        cache = 2 * adapter_params(d, spec.lora)
     if autocast:
         # every matmul weight (an MoE block's router; its experts run outside autocast's list)
         cache = 2 * (d.block_matmul_params + d.vocab * d.hidden)           # every matmul weight + LM head

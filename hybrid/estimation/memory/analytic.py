@@ -17,6 +17,7 @@ from ...families.catalogue import Strategy
 from ...config.cluster import Cluster
 from ...errors import HybridError
 from ...layout.layout import Layout, as_layout
+from ...model.lora import with_lora
 from ...model.profile import ModelProfile
 from ..shares import Share, share_activations, shares, whole_embedding_gradient
 from ...config.spec import TrainSpec
@@ -54,15 +55,17 @@ def estimate(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec, 
     and the sequence (shares.shares), the family's placement of it, its activations, and the
     largest of the step's four moments. A bare Strategy stands for its layout on the cluster
     (Layout.of) at the spec's checkpointing."""
+    profile = with_lora(profile, spec.lora)
     check_job(profile, spec)
     layout = as_layout(layout, cluster, spec)
     spec = layout.train_spec(spec)
     layout.check(profile)
     sh = shares(profile, layout, spec, rank)
     dims = layout.dims
-    moe = expert_parallel(layout.dp, sh.profile, sh.spec, cluster, dims.dp_shard, dims.cp, dims.ep, placement_of,
+    priced = layout.dp.family_obj.priced_strategy(layout.dp, sh.applied)
+    moe = expert_parallel(priced, sh.profile, sh.spec, cluster, dims.dp_shard, dims.cp, dims.ep, placement_of,
                           staged=sh.stage is not None)
-    place = moe.placement if moe else placement_of(layout.dp, sh.profile, sh.spec, cluster, dims.dp_shard * dims.cp,
+    place = moe.placement if moe else placement_of(priced, sh.profile, sh.spec, cluster, dims.dp_shard * dims.cp,
                                                  sh.stage)
     act, notes = activations(sh, place.autocast)
     if moe:
@@ -114,7 +117,9 @@ def step_moments(sh: Share, place, act: ActivationTerms,
     profile, spec, st = sh.profile, sh.spec, sh.stage
     acts = act.layers * act.per_layer
     unit = moe.unit if moe else (profile.block_params if profile.num_blocks else profile.largest_layer_params)
+    unit = unit * trained_fraction(profile, spec)         # frozen weights make no gradients
     unit_grads = (2 if place.autocast else spec.bytes.compute) * unit
+    dequantized = dequantized_weight(profile, spec)
     moments = {
         "loss": dict(grads=place.grads_start, activations=acts,
                      temporaries=act.head_backward + act.autocast_cache, buffers=place.buffers_start),
@@ -123,7 +128,7 @@ def step_moments(sh: Share, place, act: ActivationTerms,
         # experts as a unit of their own, the largest of its moments (estimation/memory/moe.py)
         "blocks": max((dict(grads=place.grads_start, activations=acts,
                             temporaries=(act.recompute - min(freed, act.recompute) + act.autocast_cache
-                                         + (2 if place.autocast else spec.bytes.compute) * u
+                                         + (2 if place.autocast else spec.bytes.compute) * u + dequantized
                                          + (moe.a2a_buffers if moe else 0)),
                             buffers=buf)
                        for buf, u, freed in (moe.block_moments if moe and moe.block_moments
@@ -164,6 +169,30 @@ def step_moments(sh: Share, place, act: ActivationTerms,
     for parts in moments.values():
         parts["buffers"] += recv
     return moments
+
+
+def trained_fraction(profile: ModelProfile, spec: TrainSpec) -> float:
+    """Of a block's parameters, the fraction that trains: a LoRA model's adapters all sit in its
+    blocks; other partly frozen models are taken as evenly frozen; 1 when everything trains."""
+    if profile.trainable_params == profile.params:
+        return 1.0
+    if spec.lora is not None and profile.num_blocks and profile.block_params:
+        return min(1.0, profile.trainable_params / (profile.num_blocks * profile.block_params))
+    return profile.trainable_params / profile.params
+
+
+def dequantized_weight(profile: ModelProfile, spec: TrainSpec) -> int:
+    """The largest base linear dequantised to the compute dtype for its matmul (bitsandbytes'
+    MatMul4Bit runs F.linear on dequantize_4bit(W), forward and backward; int8 likewise
+    dequantises its weight for the backward): a transient of the block in backward; 0 without a
+    quantised base."""
+    if not profile.quantized_params or profile.decoder is None:
+        return 0
+    from ...model.lora import base_linears
+    d = profile.decoder
+    mats = [o * i for o, i in base_linears(d)]
+    share = profile.quantized_params / (d.layers * sum(mats))       # a tensor-parallel rank's share
+    return int(spec.bytes.compute * max(mats) * share)
 
 
 def receive_buffers(sh: Share) -> int:

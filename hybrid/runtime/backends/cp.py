@@ -37,8 +37,9 @@ IGNORE = -100
 """The label that is not scored (transformers' and torch's ignore_index)."""
 ATTENTION_NAME = "hybrid_cp"
 """The name our attention function is registered under in transformers' AttentionInterface."""
-MODEL_TYPES = ("llama", "mistral", "qwen2")
-"""transformers models whose attention is plain causal SDPA with RoPE from position_ids."""
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""transformers models whose attention is plain causal SDPA with RoPE from position_ids (Qwen3's
+q/k norms run per head before it)."""
 
 
 # --- the K/V all-gather with autograd ------------------------------------------------------------
@@ -133,7 +134,7 @@ def _window(model) -> int | None:
     if _ours(model):
         return model.config.sliding_window
     cfg = model.config
-    if cfg.model_type == "qwen2" and not getattr(cfg, "use_sliding_window", False):
+    if cfg.model_type in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
         return None
     return getattr(cfg, "sliding_window", None)
 

@@ -8,7 +8,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ...errors import HybridError
 from ..mesh import replica_group
-from .base import Engine, LoopOptions, carry_plain_outputs, compute_dtype, make_scaler, to_cpu_state
+from .base import Engine, LoopOptions, carry_plain_outputs, compute_dtype, make_scaler, shardable_blocks, to_cpu_state
 from ..materialize import materialize, move
 from ..activation_checkpoint import apply_activation_checkpointing
 
@@ -62,14 +62,16 @@ def float8_all_gather(layout, staged: bool) -> bool:
 
 
 def _through_fsdp(layout, staged: bool) -> bool:
-    # torch's DDP takes no DTensor parameters and breaks under a pipeline schedule (see wrap)
-    return layout.dims.tp > 1 or staged
+    # torch's DDP takes no DTensor parameters and breaks under a pipeline schedule (see wrap): the
+    # family's applied wrap (hybrid/layout/applied.py), which the estimate prices too
+    return layout.dp.family_obj.applied_wrap(layout, staged)[2] is not None     # reshard_after_forward: FSDP2
 
 
 def wrap(strategy, module, layout, mesh, spec, runtime, options=None, staged: bool = False):
     """DDP over the replicas. Over tensor-parallel groups or a pipeline stage, replication runs
     through FSDP2 on the (dp_replicate, dp_shard=1) mesh instead: whole parameters on every
-    replica, one all-reduce of the gradients, MixedPrecisionPolicy for the mixed precisions.
+    replica, a unit per block and the root kept gathered from forward to backward (each block's
+    gradients all-reduced as its backward ends), MixedPrecisionPolicy for the mixed precisions.
     torch's DDP takes no DTensor parameters (its TP bridge, the private
     `_pre_dp_module_transform`, swaps the parameters out of the module between steps, which
     checkpoints cannot follow), and under a pipeline schedule its reducer's bucket rebuild breaks
@@ -82,7 +84,10 @@ def wrap(strategy, module, layout, mesh, spec, runtime, options=None, staged: bo
         low = compute_dtype(spec)
         mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
         unpack = None if staged else carry_plain_outputs(module)
-        fully_shard(module, mesh=mesh["dp_replicate", "dp_shard"], reshard_after_forward=False, mp_policy=mp)
+        kwargs = dict(mesh=mesh["dp_replicate", "dp_shard"], reshard_after_forward=False, mp_policy=mp)
+        for block in shardable_blocks(module):
+            fully_shard(block, **kwargs)
+        fully_shard(module, **kwargs)
         if unpack is not None:
             module.register_forward_hook(unpack)
         return module
@@ -147,9 +152,15 @@ class _EmulatedDDP(torch.nn.Module):
 
 def traced_apply(strategy, model, optimizer_factory, mesh, spec, runtime, options=None) -> DDPEngine:
     """DDP's step on fake tensors (_EmulatedDDP: its bucketed gradient buffer), with checkpointing
-    and, over a cp mesh dimension, context parallelism's sequence split (runtime/backends/cp.py)."""
+    and, over a cp mesh dimension, context parallelism's sequence split (runtime/backends/cp.py).
+    Over tensor-parallel groups replication runs through FSDP2 (wrap), which runs on fake tensors
+    as it is: the whole order (hybrid/runtime/parallelize.py), as the job runs it."""
     from .cp import apply_context_parallel
     from ..mesh import dim_size
+    if dim_size(mesh, "tp") > 1:
+        from ..parallelize import apply_layout, layout_of_mesh
+        return apply_layout(model, layout_of_mesh(strategy, mesh, spec), optimizer_factory, mesh, spec, runtime,
+                            options)
 
     apply_activation_checkpointing(model, spec.activation_checkpointing)
     ddp = _EmulatedDDP(model, strategy)

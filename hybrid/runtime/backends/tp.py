@@ -8,9 +8,8 @@ parallelism from Korthikanti et al. arXiv 2205.05198):
   q, k, v       column-wise (heads split); o_proj row-wise, output reduce-scattered on the sequence
   gate, up      column-wise; down row-wise, output reduce-scattered on the sequence
   lm_head       column-wise, logits vocab-sharded; the loss is computed on the shards (loss parallel)
-transformers models use their own `base_model_tp_plan` (q/k/v/gate/up column-wise, o/down
-row-wise) and the head's `_tp_plan` (unless the head is tied to the replicated input embedding),
-without sequence parallelism.
+transformers decoders run the same layout (_hf_plan): their own `base_model_tp_plan` says which
+projections are column- and row-wise; sequence parallelism and the vocab-parallel loss are on.
 """
 from __future__ import annotations
 
@@ -63,25 +62,70 @@ def _our_plan(model, cfg, blocks=None, first=True, last=True):
     return plan, True
 
 
-def _hf_plan(model):
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    base = getattr(model.config, "base_model_tp_plan", None) or {}
-    prefix = getattr(model, "base_model_prefix", "model")
-    plan = {}
+HF_LAYER_STYLES = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+                   "self_attn.o_proj": "rowwise", "self_attn.q_norm": "replicated_with_grad_allreduce",
+                   "self_attn.k_norm": "replicated_with_grad_allreduce", "mlp.gate_proj": "colwise",
+                   "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
+"""The per-layer entries of a transformers `base_model_tp_plan` the sequence-parallel plan
+below applies (Llama, Mistral, Qwen2, Qwen3, Gemma 3, OLMo 2, Phi-3 without fused projections)."""
+
+
+def hf_plan_problem(model) -> str | None:
+    """Why hybrid's sequence-parallel plan cannot run this transformers decoder (one line naming
+    the fix), or None: it needs the model's `base_model_tp_plan` with only the per-layer entries
+    of HF_LAYER_STYLES, and an `embed_tokens`, `layers` and `norm` in its base model."""
+    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    name = type(model).__name__
+    if not base:
+        return (f"{name} has no tensor-parallel plan (hybrid's llama-style decoders and transformers decoders "
+                "with base_model_tp_plan have one): use tp=1")
     for pattern, style in base.items():
-        if style not in styles:
-            raise HybridError(f"{type(model).__name__}'s tensor-parallel plan uses {style!r} for {pattern}, which "
-                              "hybrid does not apply; use tp=1")
-        plan[f"{prefix}.{pattern}"] = styles[style]()
-    tied = model.get_output_embeddings() is not None and \
-        model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    for pattern, style in (getattr(model, "_tp_plan", None) or {}).items():
-        # a head tied to the (replicated) input embedding stays replicated with it
-        if style in ("colwise_rep", "colwise_gather_output") and not tied:
-            plan[pattern] = ColwiseParallel(output_layouts=Replicate())
-    return plan, False
+        key = pattern.removeprefix("layers.*.")
+        if key not in HF_LAYER_STYLES or HF_LAYER_STYLES[key] != style:
+            return (f"{name}'s tensor-parallel plan has {pattern!r}: {style!r}, which hybrid's sequence-parallel "
+                    "plan does not apply (it splits attention and dense MLP projections): use tp=1")
+    inner = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")):
+        return f"{name} has no embed_tokens / layers / norm in its base model: use tp=1"
+    return None
+
+
+def _hf_plan(model):
+    """A transformers decoder with sequence parallelism and a vocab-parallel loss, the layout our
+    decoders run (the model's own base_model_tp_plan says which projections are column- and
+    row-wise): the embedding is vocab-sharded with a replicated output, since the model reads the
+    sequence length from it for positions and masks; the residual stream is sequence-sharded from
+    the first layer's input to the final norm; norms run sequence-parallel (q/k norms on this
+    rank's heads, their weights' gradients all-reduced); the head is column-wise with vocab-sharded
+    logits for torch's loss_parallel."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+    problem = hf_plan_problem(model)
+    if problem:
+        raise HybridError(problem)
+    prefix = getattr(model, "base_model_prefix", "model")
+    inner = getattr(model, prefix)
+    base = model.config.base_model_tp_plan
+    styles = {"colwise": ColwiseParallel, "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1)),
+              "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=2, use_local_output=True)}
+    plan = {f"{prefix}.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            f"{prefix}.norm": SequenceParallel(use_local_output=True),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
+    for i, layer in enumerate(inner.layers):
+        b = f"{prefix}.layers.{i}"
+        if i == 0:      # the replicated embedding output becomes this rank's sequence shard
+            plan[b] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                         use_local_output=True)
+        for name, child in layer.named_children():
+            if name not in ("self_attn", "mlp") and "norm" in type(child).__name__.lower():
+                plan[f"{b}.{name}"] = SequenceParallel()
+        plan[f"{b}.self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                    desired_input_kwarg_layouts={"hidden_states": Replicate()})
+        plan[f"{b}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        for pattern, style in base.items():
+            plan[f"{b}.{pattern.removeprefix('layers.*.')}"] = styles[style]()
+    return plan, True
 
 
 def check_tensor_parallel(model: nn.Module, tp: int) -> None:
@@ -92,9 +136,8 @@ def check_tensor_parallel(model: nn.Module, tp: int) -> None:
     if isinstance(model, Decoder) and cfg.style != "llama":
         raise HybridError(f"tensor parallelism needs separate q/k/v projections; {cfg.style} fuses them (qkv_proj): "
                           "use tp=1")
-    if not isinstance(model, Decoder) and not getattr(getattr(model, "config", None), "base_model_tp_plan", None):
-        raise HybridError(f"{type(model).__name__} has no tensor-parallel plan (hybrid's llama-style decoders and "
-                          "transformers models with base_model_tp_plan have one): use tp=1")
+    if not isinstance(model, Decoder) and hf_plan_problem(model):
+        raise HybridError(hf_plan_problem(model))
     if cfg is not None:
         for what, n in (("attention heads", cfg.heads), ("key/value heads", cfg.n_kv_heads)):
             if n % tp:
@@ -103,9 +146,14 @@ def check_tensor_parallel(model: nn.Module, tp: int) -> None:
                                   f"{', '.join(map(str, valid))}")
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh) -> TensorParallel:
-    """Shard the model's matrices over `tp_mesh` in place; a tied embedding/head stays tied."""
+def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = True) -> TensorParallel:
+    """Shard the model's matrices over `tp_mesh` in place; a tied embedding/head stays tied.
+    `sequence_parallel`: the applied plan's (hybrid/layout/applied.py); both plans here run it
+    with the vocab-parallel loss, the layout the estimate prices."""
     from torch.distributed.tensor.parallel import parallelize_module
+    if not sequence_parallel:
+        raise HybridError("tensor parallelism runs with sequence parallelism here (the layout the estimate "
+                          "prices); use a plan with sequence_parallel on, or tp=1")
 
     from ...model.decoder import Decoder
     from ..stages import DecoderStage
@@ -120,9 +168,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> TensorParallel:
         model.tp_mesh = tp_mesh
         return TensorParallel(tp, loss_parallel and model.last)
     check_tensor_parallel(model, tp)
-    tied = isinstance(model, Decoder) and model.lm_head.weight is model.embed.weight
-    plan, loss_parallel = _our_plan(model, model.config) if isinstance(model, Decoder) else _hf_plan(model)
+    ours = isinstance(model, Decoder)
+    embed, head = ((model.embed, model.lm_head) if ours
+                   else (model.get_input_embeddings(), model.get_output_embeddings()))
+    tied = head is not None and head.weight is embed.weight
+    plan, loss_parallel = _our_plan(model, model.config) if ours else _hf_plan(model)
     parallelize_module(model, tp_mesh, plan)
     if tied:    # both sides are Shard(0) over vocab: one parameter again
-        model.lm_head.weight = model.embed.weight
+        head.weight = embed.weight
     return TensorParallel(tp, loss_parallel)

@@ -1,0 +1,104 @@
+"""auto_wrap trains a PEFT LoRA model: the plan reads its LoraConfig, and FSDP2 and DDP end where
+one process ends on the same global batch (fp32, 1e-5); a bitsandbytes base is refused on CPU."""
+import os
+
+import pytest
+import torch
+
+from hybrid.runtime.launch import run_ranks
+
+peft = pytest.importorskip("peft", reason="peft is not installed: pip install 'hybrid[lora]'")
+
+SEQ, STEPS = 16, 3
+
+
+def peft_llama():
+    from hybrid.model.decoder import build_hf
+    from hybrid.model.presets import DecoderConfig
+    torch.manual_seed(0)
+    cfg = DecoderConfig("llama", 300, 64, 2, 4, 176, 128, kv_heads=2, hf_model_type="llama")
+    return peft.get_peft_model(build_hf(cfg, device="cpu"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj",
+                                                                                                 "down_proj"]))
+
+
+def batches():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 300, (2, SEQ), generator=g) for _ in range(STEPS)]
+
+
+def adamw(ps):
+    return torch.optim.AdamW(ps, lr=1e-2)
+
+
+def reference():
+    model = peft_llama()
+    opt = adamw([p for p in model.parameters() if p.requires_grad])
+    losses = []
+    for ids in batches():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def wrapped_losses():
+    import torch.distributed as dist
+
+    from hybrid import auto_wrap
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out = {}
+    for strategy in ("fsdp", "ddp"):
+        w = auto_wrap(peft_llama(), optimizer=adamw, strategy=strategy, precision="fp32", micro_batch=2 // world,
+                      seq_len=SEQ, verbose=False)
+        lora = w.plan.spec.lora
+        assert lora is not None and lora.rank == 4 and set(lora.targets) == {"q_proj", "v_proj", "down_proj"}
+        losses = []
+        for ids in batches():
+            local = ids[rank * (2 // world):(rank + 1) * (2 // world)]
+            loss = w(local, labels=local).loss
+            w.backward(loss)
+            w.step()
+            w.zero_grad()
+            g = loss.detach().clone()
+            dist.all_reduce(g)
+            losses.append(g.item() / world)
+        out[strategy] = losses
+    return out
+
+
+@pytest.mark.gloo
+def test_auto_wrap_trains_a_peft_model_as_one_process_does():
+    ref = reference()
+    got = run_ranks(2, wrapped_losses)[0]
+    for strategy, losses in got.items():
+        assert losses == pytest.approx(ref, abs=1e-5), strategy
+    assert ref[-1] < ref[0]
+
+
+@pytest.mark.torch
+def test_a_bitsandbytes_base_is_refused_on_cpu_in_one_line():
+    bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed: pip install 'hybrid[lora]'")
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is for CPU ranks")
+    from hybrid.errors import HybridError
+    from hybrid.runtime.parallelize import check_quantized_base
+    model = torch.nn.Sequential(bnb.nn.Linear4bit(64, 64, quant_type="nf4"), torch.nn.Linear(64, 8))
+    with pytest.raises(HybridError, match=r"bitsandbytes-quantised \(nf4\), which trains on CUDA only; plan it "
+                                          "anywhere with `hybrid plan MODEL --lora-rank R --quantize-base nf4`"):
+        check_quantized_base(model, None)
+
+
+@pytest.mark.torch
+def test_frozen_parameters_are_held_in_the_compute_dtype_under_mixed_precision():
+    """What the estimate counts (TrainSpec.frozen_bytes): no fp32 master for what nothing updates."""
+    from hybrid.config.spec import TrainSpec
+    from hybrid.runtime.parallelize import frozen_to_compute_dtype
+    layer = torch.nn.Linear(8, 8)
+    layer.weight.requires_grad_(False)
+    frozen_to_compute_dtype(layer, TrainSpec(precision="fp32"))
+    assert layer.weight.dtype == torch.float32
+    frozen_to_compute_dtype(layer, TrainSpec(precision="bf16-mixed"))
+    assert layer.weight.dtype == torch.bfloat16 and layer.bias.dtype == torch.float32
+    assert TrainSpec(precision="bf16-mixed").frozen_bytes == 2 and TrainSpec(precision="fp32").frozen_bytes == 4
