@@ -83,8 +83,9 @@ HEADER = ["# Traced vs analytic plan time", "",
 
 NOTES = ["", "The machine is shared (2 cores, other jobs running: the load average beside each row), so the seconds "
          "are noisy; the ratio is the figure to compare. Before the traces were shared (commit 2d66a01), the traced "
-         "plan of llama2-7b here took 441 s wall (`time hybrid plan llama2-7b --nodes 8 --gpus-per-node 8 --gpu "
-         "h100-80gb --seq-len 4096 --method traced`), eight of its twelve candidates traced whole; its output is "
+         "plan of llama2-7b here took 441 s wall at a load average near 8 (`time hybrid plan llama2-7b --nodes 8 "
+         "--gpus-per-node 8 --gpu h100-80gb --seq-len 4096 --method traced`), eight of its twelve candidates traced "
+         "whole; its output is "
          "byte-identical after (diffed).",
          "", "mixtral-8x7b plans every preset but ddp, analytic and traced alike (through the CLI's own `_plan`): "
          "the traced ddp candidate of an MoE model ends in a traceback today (transformers' grouped_mm experts under "
