@@ -32,6 +32,9 @@ class RunEstimator:
             check_runnable(source, cluster)
         self.method, self.source, self.cluster = method, source, cluster
         self.prefer_hf, self.strategies_dir, self.progress = prefer_hf, tuple(strategies_dir or ()), progress
+        from .traced import TraceCache
+        self.traces = TraceCache()
+        """The plan's traces, shared by candidates whose ranks run the same program (traced.TraceCache)."""
 
     def runs(self, layout: Layout) -> bool:
         from .traced import traced_runs
@@ -51,7 +54,8 @@ class RunEstimator:
             self.progress.begin(f"{layout.label} (shard {n})")
         if self.method == "traced":
             from .stages import traced_rank
-            result = traced_rank(self.source, layout, spec, self.cluster, rank, self.prefer_hf, self.strategies_dir)
+            result = traced_rank(self.source, layout, spec, self.cluster, rank, self.prefer_hf, self.strategies_dir,
+                                 self.traces)
             memory = result.memory
         else:
             from .measured import measured_estimate

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..families.catalogue import Strategy
@@ -113,16 +114,67 @@ middle block: the first and last blocks of a phase differ from the others (FSDP2
 block has no earlier reduce-scatter in flight, its last nothing to prefetch)."""
 
 
+def traced_program(strategy: Strategy) -> tuple:
+    """What `strategy` runs when traced, as a value: two strategies with equal values run the same
+    program on fake tensors (the backend's traced_proxy: DeepSpeed as its FSDP2 equivalent, host
+    offload accounted after the trace), whatever their names; the rest of the job (the rank's model,
+    batch, shard group and degrees) is TraceCache's key beside it."""
+    proxy = getattr(strategy.family_obj.runtime(), "traced_proxy", None)
+    s = proxy(strategy) if proxy is not None else strategy
+    return s.family, s.shard, s.config
+
+
+class TraceCache:
+    """The traces of a plan's candidates, kept by the program each rank ran (traced_program, the
+    model and its block count, the batch, the cluster, the shard group and degrees, the steps), so
+    that candidates whose ranks run the same program are traced once: zero1, zero2 and
+    zero2-offload all run FSDP2 without resharding under the trace; zero3, zero3-hpz, zero3-offload
+    and fsdp-offload FSDP2 with it. Only the trace is shared: each candidate's own state layout is
+    accounted on it afterwards (_account). Bounded (the oldest trace goes); `hits` and `misses`
+    count the lookups."""
+
+    def __init__(self, size: int = 8):
+        self.size, self.hits, self.misses = size, 0, 0
+        self._traces: OrderedDict = OrderedDict()
+
+    def get(self, key, make):
+        """The trace kept under `key`, or make()'s, kept."""
+        if key in self._traces:
+            self.hits += 1
+            self._traces.move_to_end(key)
+            return self._traces[key]
+        self.misses += 1
+        out = self._traces[key] = make()
+        if len(self._traces) > self.size:
+            self._traces.popitem(last=False)
+        return out
+
+
+def _cached_trace(cache: TraceCache | None, source: ModelSource, strategy: Strategy, spec: TrainSpec,
+                  cluster: Cluster, n: int, prefer_hf: bool, steps: int, tp: int, prime: bool = False, cp: int = 1,
+                  ep: int = 1):
+    """_trace, through `cache` when one is given."""
+    def make():
+        return _trace(source, strategy, spec, cluster, n, prefer_hf, steps, tp, prime=prime, cp=cp, ep=ep)
+    if cache is None:
+        return make()
+    layers = source.decoder_cfg.layers if source.decoder_cfg is not None else None
+    key = (traced_program(strategy), source.profile.name, source.profile.params, layers, spec, cluster, n,
+           prefer_hf, steps, tp, prime, cp, ep)
+    return cache.get(key, make)
+
+
 def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cluster,
                     shard_size: int | None = None, prefer_hf: bool = True, steps: int = 2, tp: int = 1,
-                    fast: bool = True, cp: int = 1, ep: int = 1) -> Traced:
+                    fast: bool = True, cp: int = 1, ep: int = 1, cache: TraceCache | None = None) -> Traced:
     """One rank of the job traced on fake tensors. `fast`: a stack of identical blocks (a preset or
     a decoder config.json) is traced with FAST_BLOCKS blocks and extrapolated to its own count,
     which gives the full trace's peak (benchmarks/fast_traced.py) in a fraction of the time; other
     models, strategies whose state the trace replaces (DeepSpeed, host offload) and layer:N
     checkpointing are traced whole. cp > 1 runs the context-parallel code (runtime/backends/cp.py) on the
     rank's chunks of a whole-sequence batch; ep > 1 the expert-parallel code (runtime/backends/ep.py) with
-    the dispatch shapes of spec.moe_imbalance (a fake process group carries no routing counts)."""
+    the dispatch shapes of spec.moe_imbalance (a fake process group carries no routing counts). `cache`
+    (TraceCache): traces of the same program already run for another candidate are reused."""
     import torch.distributed as dist
 
     check_traceable(source)
@@ -142,13 +194,13 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
     # every block alike: not with layer:N checkpointing, whose 3- and 4-block models mix kinds of block
     alike = not spec.activation_checkpointing.startswith("layer:")
     if fast and alike and layers > FAST_BLOCKS[-1] and not strategy.family_obj.traced_replaces(strategy):
-        runs = [_trace(source.with_layers(k), strategy, spec, cluster, n, prefer_hf, 1, tp, prime=True, cp=cp, ep=ep)
-                for k in FAST_BLOCKS]
+        runs = [_cached_trace(cache, source.with_layers(k), strategy, spec, cluster, n, prefer_hf, 1, tp, prime=True,
+                              cp=cp, ep=ep) for k in FAST_BLOCKS]
         parts, phase = extrapolate([t.moments() for t, _ in runs], FAST_BLOCKS, layers)
         memory = MemoryBreakdown.from_tensors(parts, cluster, phase=phase, notes=(
             f"traced with {' and '.join(map(str, FAST_BLOCKS))} blocks, extrapolated to {layers}",))
         return Traced(memory, runs[0][1], time.perf_counter() - start)
-    tracker, impl = _trace(source, strategy, spec, cluster, n, prefer_hf, steps, tp, cp=cp, ep=ep)
+    tracker, impl = _cached_trace(cache, source, strategy, spec, cluster, n, prefer_hf, steps, tp, cp=cp, ep=ep)
     memory = _account(tracker, strategy, source, spec, cluster, n, tp)
     return Traced(memory, impl, time.perf_counter() - start)
 

@@ -338,10 +338,15 @@ def traced_apply(strategy, model, optimizer_factory, mesh, spec, runtime, option
     is cast to bf16, like MixedPrecisionPolicy), so the trace runs the FSDP2 equivalent (full
     shard; blocks re-gathered in backward only for stage 3) and measure/traced.py replaces the
     model states and buffers with DeepSpeed's layout (its partitions and bucket sizes)."""
+    from . import fsdp
+    return fsdp.apply(traced_proxy(strategy), model, optimizer_factory, mesh, spec, runtime)
+
+
+def traced_proxy(strategy):
+    """The FSDP2 strategy traced_apply runs for `strategy` (measure/traced.traced_program: strategies with
+    one proxy trace the same program)."""
     from dataclasses import replace
 
-    from . import fsdp
     from ...families.fsdp import FSDPConfig
-    proxy = replace(strategy, name=f"{strategy.name}-as-fsdp", family="fsdp",
-                    config=FSDPConfig(reshard_after_forward=strategy.config.stage == 3))
-    return fsdp.apply(proxy, model, optimizer_factory, mesh, spec, runtime)
+    return replace(strategy, name=f"{strategy.name}-as-fsdp", family="fsdp",
+                   config=FSDPConfig(reshard_after_forward=strategy.config.stage == 3))

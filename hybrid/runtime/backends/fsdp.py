@@ -124,3 +124,13 @@ def apply(strategy, model, optimizer_factory, mesh, spec, runtime, options=None)
 
 
 traced_apply = apply   # FSDP2 runs as it is under fake tensors and a fake process group
+
+
+def traced_proxy(strategy):
+    """The strategy whose traced program `strategy` runs: a traced run ignores host offload (fsdp_kwargs,
+    wrap: the fake job stays on this CPU; measure/traced.py accounts the host state afterwards), so an
+    offloading preset traces as the same preset without it (measure/traced.traced_program)."""
+    from dataclasses import replace
+    if not strategy.config.offload_params:
+        return strategy
+    return replace(strategy, config=replace(strategy.config, offload_params=False, offload_optimizer=False))
