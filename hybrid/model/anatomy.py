@@ -375,7 +375,7 @@ def _norm_kind(norm, hidden: int) -> str:
     try:
         x = torch.empty(1, 1, hidden, device="meta", dtype=torch.bfloat16, requires_grad=True)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            norm.to("meta")(x) if _on_meta(norm) else _meta_copy(norm)(x)
+            (norm if _on_meta(norm) else _meta_copy(norm))(x)
     except Exception:  # noqa: BLE001 - a norm that will not run on meta: the common form
         return "rms"
     return "rms1p" if sum(saved) >= 8 * hidden else "rms"

@@ -261,15 +261,14 @@ def checkpointed_blocks(layers: int, every: int) -> int:
 
 def _read_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> tuple[float, float]:
     """(mean bytes a block keeps, most bytes one recomputed block needs) over a read stack."""
+    from ...errors import NotApplicable
     c = spec.bytes.compute
     T = spec.micro_batch * spec.seq_len
     ckpt = spec.activation_checkpointing
     if getattr(spec, "compile", False):
-        from ...errors import NotApplicable
         raise NotApplicable(f"compiled blocks of {d.hf_model_type or 'this'} decoder (read from its module) are not "
                             "modelled; plan without --compile")
     if ckpt not in ("none", "full") and not ckpt.startswith("layer:"):
-        from ...errors import NotApplicable
         raise NotApplicable(f"{ckpt} checkpointing of {d.hf_model_type or 'this'} decoder (read from its module) is "
                             "not modelled; use none, full or layer:N")
     full = [layer_read_full(ly, d, spec, c, autocast) * T for ly in d.stack]
