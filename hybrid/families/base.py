@@ -132,6 +132,23 @@ class Family:
         preset itself unless the family's runtime wraps through another family (ddp over tp)."""
         return s
 
+    def autocast_experts_problem(self, layout, spec, grouped_experts: bool):
+        """Why the layout cannot run the model's transformers grouped_mm experts (NotApplicable), or
+        None: a wrap that runs mixed precision under torch.autocast over fp32 weights (applied_wrap)
+        hands them fp32 inputs, and grouped_mm experts multiply in their weights' dtype outside
+        autocast's list, where torch._grouped_mm takes bf16 only: the job would fail in its first
+        forward. The one rule the estimate (`grouped_experts`: ModelProfile.grouped_experts), the
+        trace and the runtime (model.profile.runs_grouped_experts of the module) ask."""
+        if not grouped_experts or spec.precision not in ("bf16-mixed", "fp16-mixed"):
+            return None
+        if not self.applied_wrap(layout, layout.pipeline is not None or layout.dims.pp > 1)[3]:
+            return None
+        from .placement import NotApplicable
+        return NotApplicable(f"{layout.dp.name} under {spec.precision} keeps fp32 weights under autocast, and "
+                             "transformers' grouped_mm experts take bf16 inputs only (torch._grouped_mm): use fsdp "
+                             "(bf16 compute over fp32 masters), --precision bf16, or build the model with "
+                             "experts_implementation='eager'")
+
     def problems(self, layout) -> list:
         """Every reason (NotApplicable, naming its dimension) this family cannot run the layout's
         pipeline, tensor- and context-parallel dimensions, in that order; empty when it can."""

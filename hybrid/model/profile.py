@@ -111,6 +111,10 @@ class ModelProfile:
     """Frozen elements stored quantised (a QLoRA base's block linears, model/lora.py); 0: none."""
     quantized_bytes: int = 0
     """Their bytes as stored: packed values and quantisation constants."""
+    grouped_experts: bool = False
+    """The MoE experts are transformers' grouped_mm ones (runs_grouped_experts): they multiply in their
+    weights' dtype, outside autocast (Family.autocast_experts_problem). A preset or config.json MoE with a
+    transformers model_type is built so (transformers 5's default experts_implementation)."""
 
     @property
     def max_positions(self) -> int | None:
@@ -158,7 +162,8 @@ def profile_decoder(cfg: DecoderConfig, name: str, source: str = "preset") -> Mo
         block_class="Block", num_blocks=cfg.layers, block_params=cfg.block_params,
         root_params=cfg.root_params, largest_layer_params=largest_layer,
         largest_param=cfg.largest_param, factored_state=cfg.factored_state, tied_groups=tied,
-        optim_shapes=_closed_shapes(cfg), decoder=cfg, source=source)
+        optim_shapes=_closed_shapes(cfg), decoder=cfg, source=source,
+        grouped_experts=cfg.moe and cfg.hf_model_type is not None)      # sources._decoder_builder: transformers'
 
 
 def _closed_shapes(cfg: DecoderConfig) -> OptimShapes:
@@ -281,7 +286,16 @@ def profile_module(module, name: str | None = None) -> ModelProfile:
         optim_shapes=OptimShapes.of([tuple(p.shape) for p in params if p.requires_grad],
                                     [id(p) in in_blocks for p in params if p.requires_grad]),
         tied_groups=tuple(tuple(g) for g in groups.values() if len(g) > 1),
-        decoder=decoder_of(module), source="module")
+        decoder=decoder_of(module), source="module", grouped_experts=runs_grouped_experts(module))
+
+
+def runs_grouped_experts(module) -> bool:
+    """Whether the module's MoE experts are transformers' grouped_mm ones: its config's
+    `_experts_implementation` is grouped_mm (transformers 5's default) and it holds experts of
+    `@use_experts_implementation` (they carry `has_gate`). Our decoder's experts loop in autocast's dtype."""
+    if getattr(getattr(module, "config", None), "_experts_implementation", None) != "grouped_mm":
+        return False
+    return any(hasattr(m, "has_gate") for m in module.modules())
 
 
 def text_decoder(module):

@@ -76,9 +76,11 @@ def layout_of_mesh(strategy, mesh, spec) -> Layout:
 
 
 def check_model(model: nn.Module, layout: Layout, spec) -> None:
-    """What the model must have for the layout's cp and ep (HybridError, one line): checked
-    before any mesh is built."""
+    """What the model must have for the layout's cp and ep, and what its experts cannot run under
+    (HybridError, one line): checked before any mesh is built."""
     dims = layout.dims
+    from .backends.ddp import check_grouped_experts
+    check_grouped_experts(model, spec, layout)
     if dims.cp > 1:
         from .backends.cp import check_context_parallel
         check_context_parallel(model, dims.cp, spec.seq_len)

@@ -50,23 +50,19 @@ def check(strategy, mesh, spec, runtime) -> None:
     """Nothing beyond the family's layout rules (Family.check)."""
 
 
-def check_grouped_experts(module, spec) -> None:
-    """transformers' grouped_mm experts multiply in their weights' dtype, and torch._grouped_mm takes
-    bf16 inputs only: under DDP's autocast over fp32 weights they cannot run (the job would fail in
-    its first forward)."""
-    from ...errors import NotApplicable
-    if compute_dtype(spec) is None or getattr(getattr(module, "config", None), "_experts_implementation",
-                                              None) != "grouped_mm":
-        return
-    if any(hasattr(m, "has_gate") for m in module.modules()):
-        raise NotApplicable("ddp under bf16-mixed keeps fp32 weights under autocast, and transformers' grouped_mm "
-                            "experts take bf16 inputs only (torch._grouped_mm): use fsdp (bf16 compute over fp32 "
-                            "masters), --precision bf16, or build the model with experts_implementation='eager'")
+def check_grouped_experts(module, spec, layout) -> None:
+    """transformers' grouped_mm experts under a wrap that runs mixed precision under autocast over fp32
+    weights (torch DDP's) cannot run: the family's rule (Family.autocast_experts_problem), asked of the
+    module (profile.runs_grouped_experts), as the estimate asks it of the profile."""
+    from ...model.profile import runs_grouped_experts
+    problem = layout.dp.family_obj.autocast_experts_problem(layout, spec, runs_grouped_experts(module))
+    if problem is not None:
+        raise problem
 
 
 def place(strategy, module, spec, runtime) -> None:
-    """Every rank holds the whole model: a meta-built one is materialised on the device first."""
-    check_grouped_experts(module, spec)
+    """Every rank holds the whole model: a meta-built one is materialised on the device first
+    (what it cannot run was refused before: parallelize.check_model)."""
     materialize(module, runtime.device)
     move(module, runtime.device, torch.bfloat16 if spec.precision == "bf16" else None)
 
@@ -177,7 +173,8 @@ def traced_apply(strategy, model, optimizer_factory, mesh, spec, runtime, option
         return apply_layout(model, layout_of_mesh(strategy, mesh, spec), optimizer_factory, mesh, spec, runtime,
                             options)
 
-    check_grouped_experts(model, spec)
+    from ..parallelize import layout_of_mesh
+    check_grouped_experts(model, spec, layout_of_mesh(strategy, mesh, spec))
     apply_activation_checkpointing(model, spec.activation_checkpointing)
     ddp = _EmulatedDDP(model, strategy)
     engine = DDPEngine(model, ddp, optimizer_factory([p for p in model.parameters() if p.requires_grad]),
