@@ -13,7 +13,7 @@ import torch.nn as nn
 from .runtime.backends.base import LoopOptions, check_optimizer_factory
 from .families.catalogue import get_strategy, load_catalogue
 from .config.cluster import ALLOC_CONF_VARS, Cluster, as_cluster, detect
-from .errors import HybridError, short
+from .errors import HybridError, NotApplicable, short
 from .runtime.mesh import build_mesh, init_distributed
 from .model.decoder import prepare_for_training
 from .planning.reach import runtime_degrees
@@ -140,16 +140,23 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
                 it, fp16-mixed on GPUs without bf16, fp32 on CPU ranks)
     activation_checkpointing  none | selective | op | full | layer:N; default: the planner
                 chooses among none, selective and full
-    cluster     the cluster spec to plan against (default: detected; must match the world size)
+    cluster     the cluster spec to plan against (default: detected; must match the world size). A
+                stated cluster is planned before any process group starts: a layout it cannot run is
+                refused (NotApplicable, the line the plan's row and the estimate give) on every launch
     gpu_memory  override the per-GPU capacity (e.g. "8GiB") for planning
     scheduler   callable(optimizer) -> LR scheduler, stepped after every optimizer step
-    micro_batch sequences per rank per forward (default 1; with global_batch: chosen by the planner
-                unless given); w.micro_batch says what to feed
+    micro_batch sequences per rank per forward (default 1; with global_batch or strategy "auto":
+                chosen by the planner unless given); w.micro_batch says what to feed
     gradient_accumulation  micro-batches per optimizer step (gradients reduced once per window;
-                default 1; with global_batch: chosen by the planner); w.gradient_accumulation
+                default 1; with global_batch or strategy "auto": chosen by the planner);
+                w.gradient_accumulation
     global_batch  sequences per optimizer step over all data-parallel ranks: the planner picks the
                 layout's micro-batch and accumulation so that their product with w.dp_size is
-                this (global_batch_tokens: the same in tokens, a multiple of seq_len)
+                this (global_batch_tokens: the same in tokens, a multiple of seq_len). Without it,
+                strategy "auto" holds micro_batch x gradient_accumulation x the cluster's GPUs for
+                every candidate as `hybrid plan` does (planner.implied_batch), so a layout with tp,
+                cp or pp trains the same batch at more accumulation; a forced strategy trains
+                micro_batch x gradient_accumulation x its data-parallel ranks
     max_grad_norm  clip the global gradient norm before each optimizer step (None: no clipping)
     max_bad_steps  optimizer steps in a row with a non-finite loss or gradient norm (each skipped on
                 every rank, with a warning) that stop training with a HybridError (default 3)
@@ -219,22 +226,23 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     replica_env = _replica_env(fault_tolerant)
     if cluster is None or cluster.expandable_segments:
         enable_expandable_segments()
-    runtime = init_distributed()
-    if cluster is None:
+    runtime = None
+    if cluster is None:             # the live machine, read once this rank's device is set
+        runtime = init_distributed()
         cluster = detect(gpu_memory)
+        _check_world(cluster, runtime)
     elif gpu_memory is not None:
         cluster = replace(cluster, gpu=replace(cluster.gpu, memory_bytes=parse_bytes(gpu_memory)))
-    if cluster.world_size != runtime.world_size:
-        raise HybridError(f"the cluster spec has {cluster.world_size} GPUs ({cluster.nodes} x "
-                          f"{cluster.gpus_per_node}) but this job runs {runtime.world_size} ranks")
+    # a stated cluster is planned before any process group starts: what its plan refuses is refused
+    # on every launch, so no rank waits for its peers to learn it (init_distributed's device rule)
+    cuda = runtime.device.type == "cuda" if runtime is not None else torch.cuda.is_available()
     prepare_for_training(model)
     profile = build_profile(model)
     mp = profile.max_positions
     from .planning.batch import global_batch_of
     seq_len = seq_len or default_seq_len(mp)
     gb = global_batch_of(global_batch, global_batch_tokens, seq_len, gradient_accumulation, cli=False)
-    pin = micro_batch if gb is not None else None
-    here = cluster if runtime.device.type == "cuda" else detect()     # CPU ranks train in fp32 whatever is planned
+    here = cluster if cuda else detect()     # CPU ranks train in fp32 whatever is planned
     spec = TrainSpec(micro_batch=or_default("micro_batch", micro_batch), seq_len=seq_len,
                      precision=precision or default_precision(here), optimizer=kind,
                      activation_checkpointing=or_default("activation_checkpointing", activation_checkpointing),
@@ -251,37 +259,43 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     if tune is not False and strategy != "auto":
         raise HybridError(f"tune= measures the planner's candidates; strategy={strategy!r} forces one: "
                           "drop one of them")
+    said = []                       # warnings for rank 0, said once the ranks are known
     if strategy == "auto":
+        # every candidate trains one global batch (the given one, else micro-batch x accumulation x the
+        # world's GPUs: planner.implied_batch), each at its own micro-batch and accumulation, as
+        # `hybrid plan` holds it; a given micro_batch pins the micro-batch
         the_plan = make_plan(profile, spec, cluster, catalogue, shard_size, search_checkpointing=search,
                              **runtime_degrees({"tp": tp, "pp": pp, "cp": cp, "ep": ep or 1}), schedule=schedule,
-                             calibration=cal, micro_batch=pin)
+                             calibration=cal, micro_batch=micro_batch, hold_batch=True)
         if the_plan.chosen is None and the_plan.missing:
-            the_plan = _choose_on_states(the_plan, profile, runtime)
+            the_plan = _choose_on_states(the_plan, profile, said)
         if the_plan.chosen is None:
             fixes = "; ".join(the_plan.suggestions) or "none found"
             raise HybridError(f"no strategy fits {profile.name} in {cluster.describe()}. Smallest changes that "
                               f"would: {fixes}. Run `hybrid plan` for every candidate and why it was rejected")
-        if tune is not False:
-            from .tune.trials import tune_for_wrap
-            the_plan = tune_for_wrap(the_plan, model, optimizer, runtime, cluster, tune, max_grad_norm)
     else:
+        # one layout, the strategy at the degrees given: its batch is the one given (micro-batch x
+        # accumulation x its data-parallel ranks), or global_batch searched into it
         get_strategy(strategy, catalogue)
         the_plan = make_plan(profile, spec, cluster, catalogue, shard_size, strategies=[strategy],
                              search_checkpointing=search, search_shards=False, tp=tp or 1, pp=pp or 1,
-                             schedule=schedule, calibration=cal, cp=cp or 1, micro_batch=pin, ep=ep or 1)
+                             schedule=schedule, calibration=cal, cp=cp or 1, ep=ep or 1,
+                             micro_batch=micro_batch if gb is not None else None)
         if the_plan.chosen is None:      # forced: run the least memory-hungry variant anyway
-            usable = [c for c in the_plan.candidates if c.memory is not None]
-            if not usable:
-                raise HybridError(f"strategy {strategy!r} cannot run this job: {the_plan.candidates[0].reason}")
-            chosen = min(usable, key=lambda c: c.memory.total)
-            the_plan = dataclasses.replace(the_plan, chosen=chosen)
-            if runtime.rank == 0:
-                log.warning("hybrid: warning: %s is forced but %s", strategy, chosen.reason)
+            the_plan = _forced(the_plan, strategy, said)
+    if tune is False:
+        _check_choice(model, the_plan.chosen, replica_env)
+    if runtime is None:
+        runtime = init_distributed()
+        _check_world(cluster, runtime)
+    if runtime.rank == 0:
+        for line in said:
+            log.warning("%s", line)
+    if tune is not False:
+        from .tune.trials import tune_for_wrap
+        the_plan = tune_for_wrap(the_plan, model, optimizer, runtime, cluster, tune, max_grad_norm)
+        _check_choice(model, the_plan.chosen, replica_env)
     chosen = _agree(the_plan.chosen, runtime, strategy, cluster)
-    if replica_env is not None:
-        from .runtime.ft import check_layout
-        check_layout(chosen)
-    check_model(model, chosen.layout, chosen.spec)     # before any mesh is built
     if chosen.tight and runtime.rank == 0:
         log.warning("hybrid: %s %s", chosen.label, chosen.reason)
     mesh = build_mesh(chosen.parallel, runtime, cluster.gpus_per_node, cluster.domain)
@@ -302,6 +316,39 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     if resume is not None:
         _resume(wrapped, resume, runtime)
     return wrapped
+
+
+def _check_choice(model, chosen, replica_env) -> None:
+    """What the chosen layout needs of the model (and of torchft), before any mesh is built."""
+    if replica_env is not None:
+        from .runtime.ft import check_layout
+        check_layout(chosen)
+    check_model(model, chosen.layout, chosen.spec)
+
+
+def _check_world(cluster: Cluster, runtime) -> None:
+    if cluster.world_size != runtime.world_size:
+        raise HybridError(f"the cluster spec has {cluster.world_size} GPUs ({cluster.nodes} x "
+                          f"{cluster.gpus_per_node}) but this job runs {runtime.world_size} ranks")
+
+
+def _forced(the_plan, strategy: str, said: list):
+    """A forced strategy whose candidates none fits: the least memory-hungry that can run, with a
+    warning; when none can run at all, the reason the estimate gives (NotApplicable, the same line
+    as the plan's row after its `not applicable: `), before anything starts."""
+    usable = [c for c in the_plan.candidates if c.memory is not None]
+    if not usable:
+        reason = the_plan.candidates[0].reason
+        if reason.startswith(NOT_APPLICABLE):
+            raise NotApplicable(reason[len(NOT_APPLICABLE):])
+        raise HybridError(f"strategy {strategy!r} cannot run this job: {reason}")
+    chosen = min(usable, key=lambda c: c.memory.total)
+    said.append(f"hybrid: warning: {strategy} is forced but {chosen.reason}")
+    return dataclasses.replace(the_plan, chosen=chosen)
+
+
+NOT_APPLICABLE = "not applicable: "
+"""How a plan row that cannot run begins (planning/planner.judge), before the estimate's reason."""
 
 
 def _resume(w: Wrapped, path, runtime) -> None:
@@ -353,17 +400,15 @@ def _with_job_file(path: str, given: dict) -> Wrapped:
     return auto_wrap(**args)
 
 
-def _choose_on_states(the_plan, profile, runtime):
+def _choose_on_states(the_plan, profile, said: list):
     """A module whose activations nothing could estimate (no repeating block to measure): the
-    fastest layout whose model states fit, said on rank 0 with what is missing, never silently."""
+    fastest layout whose model states fit, said (on rank 0) with what is missing, never silently."""
     from .planning.planner import choose
     chosen = choose(the_plan.candidates, the_plan.tie, known=False)
     if chosen is None:
         return the_plan
-    if runtime.rank == 0:
-        log.warning("hybrid: warning: %s of %s unknown (no repeating block to measure): %s chosen on its model "
-                    "states alone; pass strategy= to choose yourself", ", ".join(the_plan.missing), profile.name,
-                    chosen.label)
+    said.append(f"hybrid: warning: {', '.join(the_plan.missing)} of {profile.name} unknown (no repeating block to "
+                f"measure): {chosen.label} chosen on its model states alone; pass strategy= to choose yourself")
     return dataclasses.replace(the_plan, chosen=chosen)
 
 

@@ -73,6 +73,58 @@ def test_a_cell_that_cannot_run_is_refused_alike_by_the_estimate_and_the_trace(t
     from hybrid.planning.planner import plan
     row = plan(tiny.profile, spec, cluster, strategies=[strategy], tp=tp, cp=cp).candidates[0]
     assert row.reason == f"not applicable: {by_trace.value}", row.reason     # the plan row: the same line
+    _refused_by_auto_wrap(tiny.build(device="meta")[0], strategy, spec, cluster, str(by_trace.value),
+                          tp=tp, cp=cp, ep=ep)
+
+
+def _refused_by_auto_wrap(model, strategy, spec, cluster, line, **dims):
+    """auto_wrap in this one process with the cluster stated: the plan refuses the layout with the
+    estimate's line before any process group starts (no world of one, no mesh: nothing it cannot finish)."""
+    import torch.distributed as dist
+
+    import hybrid
+    from hybrid.errors import NotApplicable
+    with pytest.raises(NotApplicable) as by_wrap:
+        hybrid.auto_wrap(model, strategy=strategy, cluster=cluster, micro_batch=spec.micro_batch, seq_len=spec.seq_len,
+                         precision=spec.precision, verbose=False, **dims)
+    assert str(by_wrap.value) == line
+    assert not dist.is_initialized()
+
+
+TINY_MOE = ("llama", 512, 32, 2, 4, 48, 64)
+
+
+@pytest.mark.fakepg
+def test_ddp_under_autocast_refuses_grouped_experts_alike_in_the_estimate_the_trace_the_plan_and_auto_wrap():
+    """transformers' grouped_mm experts under DDP's autocast (fp32 weights, bf16-mixed): the analytic
+    row is n/a with the trace's and the runtime's line (Family.autocast_experts_problem); fsdp prices
+    it; a module built with eager experts is not refused."""
+    import dataclasses
+
+    from hybrid.model.presets import DecoderConfig
+    from hybrid.model.profile import build_profile, profile_decoder
+    from hybrid.model.sources import ModelSource, _decoder_builder
+    from hybrid.planning.planner import plan
+    cfg = DecoderConfig(*TINY_MOE, kv_heads=2, hf_model_type="qwen3_moe", experts=4, top_k=2, moe_ffn=48,
+                        qk_norm="head", head_size=32)
+    src = ModelSource(profile_decoder(cfg, "tiny-qwen3-moe"), _decoder_builder(cfg), None, cfg)
+    spec = TrainSpec(2, 64, precision="bf16-mixed")
+    layout = Layout.of(CAT["ddp"], TWO, spec)
+    with pytest.raises(Exception, match="grouped_mm experts take bf16 inputs only") as by_estimate:
+        estimate(layout, src.profile, spec, TWO)
+    with pytest.raises(Exception, match="grouped_mm") as by_trace:
+        traced_estimate(src, CAT["ddp"], spec, TWO, fast=False)
+    line = str(by_trace.value)
+    assert str(by_estimate.value) == line and "\n" not in line
+    rows = {c.name: c for c in plan(src.profile, spec, TWO, strategies=["ddp", "fsdp"], tp=1, pp=1).candidates}
+    assert rows["ddp"].reason == f"not applicable: {line}" and rows["ddp"].memory is None
+    assert rows["fsdp"].memory is not None                   # bf16 compute over fp32 masters: priced
+    model = src.build(device="meta")[0]
+    assert build_profile(model).grouped_experts
+    _refused_by_auto_wrap(model, "ddp", spec, TWO, line)
+    eager = build_profile(model.__class__(dataclasses.replace(model.config, experts_implementation="eager")))
+    assert not eager.grouped_experts
+    assert estimate(layout, eager, spec, TWO).total > 0      # the eager loop runs under autocast
 
 
 @pytest.mark.gloo
