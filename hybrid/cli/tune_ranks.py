@@ -42,7 +42,7 @@ def run_cli(opts: dict):
                   tp=args.tp if args.tp is not None else None, pp=args.pp if args.pp is not None else 1,
                   schedule=args.schedule, search_checkpointing=args.activation_checkpointing is None,
                   efficiency=args.efficiency, calibration=resolve(args.calibration),
-                  cp=getattr(args, "cp", None), micro_batch=args.micro_batch if spec.global_batch is not None else None)
+                  cp=getattr(args, "cp", None), micro_batch=args.micro_batch, hold_batch=True)
     dtype = torch.bfloat16 if spec.precision == "bf16" else None
 
     def make_model():
@@ -53,7 +53,8 @@ def run_cli(opts: dict):
 
     job = {"model": src.ref, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node,
            "micro_batch": spec.micro_batch, "seq_len": spec.seq_len, "precision": spec.precision,
-           "gradient_accumulation": spec.gradient_accumulation, "steps": args.steps, "warmup": args.warmup}
+           "gradient_accumulation": spec.gradient_accumulation, "global_batch": p.spec.global_batch,
+           "steps": args.steps, "warmup": args.warmup}
     r = tune(p, make_model, optimizer_factory(spec), runtime, cluster, args.top, args.steps, args.warmup,
              progress=args.progress, job=job)
     if runtime.rank != 0:
@@ -71,6 +72,7 @@ CANDIDATE_KEYS = ("name", "family", "shard_size", "parallel", "activation_checkp
 def to_dict(r) -> dict:
     p = r.plan
     out = {"model": p.model.name, "world_size": p.cluster.world_size, "gpu": p.cluster.gpu.name,
+           "global_batch": p.global_batch, "seq_len": p.spec.seq_len,
            "steps": r.steps, "warmup": r.warmup, "plan_chosen": p.chosen.label if p.chosen else None,
            "chosen": r.chosen.label if r.chosen else None,
            "chosen_candidate": ({"name": r.chosen.name, "shard_size": r.chosen.shard_size,
@@ -88,6 +90,8 @@ def to_dict(r) -> dict:
             "predicted_fits": c.fits, "predicted_step_s": c.cost.seconds if c.cost else None,
             "predicted_tokens_per_s_per_gpu": c.cost.tokens_per_s_per_gpu if c.cost else None,
             "predicted_allocated_bytes": c.memory.allocated if c.memory else None,
+            "micro_batch": c.spec.micro_batch, "gradient_accumulation": c.spec.gradient_accumulation,
+            "global_batch": c.spec.micro_batch * c.spec.gradient_accumulation * c.parallel.dp_size,
             "measured_step_s": t.seconds,
             "measured_tokens_per_s_per_gpu": tokens_per_s_per_gpu(c, t.seconds) if t.seconds else None,
             "measured_allocated_bytes": t.allocated, "measured_reserved_bytes": t.reserved})

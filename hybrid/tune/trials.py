@@ -1,6 +1,8 @@
 """Measure, don't only predict: run the plan's best layouts for a few steps on this cluster's ranks,
 choose the measured fastest, and fit a calibration of the cost model to what was measured.
 
+Every trial trains the plan's one global batch (given, or implied as `hybrid plan` holds it:
+planner.implied_batch), each layout at its own micro-batch and accumulation (its candidate's spec).
 Every rank plans the same plan; rank 0 picks the trials and the winner and broadcasts them (on a
 gloo side group with the job's collective timeout, so no decision waits unbounded). A trial is
 `warmup` steps (the optimizer state appears in the first; the second is steady) and then `steps`
@@ -254,17 +256,27 @@ def format_tune(r: TuneResult) -> str:
     if cal is not None:
         again = {(t.layout, t.shard_size): t.repredicted_s for t in cal.trials}
     w = max([24] + [len(p.candidates[t.index].label) + 1 for t in r.trials])
-    head = (f" {'layout':<{w}}{'shard':>6}{'pred s':>9}{'meas s':>9}{'error':>8}{'refit s':>9}"
-            f"{'pred tok/s':>12}{'meas tok/s':>12}{'pred alloc':>12}{'meas peak':>11}  result")
+    shapes = {(p.candidates[t.index].spec.micro_batch, p.candidates[t.index].spec.gradient_accumulation)
+              for t in r.trials}
+    own = len(shapes) > 1           # the held global batch, each layout at its own micro-batch x accumulation
+    head = (f" {'layout':<{w}}{'shard':>6}" + (f"{'batch':>9}" if own else "") + f"{'pred s':>9}{'meas s':>9}"
+            f"{'error':>8}{'refit s':>9}{'pred tok/s':>12}{'meas tok/s':>12}{'pred alloc':>12}{'meas peak':>11}"
+            "  result")
+    mb, ga = next(iter(shapes)) if shapes else (p.spec.micro_batch, p.spec.gradient_accumulation)
+    shape = (f"global batch {p.global_batch} x seq {p.spec.seq_len}, {p.spec.precision}, each layout at its own "
+             "micro-batch x accumulation (batch)" if own else
+             f"micro-batch {mb} x seq {p.spec.seq_len}, {p.spec.precision}, accumulation {ga}")
     lines = [f"tune {p.model.name} on {p.cluster.describe()}: {r.steps} timed steps after {r.warmup} warm-up "
-             f"steps per layout; micro-batch {p.spec.micro_batch} x seq {p.spec.seq_len}, {p.spec.precision}, "
-             f"accumulation {p.spec.gradient_accumulation}", "", head, "-" * len(head)]
+             f"steps per layout; {shape}", "", head, "-" * len(head)]
     for t in r.trials:
         c = p.candidates[t.index]
         mark = "*" if r.chosen is c else " "
         pred_s, pred_tps = c.cost.seconds, c.cost.tokens_per_s_per_gpu
         alloc = fmt_bytes(c.memory.allocated) if c.memory else "-"
-        row = f"{mark}{c.label:<{w}}{c.shard_size:>6}{pred_s:>9.4f}"
+        row = f"{mark}{c.label:<{w}}{c.shard_size:>6}"
+        if own:
+            row += f"{f'{c.spec.micro_batch} x {c.spec.gradient_accumulation}':>9}"
+        row += f"{pred_s:>9.4f}"
         if t.status == "ok":
             refit = again.get((c.label, c.shard_size))
             row += (f"{t.seconds:>9.4f}{pred_s / t.seconds - 1:>+8.0%}"

@@ -152,6 +152,43 @@ def test_auto_wrap_feeds_what_the_plan_chose():
                   gradient_accumulation=2, verbose=False)
 
 
+def _wrap_at_tp2():
+    """auto_wrap (strategy auto, tp 2 on these 2 ranks, micro_batch 1 given): the plan's row and what is fed."""
+    import torch
+
+    import hybrid
+    from hybrid.model.decoder import build_decoder
+    from tests.runtime.test_backends import TINY
+    w = hybrid.auto_wrap(build_decoder(TINY, seed=0), precision="fp32", micro_batch=1, seq_len=16, tp=2, pp=1,
+                         activation_checkpointing="none", verbose=False)
+    loss = w.train_step(torch.randint(0, TINY.vocab, (w.micro_batch * w.gradient_accumulation, 16),
+                                      generator=torch.Generator().manual_seed(0)))
+    row = w.chosen.batch.to_dict() if w.chosen.batch is not None else None
+    return (w.chosen.label, w.micro_batch, w.gradient_accumulation, w.dp_size, w.global_batch, row, loss == loss,
+            w.optimizer_steps)
+
+
+@pytest.mark.gloo
+def test_auto_wrap_holds_the_implied_global_batch_as_hybrid_plan_does():
+    """Without global_batch, strategy auto trains micro-batch x accumulation x the world's GPUs
+    (planner.implied_batch) at every layout, as `hybrid plan` holds it: at tp 2 on 2 ranks one
+    data-parallel rank takes 2 micro-batches of the given 1 (it took 1 before: half the batch)."""
+    from hybrid.runtime.launch import run_ranks
+    from tests.runtime.test_backends import TINY
+    results = run_ranks(2, _wrap_at_tp2, timeout_s=300)
+    assert results[0] == results[1]
+    label, mb, ga, dp, gb, row, finite, steps = results[0]
+    assert (mb, ga, dp, gb) == (1, 2, 1, 2) and finite and steps == 1
+    assert row == {"global_batch": 2, "micro_batch": 1, "gradient_accumulation": 2, "max_micro_batch": 1,
+                   "micro_batch_pinned": True}
+    from hybrid.config.cluster import Cluster, cpu_spec
+    from hybrid.model.profile import profile_decoder
+    cpu = Cluster(nodes=1, gpus_per_node=2, gpu=cpu_spec(2))
+    p = api_plan(profile_decoder(TINY, "tiny"), cluster=cpu, precision="fp32", micro_batch=1, seq_len=16, tp=2,
+                 pp=1, activation_checkpointing="none")
+    assert p.chosen.label == label and p.chosen.batch.to_dict() == row
+
+
 @pytest.mark.unit
 def test_a_roomy_micro_batch_is_chosen_over_a_faster_tight_one():
     """Review: the search keeps a layout's fitting-with-room shape where it has one, as choose() does."""

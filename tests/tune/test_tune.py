@@ -99,3 +99,24 @@ def test_tune_rows_name_their_candidate_with_the_plan_rows_keys(capsys):
                  (t["name"], t["shard_size"], t["parallel"])]
         assert keys <= set(row) and {k: t[k] for k in keys} == {k: row[k] for k in keys}
         assert set(t) & set(row) == keys and t["layout"] == t["name"]
+
+
+def test_tune_trials_train_the_global_batch_the_plan_rows_hold(capsys):
+    """Every trial trains the plan's one global batch (here implied: micro-batch 1 x accumulation 1 x
+    2 GPUs), each layout at its plan row's micro-batch and accumulation (tp 2: one data-parallel rank,
+    2 micro-batches): measured tokens/s per GPU x step time x GPUs = global batch x sequence."""
+    job = ["tiny-llama", "--gpus-per-node", "2", "--micro-batch", "1", "--seq-len", "64", "--activation-checkpointing",
+           "none", "--tp", "2", "--strategy", "fsdp", "--implementation", "hybrid"]
+    assert main(["plan", *job, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    rows = {(r["name"], r["parallel"]["tp"]): r["batch"] for r in plan["strategies"] if r.get("batch")}
+    assert main(["tune", *job[:-4], "--strategies", "fsdp", "--implementation", "hybrid", "--top", "1",
+                 "--steps", "1", "--warmup", "1", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["global_batch"] == plan["global_batch"] == 2
+    [t] = [t for t in r["trials"] if t["status"] == "ok"]
+    held = rows[(t["name"], t["parallel"]["tp"])]
+    assert (t["micro_batch"], t["gradient_accumulation"], t["global_batch"]) == \
+        (held["micro_batch"], held["gradient_accumulation"], 2) == (1, 2, 2)
+    tokens = t["measured_tokens_per_s_per_gpu"] * t["measured_step_s"] * r["world_size"]
+    assert tokens == pytest.approx(r["global_batch"] * r["seq_len"], rel=1e-9)
