@@ -1,5 +1,6 @@
 """The public API answers as the CLI does, for every model form it takes."""
 import contextlib
+import dataclasses
 import io
 import json
 
@@ -75,3 +76,25 @@ def test_auto_wrap_arguments_are_one_line_errors(kw, match):
     kw = {"optimizer": lambda ps: torch.optim.AdamW(ps), **kw}
     with pytest.raises(hybrid.HybridError, match=match):
         hybrid.auto_wrap(build_decoder("tiny-llama"), seq_len=16, verbose=False, **kw)
+
+
+@pytest.mark.torch      # builds modules (a factory's, our decoder on the meta device)
+def test_every_model_form_defaults_to_the_sequence_length_the_help_states():
+    """--help says the model's maximum, at most N: a module that states no maximum (tests.factories:
+    small_mlp, no decoder) planned through the CLI, the API or a bare TrainSpec took 2048, not N."""
+    import re
+
+    from hybrid.config.options import OPTIONS
+    from hybrid.config.spec import TrainSpec, default_seq_len
+    from hybrid.model.decoder import build_decoder
+    from hybrid.model.presets import get_preset
+    from tests.factories import small_mlp
+    n = int(re.search(r"the model's maximum, at most (\d+)\)", OPTIONS["seq_len"].help_text()).group(1))
+    cluster, fsdp = hybrid.Cluster.build(1, 8, "h100-80gb"), ["fsdp"]
+    assert _cli_json("plan", "tests.factories:small_mlp", "--strategy", "fsdp")["spec"]["seq_len"] == n
+    assert hybrid.plan(small_mlp(), cluster=cluster, strategies=fsdp).spec.seq_len == n
+    assert TrainSpec().seq_len == default_seq_len(None) == n
+    assert hybrid.plan("tiny-llama", cluster=cluster, strategies=fsdp).spec.seq_len == 256    # its maximum, under N
+    assert hybrid.plan("llama3-8b", cluster=cluster, strategies=fsdp).spec.seq_len == n       # 8192 positions
+    longer = dataclasses.replace(get_preset("tiny-llama"), max_positions=8 * n)
+    assert hybrid.plan(build_decoder(longer, device="meta"), cluster=cluster, strategies=fsdp).spec.seq_len == n

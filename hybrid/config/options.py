@@ -18,7 +18,7 @@ from typing import Literal, get_args
 from .cluster import (A100_EFFICIENCY, ALLOCATOR_HEADROOM, DEFAULT_EFFICIENCY, EXPANDABLE_HEADROOM, H100_EFFICIENCY,
                       gpu_names)
 from ..errors import HybridError, short
-from .spec import MAX_LORA_RANK, MOE_IMBALANCE, Checkpointing, Loss, Optimizer, Precision
+from .spec import DEFAULT_SEQ_LEN, MAX_LORA_RANK, MOE_IMBALANCE, Checkpointing, Loss, Optimizer, Precision
 
 Kind = Literal["int", "float", "str", "list", "onoff", "bool"]
 Use = Literal["argument", "cluster", "plan", "cli"]
@@ -181,7 +181,7 @@ _GROUPS: dict[str, tuple[Option, ...]] = {
                "data-parallel ranks = this", lo=1, hi=_SIZE),
         Option("global_batch_tokens", "int", help="the global batch in tokens (a multiple of --seq-len), instead of "
                "--global-batch", lo=1, hi=10**15),
-        Option("seq_len", "int", help="tokens per sequence (default: the model's maximum, at most 4096)",
+        Option("seq_len", "int", help=f"tokens per sequence (default: the model's maximum, at most {DEFAULT_SEQ_LEN})",
                lo=1, hi=_SIZE),
         Option("precision", "str", help=f"{_either(Precision)} (default bf16-mixed; fp16-mixed on GPUs without "
                "bf16, e.g. v100, t4)", normalise="Precision"),

@@ -67,7 +67,9 @@ tensor cores through cuBLAS: CUDA only)."""
 
 DEFAULT_SEQ_LEN = 4096
 """Sequence length when none is given: the model's maximum positions, at most this (the common
-pre-training length of 7B-70B recipes), 2048 when the model does not say."""
+pre-training length of 7B-70B recipes); this when the model states no maximum (a module without a
+readable decoder) and for a TrainSpec built without one. The one default of the CLI's --seq-len
+help, plan, estimate, auto_wrap and tune (default_seq_len)."""
 
 
 def default_precision(cluster) -> str:
@@ -87,7 +89,8 @@ def check_precision(precision: str, cluster) -> None:
 
 
 def default_seq_len(max_positions: int | None) -> int:
-    return min(max_positions or 2048, DEFAULT_SEQ_LEN)
+    """The model's maximum positions, at most DEFAULT_SEQ_LEN; DEFAULT_SEQ_LEN when it states none."""
+    return min(max_positions or DEFAULT_SEQ_LEN, DEFAULT_SEQ_LEN)
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
@@ -172,8 +175,8 @@ class TrainSpec:
 
     micro_batch: int = 1
     """Sequences per rank per forward (the micro-batch). Must be >= 1."""
-    seq_len: int = 2048
-    """Tokens per sequence. Must be >= 1 and at most the model's maximum positions."""
+    seq_len: int = DEFAULT_SEQ_LEN
+    """Tokens per sequence (default DEFAULT_SEQ_LEN). Must be >= 1 and at most the model's maximum positions."""
     precision: Precision = "bf16-mixed"
     """fp32; bf16-mixed (bf16 compute, fp32 master weights, grads and optimizer state);
     fp16-mixed (the same in fp16, with dynamic loss scaling: GPUs without bf16); or bf16
