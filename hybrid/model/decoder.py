@@ -7,7 +7,9 @@ serves both. Builds on any device, including `meta` for 7B+ shapes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -315,10 +317,43 @@ def build_hf(cfg: DecoderConfig, device="meta", attention: str = "sdpa", dtype=N
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf = dict(cfg.hf_config())
-    hf_cfg = AutoConfig.for_model(hf.pop("model_type"), **hf)
-    with torch.device(device), default_dtype(dtype):
-        return AutoModelForCausalLM.from_config(hf_cfg, attn_implementation=attention,
-                                                dtype=dtype or torch.float32)
+    with published_rope():
+        hf_cfg = AutoConfig.for_model(hf.pop("model_type"), **hf)
+        with torch.device(device), default_dtype(dtype):
+            return AutoModelForCausalLM.from_config(hf_cfg, attn_implementation=attention,
+                                                    dtype=dtype or torch.float32)
+
+
+ROPE_LOGGER = "transformers.modeling_rope_utils"
+_EQUAL_FACTORS = re.compile(r"^`rope_parameters`'s high_freq_factor field must be greater than low_freq_factor, "
+                            r"got high_freq_factor=(\S+) and low_freq_factor=(\S+)$")
+
+
+class _PublishedRope(logging.Filter):
+    """Drops transformers' llama3-rope warning where the two factors are equal, and only there."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        m = _EQUAL_FACTORS.match(record.getMessage())
+        return m is None or m.group(1) != m.group(2)
+
+
+@contextlib.contextmanager
+def published_rope():
+    """Configs built here (a preset, a config.json, a read module built again) without transformers'
+    warning that a llama3 rope block's high_freq_factor is not above its low_freq_factor, when they
+    are equal: Llama 4's released config.json has both 1.0 (meta-llama/Llama-4-Scout-17B-16E), a step
+    between the frequencies kept and those divided by `factor` that transformers computes as released
+    (_compute_llama3_parameters: the smoothing band between the two wavelengths is empty), and
+    transformers 5 repeats the warning on every config it builds from it (its validator only warns).
+    Every other rope warning, a high_freq_factor below low_freq_factor included, still shows. Nothing
+    in the config is changed."""
+    quiet = _PublishedRope()
+    logger = logging.getLogger(ROPE_LOGGER)
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 bare parameter count, resolved to a ModelSource (its profile, and how to build it)."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import os
@@ -165,16 +166,17 @@ def _from_hf_dict(cfg: dict, name: str, ref: str, source: str) -> ModelSource:
     def build(device="meta", attention="sdpa", prefer_hf=True, dtype=None):
         import torch
 
-        from .decoder import default_dtype
+        from .decoder import default_dtype, published_rope
         try:
             from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
         except ImportError:
             raise HybridError(f"model_type {cfg.get('model_type')!r} in {ref} needs transformers: "
                               "pip install 'hybrid[hf]'") from None
-        c = dict(cfg)
+        c = copy.deepcopy(cfg)          # transformers fills nested dicts (rope) in place: never the caller's
         auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
-        config = AutoConfig.for_model(c.pop("model_type"), **c)
-        with torch.device(device), default_dtype(dtype):
+        with published_rope():
+            config = AutoConfig.for_model(c.pop("model_type"), **c)
+        with torch.device(device), default_dtype(dtype), published_rope():
             try:
                 return auto.from_config(config, attn_implementation=attention), "transformers"
             except ValueError as e:

@@ -100,3 +100,54 @@ def test_factory_spec():
 def test_a_missing_factory_is_one_line():
     with pytest.raises(HybridError, match="cannot load model factory"):
         resolve_model("tests.factories:missing")
+
+
+TINY_LLAMA4 = {"model_type": "llama4_text", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+               "intermediate_size_mlp": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 1,
+               "interleave_moe_layer_step": 2, "attention_chunk_size": 32, "max_position_embeddings": 65536,
+               "rope_theta": 500000.0, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1,
+               "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}}
+"""A tiny Llama 4 text decoder with the released rope block (meta-llama/Llama-4-Scout-17B-16E's
+config.json: low_freq_factor == high_freq_factor == 1.0)."""
+
+
+def _rope_warnings(build) -> list[str]:
+    """transformers' rope-validation warnings while `build()` runs (its loggers do not propagate)."""
+    import logging
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        build()
+    finally:
+        logger.removeHandler(handler)
+    return [m for m in seen if "rope_parameters" in m]
+
+
+def test_llama4_builds_without_the_rope_warning_and_leaves_the_config_it_was_given(tmp_path):
+    """transformers 5 warned `high_freq_factor field must be greater than low_freq_factor` on every
+    config hybrid built from Llama 4's released rope block (each `hybrid plan llama4-scout`, each tiny
+    Llama 4 from a config.json), and filled the preset's dict in place. The block computes as released
+    (finite frequencies); a block with high below low still warns."""
+    import copy
+
+    pytest.importorskip("transformers")
+    from hybrid.model.sources import _from_hf_dict
+    given = copy.deepcopy(TINY_LLAMA4)          # as resolve_model passes a preset's dict (PUBLISHED)
+    built = []
+    assert _rope_warnings(lambda: built.append(_from_hf_dict(given, "tiny-llama4", "tiny", "preset"))) == []
+    assert given == TINY_LLAMA4
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_LLAMA4))
+    assert _rope_warnings(lambda: built.append(resolve_model(str(path)).build(device="cpu")[0])) == []
+    inv_freq = built[1].model.rotary_emb.inv_freq
+    assert torch.isfinite(inv_freq).all() and inv_freq.min() < inv_freq.max() / 16
+    inverted = copy.deepcopy(TINY_LLAMA4)
+    inverted["rope_scaling"]["high_freq_factor"] = 0.5
+    path.write_text(json.dumps(inverted))
+    assert any("high_freq_factor field must be greater" in m
+               for m in _rope_warnings(lambda: resolve_model(str(path))))
