@@ -79,8 +79,10 @@ def check_model(model: nn.Module, layout: Layout, spec) -> None:
     """What the model must have for the layout's cp and ep, and what its experts cannot run under
     (HybridError, one line): checked before any mesh is built."""
     dims = layout.dims
-    from .backends.ddp import check_grouped_experts
-    check_grouped_experts(model, spec, layout)
+    from ..model.profile import runs_grouped_experts
+    problem = layout.dp.family_obj.autocast_experts_problem(layout, spec, runs_grouped_experts(model))
+    if problem is not None:
+        raise problem
     if dims.cp > 1:
         from .backends.cp import check_context_parallel
         check_context_parallel(model, dims.cp, spec.seq_len)
