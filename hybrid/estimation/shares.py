@@ -186,12 +186,15 @@ def share_activations(sh: Share, act: ActivationTerms, autocast: bool, notes: li
         # whole: in every stored block, or only in the recomputed one under full checkpointing
         gathered = 2 * spec.bytes.compute * sh.whole.decoder.hidden * spec.tokens * (1 - 1 / tp)
         stored, redone = (0, gathered) if spec.activation_checkpointing == "full" else (gathered, 0)
-        head_f, head_b = act.head_forward, act.head_backward
-        if spec.loss == "fused":       # Megatron-LM's fused vocab-parallel cross-entropy in place of Liger's
-            from .memory.activations import loss_terms
-            head_f, head_b = loss_terms(sh.whole.decoder, spec, autocast, vocab_parallel=True)
+        # the loss on the vocab shards in place of the replicated one (loss_terms' vocab_parallel:
+        # torch's loss_parallel, or Megatron-LM's fused cross-entropy in place of Liger's), the
+        # LoRA model's frozen-norm saving kept; the head's column-wise matmul keeps its input whole
+        from .memory.activations import loss_terms
+        plain, split = (loss_terms(sh.whole.decoder, spec, autocast, vocab_parallel=vp) for vp in (False, True))
+        head_f, head_b = (act.head_forward + split[0] - plain[0], act.head_backward + split[1] - plain[1])
+        head_in = gathered / 2
         act = ActivationTerms(per_layer=int(act.per_layer / tp + stored), recompute=int(act.recompute / tp + redone),
-                              head_forward=int(head_f / tp), head_backward=int(head_b / tp),
+                              head_forward=int(head_f / tp + head_in), head_backward=int(head_b / tp + head_in),
                               autocast_cache=int(act.autocast_cache / tp), layers=act.layers)
         notes.append(f"tensor parallel {tp}: matrices, embedding and head split {tp} ways; sequence-parallel "
                      "activations; vocab-parallel logits")

@@ -381,12 +381,18 @@ def loss_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool, vocab_parallel
     logits a chunk at a time, chunk = next power of 2 of T / ceil(vocab / h) tokens; backward only
     scales them. fused and `vocab_parallel` (tensor parallelism; Megatron-LM's
     _VocabParallelCrossEntropy): the logits' fp32 copy is turned in place into the softmax it
-    keeps; backward's gradient is that buffer, cast to c."""
+    keeps; backward's gradient is that buffer, cast to c.
+    eager and `vocab_parallel` (torch's loss_parallel, torch/distributed/tensor/parallel/loss.py,
+    on the vocab shards): forward keeps the logits and the fp32 log-softmax; the nll backward
+    (fused with log-softmax's) makes a zero one-hot, exp of the log-softmax and their sum before
+    their product with the loss gradient: four fp32 tensors beside the logits at its peak."""
     c = spec.bytes.compute
     T = spec.micro_batch * spec.seq_len
     V, h = d.vocab, d.hidden
     norm = (2 * F32 * h if d.style == "llama" else c * h) * T     # the final norm
     logit = 2 if autocast else c
+    if spec.loss == "eager" and vocab_parallel:
+        return int(norm + (logit + F32) * V * T), int(norm + (logit + 4 * F32) * V * T)
     if spec.loss == "fused" and vocab_parallel:
         fwd = norm + F32 * V * T
         return int(fwd), int(fwd + c * V * T)
