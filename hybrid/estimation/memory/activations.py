@@ -39,6 +39,23 @@ class ActivationTerms:
     autocast_cache: int
     """bf16 weight copies autocast holds from forward into backward (autocast regime only)."""
     layers: int
+    backward_transient: int = 0
+    """Bytes one block's backward holds at the MLP's beyond what the block saved: the gradients of
+    its f-wide tensors and the down projection's weight gradient (0 where not modelled: MoE blocks,
+    read stacks, compiled blocks)."""
+
+
+def mlp_backward_transient(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> float:
+    """Bytes the MLP's backward holds at once beyond the saved activations (autograd's order: the
+    down projection, then the product's backward, whose input gradient is freed only after both
+    factors' gradients exist): a gated MLP the gradients of the product, the activation's output
+    and the up projection (three f-wide), a plain one those of the activation's output and input
+    (two f-wide); with the down projection's weight gradient, in the matmuls' dtype."""
+    c = 2 if autocast else spec.bytes.compute
+    T = spec.micro_batch * spec.seq_len
+    wide = 3 if d.style == "llama" else 2
+    weight = 0 if spec.lora is not None else d.hidden * d.ffn      # a frozen down projection makes none
+    return c * (wide * d.ffn * T + weight)
 
 
 def _qk_norm(d: DecoderConfig, c: int) -> float:
@@ -361,8 +378,11 @@ def activation_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> Activ
     if autocast:
         # every matmul weight (an MoE block's router; its experts run outside autocast's list)
         cache = 2 * (d.block_matmul_params + d.vocab * d.hidden)           # every matmul weight + LM head
+    modelled = not (d.stack or d.moe or getattr(spec, "compile", False) or (d.style == "gpt2" and d.gelu == "new"))
+    transient = mlp_backward_transient(d, spec, autocast or adapters_autocast) if modelled else 0
     return ActivationTerms(per_layer=int(per_layer), recompute=int(recompute), head_forward=int(head_fwd),
-                           head_backward=int(head_bwd), autocast_cache=int(cache), layers=d.layers)
+                           head_backward=int(head_bwd), autocast_cache=int(cache), layers=d.layers,
+                           backward_transient=int(transient))
 
 
 LOSS_CHUNKS = 8
