@@ -33,6 +33,14 @@ class StageShare:
     boundaries: int = 0
     """Receive buffers per micro-batch over the rank's local stages: each PipelineStage but the
     first receives its input, each but the last its output's gradient (interleaved: two stages)."""
+    later: int = 0
+    """Micro-batches in flight at the rank's later backwards, beside the gradients the earlier
+    ones accumulated (layout/pipeline.in_flight_later)."""
+
+    @property
+    def later_layers(self) -> int:
+        """Block activations held at the rank's later backwards (counted as in_flight_layers)."""
+        return self.later * self.in_flight_layers // max(self.in_flight, 1)
 
 
 def stage_share(profile: ModelProfile, pipeline, rank: int) -> ModelProfile:
@@ -70,7 +78,7 @@ def stage_of(profile: ModelProfile, pipeline, rank: int) -> StageShare:
     return StageShare(rank, pipeline.pp, blocks, 0 in stages, pipeline.stages - 1 in stages,
                       pipeline.in_flight_layers(rank), pipeline.in_flight(rank),
                       profile.decoder.hidden if profile.decoder else 0,
-                      sum((i != 0) + (i != pipeline.stages - 1) for i in stages))
+                      sum((i != 0) + (i != pipeline.stages - 1) for i in stages), pipeline.later(rank))
 
 
 @dataclass(frozen=True)
@@ -114,8 +122,9 @@ class Share:
 
     @property
     def loss_outside_forward(self) -> bool:
-        """The loss is scored outside the model's forward (context parallelism, runtime/backends/cp.py)."""
-        return self.cp > 1
+        """The loss is scored outside the model's forward: context parallelism (runtime/backends/cp.py),
+        and a pipeline's last stage (the schedule's loss_fn on the stage's output)."""
+        return self.cp > 1 or (self.stage is not None and self.stage.last)
 
 
 def shares(profile: ModelProfile, layout, spec: TrainSpec, rank: int = 0, implementation: str = "hybrid") -> Share:
@@ -186,13 +195,16 @@ def share_activations(sh: Share, act: ActivationTerms, autocast: bool, notes: li
         # whole: in every stored block, or only in the recomputed one under full checkpointing
         gathered = 2 * spec.bytes.compute * sh.whole.decoder.hidden * spec.tokens * (1 - 1 / tp)
         stored, redone = (0, gathered) if spec.activation_checkpointing == "full" else (gathered, 0)
-        head_f, head_b = act.head_forward, act.head_backward
-        if spec.loss == "fused":       # Megatron-LM's fused vocab-parallel cross-entropy in place of Liger's
-            from .memory.activations import loss_terms
-            head_f, head_b = loss_terms(sh.whole.decoder, spec, autocast, vocab_parallel=True)
-        act = ActivationTerms(per_layer=int(act.per_layer / tp + stored), recompute=int(act.recompute / tp + redone),
-                              head_forward=int(head_f / tp), head_backward=int(head_b / tp),
-                              autocast_cache=int(act.autocast_cache / tp), layers=act.layers)
+        # the loss on the vocab shards in place of the replicated one (loss_terms' vocab_parallel:
+        # torch's loss_parallel, or Megatron-LM's fused cross-entropy in place of Liger's), the
+        # LoRA model's frozen-norm saving kept; the head's column-wise matmul keeps its input whole
+        from .memory.activations import loss_terms
+        plain, split = (loss_terms(sh.whole.decoder, spec, autocast, vocab_parallel=vp) for vp in (False, True))
+        head_f, head_b = (act.head_forward + split[0] - plain[0], act.head_backward + split[1] - plain[1])
+        head_in = gathered / 2
+        act = replace(act, per_layer=int(act.per_layer / tp + stored), recompute=int(act.recompute / tp + redone),
+                      head_forward=int(head_f / tp + head_in), head_backward=int(head_b / tp + head_in),
+                      autocast_cache=int(act.autocast_cache / tp), backward_transient=int(act.backward_transient / tp))
         notes.append(f"tensor parallel {tp}: matrices, embedding and head split {tp} ways; sequence-parallel "
                      "activations; vocab-parallel logits")
     if cp > 1:
@@ -202,10 +214,8 @@ def share_activations(sh: Share, act: ActivationTerms, autocast: bool, notes: li
     if sh.stage is not None:
         # a pipeline rank keeps the activations of its in-flight micro-batches (per the schedule,
         # hybrid/layout/pipeline.py) for its blocks only; the logits and loss only on the last stage
-        act = ActivationTerms(per_layer=act.per_layer, recompute=act.recompute,
-                              head_forward=act.head_forward if sh.has_head else 0,
-                              head_backward=act.head_backward if sh.has_head else 0,
-                              autocast_cache=act.autocast_cache, layers=sh.stage.in_flight_layers)
+        act = replace(act, head_forward=act.head_forward if sh.has_head else 0,
+                      head_backward=act.head_backward if sh.has_head else 0, layers=sh.stage.in_flight_layers)
     return act, notes
 
 

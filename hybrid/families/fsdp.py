@@ -97,6 +97,17 @@ class FSDPFamily(Family):
         place.buffers_mid = c * (root + head * root_frac) + gathered_blocks + rb * unit * unit_frac
         place.buffers_end = c * root + (c + rb) * root * root_frac
         if stage is not None:
+            # a stage's block in backward: its root gathered (the head's unsharded gradient only on
+            # the last stage: the first stage's embedding is differentiated after its blocks), the
+            # block and the one prefetched before it (the root on the first stage; none on a
+            # stage of one block), and no reduce-scatter input: the gradients accumulate unsharded
+            if not s.config.reshard_after_forward:
+                held = gathered_all
+            elif stage.last:
+                held = min(2, blocks) * gathered_unit
+            else:
+                held = gathered_unit + max(c * root, gathered_unit if blocks > 1 else 0) - c * root
+            place.buffers_mid = c * (root + head * root_frac * stage.last) + held
             # a pipeline stage reduce-scatters once, after its last micro-batch (perform_reduce_grad):
             # until then only the accumulated unsharded gradients exist, then only the shards
             acc = P * rb

@@ -42,6 +42,16 @@ def in_flight(schedule: str, pp: int, m: int, rank: int, virtual: int = 1) -> in
     return min(warmup + 1, m * virtual)
 
 
+def in_flight_later(schedule: str, pp: int, m: int, rank: int, virtual: int = 1) -> int:
+    """Micro-batches (interleaved: chunk-micro-batches) whose activations `rank` holds at its second
+    and later backwards, when the earlier ones' accumulated gradients exist: one more forward runs
+    before each of them while any is left, so as many as at the first (in_flight) until the
+    forwards run out, then one fewer (gpipe: m - 1; 1f1b with m = pp - rank: pp - rank - 1)."""
+    total = m * virtual
+    held = in_flight(schedule, pp, m, rank, virtual)
+    return held if held < total else total - 1
+
+
 def rank_actions(schedule: str, pp: int, m: int, rank: int) -> list[tuple[str, int]]:
     """The order rank `rank` runs its micro-batches' forward ("F") and backward ("B") in, for the
     single-chunk schedules (the order torch's ScheduleGPipe and Schedule1F1B follow)."""
@@ -108,6 +118,10 @@ class StageSplit:
         """Block activations `rank` holds at its peak: in-flight (chunk-)micro-batches x blocks
         per stage (interleaved: its larger chunk's, when the blocks do not split evenly)."""
         return self.in_flight(rank) * max(self.blocks[s] for s in self.rank_stages(rank))
+
+    def later(self, rank: int) -> int:
+        """Micro-batches `rank` holds at its later backwards (in_flight_later)."""
+        return in_flight_later(self.schedule, self.pp, self.micro_batches, rank, self.virtual)
 
     @property
     def bubble(self) -> float:

@@ -369,19 +369,21 @@ def traced_stage_estimate(source: ModelSource, strategy: Strategy, spec: TrainSp
                             tracker.phase = "forward"
                             x = ids if first else recv[mb].detach().requires_grad_(True)
                             with tp_context():
-                                out = chunk(x)
+                                # the stage's output (the logits on the last stage) stays in
+                                # PipelineStage.fwd_cache until the micro-batch's backward
+                                kept = out = chunk(x)
                                 if last:
                                     tracker.phase = "loss"
                                     out = causal_lm_loss(out, ids)
-                            live[mb] = (x, out)
+                            live[mb] = (x, out, kept)
                         else:
                             tracker.phase = "blocks"
-                            x, out = live.pop(mb)
+                            x, out, kept = live.pop(mb)
                             with tp_context():
                                 stage.backward_maybe_with_nosync(
                                     "full", {"stage_output": out, "output_grads": None if last else grads_in[mb],
                                              "input_values": [] if first else [x]}, last_backward=mb == m - 1)
-                            del x, out
+                            del x, out, kept
                     stage.perform_reduce_grad(m)
                     params = list(chunk.parameters())
                     tracker.relabel([p.grad for p in params if p.grad is not None], "grads")

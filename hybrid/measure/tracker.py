@@ -15,7 +15,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import (TorchDispatchMode, is_traceable_wrapper_subclass,
+                                         is_traceable_wrapper_subclass_type)
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -75,6 +76,8 @@ class MemoryTracker(TorchDispatchMode):
         self._position = "pre"
         self.positions: list[tuple[int, str]] = [(0, "pre")]  # (clock, position) at each change
         self._orig_resize = None
+        self._orig_meta = None
+        self._metadata = 0          # inside DTensor's sharding propagation (_patch_metadata)
 
     @property
     def phase(self) -> str:
@@ -159,7 +162,14 @@ class MemoryTracker(TorchDispatchMode):
 
     # --- the dispatch hook -------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            # a wrapper subclass (DTensor) runs its own ops on its inner tensors: declining lets it
+            # run them with this mode still active, so its handlers' temporaries (loss_parallel's
+            # log-softmax and nll backward, a redistribution before a local op) are counted
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
+        if self._metadata:          # DTensor's sharding propagation: fake global-shape tensors, never allocated
+            return out
         if getattr(func, "namespace", "") in _COMM_NAMESPACES:
             # whatever a collective reads or writes is a communication buffer, unless it is
             # already known as model state (DDP buckets become grads when relabelled later)
@@ -199,11 +209,35 @@ class MemoryTracker(TorchDispatchMode):
             tracker._on_resize(st, size)
 
         torch.UntypedStorage.resize_ = resize_
+        self._patch_metadata()
         return super().__enter__()
 
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = self._orig_resize
+        if self._orig_meta is not None:
+            from torch.distributed.tensor._sharding_prop import ShardingPropagator
+            ShardingPropagator._propagate_tensor_meta_non_cached = self._orig_meta
         return super().__exit__(*exc)
+
+    def _patch_metadata(self):
+        """DTensor derives an op's output shape by running it on fake tensors of the global shape
+        (ShardingPropagator._propagate_tensor_meta_non_cached): with this mode active inside DTensor's
+        dispatch those ops reach it too; they allocate nothing and are not counted."""
+        self._orig_meta = None
+        try:
+            from torch.distributed.tensor._sharding_prop import ShardingPropagator
+        except ImportError:          # a torch without DTensor
+            return
+        original = self._orig_meta = ShardingPropagator._propagate_tensor_meta_non_cached
+        tracker = self
+
+        def propagate(*args, **kwargs):
+            tracker._metadata += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                tracker._metadata -= 1
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
 
     # --- results -----------------------------------------------------------------------------
     def breakdown_at(self, time: int) -> dict[str, int]:

@@ -50,6 +50,57 @@ def test_tracker_agrees_with_torch_memtracker():
     assert ours == pytest.approx(theirs, rel=0.01)
 
 
+def _allocator_peak(fn) -> int:
+    """The peak of what the CPU allocator held while fn ran, above its start: every allocation and
+    free torch.profiler records (profile_memory), in time order."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        node = todo.pop()
+        if node.typed[0] == _EventType.Allocation:
+            events.append((node.start_time_ns, node.typed[1].alloc_size))
+        todo.extend(node.children)
+    now = peak = 0
+    for _, size in sorted(events):
+        now += size
+        peak = max(peak, now)
+    return peak
+
+
+@pytest.mark.fakepg
+def test_tracker_counts_what_dtensor_allocates_inside_its_ops():
+    """torch's loss_parallel on vocab-sharded logits (tp 2 on a fake process group, real CPU
+    tensors): its nll backward makes a one-hot, an exp and their sum inside DTensor's dispatch,
+    where a dispatch mode above DTensor sees only the op's output (10 bytes per local logit where
+    the allocator holds 18). The tracker's peak is the allocator's."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        labels = torch.randint(0, 512, (512,))
+
+        def step():
+            local = torch.randn(2, 256, 256, dtype=torch.bfloat16, requires_grad=True)
+            logits = DTensor.from_local(local, mesh, [Shard(2)], run_check=False)
+            with loss_parallel():
+                F.cross_entropy(logits.float().view(-1, 512), labels).backward()
+        tracker = MemoryTracker()
+        with tracker:
+            step()
+        allocator = _allocator_peak(step)
+    finally:
+        dist.destroy_process_group()
+    assert tracker.peak == pytest.approx(allocator, rel=0.01), (tracker.peak, allocator)
+    assert tracker.peak > 18 * 2 * 256 * 256
+
+
 @pytest.mark.fakepg
 def test_traced_7b_matches_analytic_and_cleans_up():
     src = resolve_model("llama2-7b")

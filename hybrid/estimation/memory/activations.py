@@ -39,6 +39,23 @@ class ActivationTerms:
     autocast_cache: int
     """bf16 weight copies autocast holds from forward into backward (autocast regime only)."""
     layers: int
+    backward_transient: int = 0
+    """Bytes one block's backward holds at the MLP's beyond what the block saved: the gradients of
+    its f-wide tensors and the down projection's weight gradient (0 where not modelled: MoE blocks,
+    read stacks, compiled blocks)."""
+
+
+def mlp_backward_transient(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> float:
+    """Bytes the MLP's backward holds at once beyond the saved activations (autograd's order: the
+    down projection, then the product's backward, whose input gradient is freed only after both
+    factors' gradients exist): a gated MLP the gradients of the product, the activation's output
+    and the up projection (three f-wide), a plain one those of the activation's output and input
+    (two f-wide); with the down projection's weight gradient, in the matmuls' dtype."""
+    c = 2 if autocast else spec.bytes.compute
+    T = spec.micro_batch * spec.seq_len
+    wide = 3 if d.style == "llama" else 2
+    weight = 0 if spec.lora is not None else d.hidden * d.ffn      # a frozen down projection makes none
+    return c * (wide * d.ffn * T + weight)
 
 
 def _qk_norm(d: DecoderConfig, c: int) -> float:
@@ -361,8 +378,11 @@ def activation_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> Activ
     if autocast:
         # every matmul weight (an MoE block's router; its experts run outside autocast's list)
         cache = 2 * (d.block_matmul_params + d.vocab * d.hidden)           # every matmul weight + LM head
+    modelled = not (d.stack or d.moe or getattr(spec, "compile", False) or (d.style == "gpt2" and d.gelu == "new"))
+    transient = mlp_backward_transient(d, spec, autocast or adapters_autocast) if modelled else 0
     return ActivationTerms(per_layer=int(per_layer), recompute=int(recompute), head_forward=int(head_fwd),
-                           head_backward=int(head_bwd), autocast_cache=int(cache), layers=d.layers)
+                           head_backward=int(head_bwd), autocast_cache=int(cache), layers=d.layers,
+                           backward_transient=int(transient))
 
 
 LOSS_CHUNKS = 8
@@ -381,12 +401,18 @@ def loss_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool, vocab_parallel
     logits a chunk at a time, chunk = next power of 2 of T / ceil(vocab / h) tokens; backward only
     scales them. fused and `vocab_parallel` (tensor parallelism; Megatron-LM's
     _VocabParallelCrossEntropy): the logits' fp32 copy is turned in place into the softmax it
-    keeps; backward's gradient is that buffer, cast to c."""
+    keeps; backward's gradient is that buffer, cast to c.
+    eager and `vocab_parallel` (torch's loss_parallel, torch/distributed/tensor/parallel/loss.py,
+    on the vocab shards): forward keeps the logits and the fp32 log-softmax; the nll backward
+    (fused with log-softmax's) makes a zero one-hot, exp of the log-softmax and their sum before
+    their product with the loss gradient: four fp32 tensors beside the logits at its peak."""
     c = spec.bytes.compute
     T = spec.micro_batch * spec.seq_len
     V, h = d.vocab, d.hidden
     norm = (2 * F32 * h if d.style == "llama" else c * h) * T     # the final norm
     logit = 2 if autocast else c
+    if spec.loss == "eager" and vocab_parallel:
+        return int(norm + (logit + F32) * V * T), int(norm + (logit + 4 * F32) * V * T)
     if spec.loss == "fused" and vocab_parallel:
         fwd = norm + F32 * V * T
         return int(fwd), int(fwd + c * V * T)

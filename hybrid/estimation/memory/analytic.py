@@ -131,8 +131,9 @@ def step_moments(sh: Share, place, act: ActivationTerms,
         # experts as a unit of their own, the largest of its moments (estimation/memory/moe.py)
         "blocks": max((dict(grads=place.grads_start, activations=acts,
                             temporaries=(act.recompute - min(freed, act.recompute) + act.autocast_cache
-                                         + (2 if place.autocast else spec.bytes.compute) * u + dequantized
-                                         + (moe.a2a_buffers if moe else 0)),
+                                         + max((2 if place.autocast else spec.bytes.compute) * u,
+                                               act.backward_transient)
+                                         + dequantized + (moe.a2a_buffers if moe else 0)),
                             buffers=buf)
                        for buf, u, freed in (moe.block_moments if moe and moe.block_moments
                                              else [(place.buffers_mid, unit, 0)])),
@@ -152,6 +153,16 @@ def step_moments(sh: Share, place, act: ActivationTerms,
             moments["blocks"] = end
     if sh.loss_outside_forward:     # the root's parameters are gathered again after the loss backward
         moments["loss"]["buffers"] -= place.regathered
+    if st is not None:
+        # a stage's first backward of the step holds every in-flight micro-batch's activations and
+        # no gradient yet; its later ones hold as many (fewer once the forwards run out:
+        # layout/pipeline.in_flight_later) beside the gradients the earlier ones accumulated
+        # (the last stage's other in-flight micro-batches keep their head's saved tensors too)
+        for name in ("loss", "blocks"):
+            first = dict(moments[name], grads=0, activations=acts + act.head_forward * (st.in_flight - 1))
+            later = dict(moments[name], activations=act.per_layer * st.later_layers
+                         + act.head_forward * max(st.later - 1, 0))
+            moments[name] = max(first, later, key=lambda parts: sum(parts.values()))
     ends = [act.recompute + unit_grads] if st is not None else []     # a stage's backward ends in its first block
     full = whole_embedding_gradient(sh)
     if full:
@@ -167,7 +178,8 @@ def step_moments(sh: Share, place, act: ActivationTerms,
         # ... while its other in-flight micro-batches keep their activations (1F1B: in-flight - 1
         # of them), with every gradient (and, under FSDP, every block's parameters gathered since
         # that backward) present
-        moments["grads"]["activations"] = act.per_layer * (st.in_flight_layers - st.blocks)
+        moments["grads"]["activations"] = (act.per_layer * (st.in_flight_layers - st.blocks)
+                                           + act.head_forward * (st.in_flight - 1))
     recv = receive_buffers(sh)
     for parts in moments.values():
         parts["buffers"] += recv

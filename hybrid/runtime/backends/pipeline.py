@@ -65,6 +65,10 @@ class PipelineEngine(Engine):
         kwargs = {}
         if self.is_last:
             kwargs = {"target": labels.to(self.stages[0].device), "losses": losses}
+        if _takes_return_outputs(schedule):
+            # the merged outputs are not used: without this the last stage keeps every micro-batch's
+            # logits (PipelineStage.output_chunks) through the step and concatenates them at its end
+            kwargs["return_outputs"] = False
         with self._tp_context():
             schedule.step(*args, **kwargs)
         self._sum_tied_grads()
@@ -155,6 +159,13 @@ class _LossFn:
 
     def __call__(self, output, target):
         return self.fn(getattr(output, "logits", output), target)     # vocab shards: under loss_parallel
+
+
+def _takes_return_outputs(schedule) -> bool:
+    """Whether torch's schedule.step takes return_outputs (torch 2.8 and later; before, every
+    keyword argument goes to the model's forward)."""
+    import inspect
+    return "return_outputs" in inspect.signature(schedule.step).parameters
 
 
 def _plain(t):
