@@ -22,7 +22,7 @@ from ..model.sources import ModelSource
 from ..estimation.shares import tp_share
 from ..config.spec import TrainSpec
 from ..estimation.memory.analytic import check_job, placement_of
-from ..estimation.memory.breakdown import MemoryBreakdown
+from ..estimation.memory.breakdown import CATEGORIES, MemoryBreakdown
 
 
 @dataclass(frozen=True)
@@ -193,13 +193,23 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
     layers = source.decoder_cfg.layers if source.decoder_cfg is not None else 0
     # every block alike: not with layer:N checkpointing, whose 3- and 4-block models mix kinds of block
     alike = not spec.activation_checkpointing.startswith("layer:")
-    if fast and alike and layers > FAST_BLOCKS[-1] and not strategy.family_obj.traced_replaces(strategy):
+    if fast and alike and layers > FAST_BLOCKS[-1]:
         runs = [_cached_trace(cache, source.with_layers(k), strategy, spec, cluster, n, prefer_hf, 1, tp, prime=True,
                               cp=cp, ep=ep) for k in FAST_BLOCKS]
-        parts, phase = extrapolate([t.moments() for t, _ in runs], FAST_BLOCKS, layers)
-        memory = MemoryBreakdown.from_tensors(parts, cluster, phase=phase, notes=(
-            f"traced with {' and '.join(map(str, FAST_BLOCKS))} blocks, extrapolated to {layers}",))
-        return Traced(memory, runs[0][1], time.perf_counter() - start)
+        note = f"traced with {' and '.join(map(str, FAST_BLOCKS))} blocks, extrapolated to {layers}"
+        replaced = strategy.family_obj.traced_replaces(strategy)
+        if not replaced:
+            parts, phase = extrapolate([t.moments() for t, _ in runs], FAST_BLOCKS, layers)
+            memory = MemoryBreakdown.from_tensors(parts, cluster, phase=phase, notes=(note,))
+            return Traced(memory, runs[0][1], time.perf_counter() - start)
+        place = placement_of(strategy, tp_share(source.profile, tp), spec, cluster, n)
+        found = extrapolate_replacing([t for t, _ in runs], FAST_BLOCKS, layers, replaced,
+                                      replaced_layout(place, replaced))
+        if found is not None:            # else the blocks do not repeat as the model needs: traced whole
+            parts, phase = found
+            memory = MemoryBreakdown.from_tensors(parts, cluster, cpu=int(place.cpu), phase=phase,
+                                                  notes=(note, strategy.family_obj.traced_note(strategy)))
+            return Traced(memory, runs[0][1], time.perf_counter() - start)
     tracker, impl = _cached_trace(cache, source, strategy, spec, cluster, n, prefer_hf, steps, tp, cp=cp, ep=ep)
     memory = _account(tracker, strategy, source, spec, cluster, n, tp)
     return Traced(memory, impl, time.perf_counter() - start)
@@ -211,14 +221,130 @@ def extrapolate(moments: list[dict], blocks: tuple[int, int], layers: int) -> tu
     fix them; the peak is the largest moment at L = layers. The middle blocks' moment is the
     largest over blocks 1 .. L-2 of a + L x b + j x c, at j = 1 or L - 2 by the sign of c: also
     a + L x b' for every L >= 3."""
-    (k1, m1), (k2, m2) = zip(blocks, moments)
     best, best_key = None, None
-    for key in m1.keys() & m2.keys():
-        p1, p2 = m1[key][1], m2[key][1]
-        parts = {c: max(0, round(p1[c] + (p2[c] - p1[c]) * (layers - k1) / (k2 - k1))) for c in p1}
+    for key, parts in extrapolated_moments(moments, blocks, layers).items():
         if best is None or sum(parts.values()) > sum(best.values()):
             best, best_key = parts, key
     return best, best_key[0]
+
+
+def extrapolated_moments(moments: list[dict], blocks: tuple[int, int], layers: int) -> dict:
+    """Each moment present in both traces (extrapolate), its bytes by category at L = layers, in
+    the order of the first trace's timeline."""
+    (k1, m1), (k2, m2) = zip(blocks, moments)
+    return {key: {c: max(0, round(p1[c] + (m2[key][1][c] - p1[c]) * (layers - k1) / (k2 - k1))) for c in p1}
+            for key, (_, p1) in m1.items() if key in m2}
+
+
+def replaced_layout(place, replaced: frozenset):
+    """layout(phase, progress) -> {category: bytes}: the real strategy's state (its Placement `place`)
+    at each moment of the step, for the categories `replaced` that the traced proxy holds otherwise
+    (tracker.peak_replacing)."""
+    def layout(phase: str, progress: float) -> dict:
+        if phase == "step":
+            out = dict(grads=place.grads_end + place.grads_step, buffers=place.buffers_step)
+        elif phase == "blocks":          # gradients arrive block by block
+            out = dict(grads=place.grads_start + progress * (place.grads_end - place.grads_start),
+                       buffers=place.buffers_mid)
+        else:                            # forward, head, loss
+            out = dict(grads=place.grads_start, buffers=place.buffers_start)
+        out.update(params=place.params, optimizer=place.optimizer)
+        return {k: v for k, v in out.items() if k in replaced}
+    return layout
+
+
+def _blocks_run(tracker):
+    """The blocks phase (the blocks' backward) of a one-step trace, as the live bytes before it and
+    its segments, one per mark (tracker.segments: pre, first, mid per middle block, last, post), each
+    as the change by category at each event: (start {category: bytes}, [(position, [[(category,
+    change), ...] per event]) ...]); None when the trace has not exactly one blocks phase."""
+    segments = tracker.segments()
+    where = [i for i, (phase, _, _) in enumerate(segments) if phase == "blocks"]
+    if not where or where != list(range(where[0], where[-1] + 1)) or where[-1] + 1 == len(segments):
+        return None
+    before = [events for _, _, events in segments[:where[0]] if events]
+    if not before:
+        return None
+    start = previous = before[-1][-1]
+    out = []
+    for i in where:
+        position, events = segments[i][1], segments[i][2]
+        changes = []
+        for now in events:
+            changes.append([(c, now[c] - previous[c]) for c in now if now[c] != previous[c]])
+            previous = now
+        out.append((position, changes))
+    return start, out
+
+
+def _blocks_at(run, k: int, layers: int):
+    """The segments of the blocks phase of a `layers`-block model (layers >= 3) from `run`
+    (_blocks_run), a trace of k >= 4 blocks: its segments up to the first block's and from the last
+    block's on as they are; of the middle blocks' the last one's (its successor is the last block)
+    as it is, and the first one's (its successor a middle block) once for each other middle block.
+    None where the trace's segments are not first, k - 2 middle blocks, last."""
+    positions = [p for p, _ in run]
+    if k < 4 or layers < 3 or "first" not in positions or "last" not in positions:
+        return None
+    a, b = positions.index("first") + 1, positions.index("last")
+    if positions[a:b] != ["mid"] * (k - 2) or "mid" in positions[b:] or "first" in positions[a:]:
+        return None
+    return run[:a] + [run[a]] * (layers - 3) + run[b - 1:]
+
+
+def extrapolate_replacing(trackers: list, blocks: tuple[int, int], layers: int, replaced: frozenset, layout):
+    """What tracker.peak_replacing(replaced, layout) gives on the full trace of a `layers`-block
+    model, from one-step traces (prime) of `blocks` blocks: (breakdown, phase), or None where the
+    traces do not repeat as this needs. Outside the blocks' backward the layout is constant in each
+    phase, so each moment's peak is the extrapolated moment (tracker.moments without `replaced`); in
+    the blocks' backward the gradients grow with the phase's progress (its events), so that phase is
+    rebuilt event by event: its start extrapolated (a + L x b), then the change at each event as the
+    larger trace has it, a middle block's repeated for each block it lacks. The rebuild must give
+    the smaller trace's own events exactly, or None."""
+    (k1, t1), (k2, t2) = zip(blocks, trackers)
+    if k2 != k1 + 1:
+        return None
+    runs = [_blocks_run(t) for t in trackers]
+    if None in runs:
+        return None
+    (s1, run1), (s2, run2) = runs
+    model = _blocks_at(run2, k2, k1)
+    if model is None or [(p, c) for p, c in model] != run1 or s1.keys() != s2.keys():
+        return None                                  # the smaller trace is not the larger one less a block
+    keep = [c for c in CATEGORIES if c != "overhead" and c not in replaced]
+    moments = extrapolated_moments([t.moments(exclude=replaced) for t in trackers], blocks, layers)
+    best = (-1, None, "")
+
+    def rebuilt_blocks(best):
+        segments = _blocks_at(run2, k2, layers)
+        live = {c: s1[c] + (s2[c] - s1[c]) * (layers - k1) for c in s1}
+        events, i = sum(len(changes) for _, changes in segments), 0
+        for _, changes in segments:
+            for change in changes:
+                for c, d in change:
+                    live[c] += d
+                out = {c: live[c] for c in keep}
+                out.update(layout("blocks", i / max(events, 1)))      # as peak_replacing's progress
+                i += 1
+                total = sum(out.values())
+                if total > best[0]:
+                    best = (total, out, "blocks")
+        return best
+
+    rebuilt = False
+    for (phase, _), parts in moments.items():          # in the timeline's order, as peak_replacing
+        if phase == "blocks":
+            if not rebuilt:
+                best, rebuilt = rebuilt_blocks(best), True
+            continue
+        out = {c: parts[c] for c in keep}
+        out.update(layout(phase, 0.0))
+        total = sum(out.values())
+        if total > best[0]:
+            best = (total, out, phase)
+    if not rebuilt:
+        best = rebuilt_blocks(best)
+    return best[1], best[2]
 
 
 def _trace(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cluster, n: int,
@@ -271,19 +397,7 @@ def _account(tracker, strategy: Strategy, source: ModelSource, spec: TrainSpec, 
     replaced = strategy.family_obj.traced_replaces(strategy)
     if replaced:
         place = placement_of(strategy, tp_share(source.profile, tp), spec, cluster, n)
-
-        def layout(phase: str, progress: float) -> dict:
-            if phase == "step":
-                out = dict(grads=place.grads_end + place.grads_step, buffers=place.buffers_step)
-            elif phase == "blocks":          # gradients arrive block by block
-                out = dict(grads=place.grads_start + progress * (place.grads_end - place.grads_start),
-                           buffers=place.buffers_mid)
-            else:                            # forward, head, loss
-                out = dict(grads=place.grads_start, buffers=place.buffers_start)
-            out.update(params=place.params, optimizer=place.optimizer)
-            return {k: v for k, v in out.items() if k in replaced}
-
-        _, parts, phase = tracker.peak_replacing(replaced, layout)
+        _, parts, phase = tracker.peak_replacing(replaced, replaced_layout(place, replaced))
         cpu = place.cpu
         notes.append(strategy.family_obj.traced_note(strategy))
     else:
