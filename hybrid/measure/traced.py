@@ -22,7 +22,7 @@ from ..model.sources import ModelSource
 from ..estimation.shares import tp_share
 from ..config.spec import TrainSpec
 from ..estimation.memory.analytic import check_job, placement_of
-from ..estimation.memory.breakdown import CATEGORIES, MemoryBreakdown
+from ..estimation.memory.breakdown import CATEGORIES, MemoryBreakdown, fragmentation_floor
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,9 @@ class Traced:
     implementation: str
     """Which code was traced: 'transformers' (the HF model of the preset), 'hybrid' (ours), 'factory'."""
     seconds: float
+    traced: bool = True
+    """False where nothing ran: the states the rank must hold alone exceed the GPU (traced_estimate's
+    `beyond`), and `memory` is that floor."""
 
 
 def optimizer_factory(spec: TrainSpec):
@@ -133,7 +136,7 @@ class TraceCache:
     accounted on it afterwards (_account). Bounded (the oldest trace goes); `hits` and `misses`
     count the lookups."""
 
-    def __init__(self, size: int = 8):
+    def __init__(self, size: int = 16):
         self.size, self.hits, self.misses = size, 0, 0
         self._traces: OrderedDict = OrderedDict()
 
@@ -166,7 +169,8 @@ def _cached_trace(cache: TraceCache | None, source: ModelSource, strategy: Strat
 
 def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cluster,
                     shard_size: int | None = None, prefer_hf: bool = True, steps: int = 2, tp: int = 1,
-                    fast: bool = True, cp: int = 1, ep: int = 1, cache: TraceCache | None = None) -> Traced:
+                    fast: bool = True, cp: int = 1, ep: int = 1, cache: TraceCache | None = None,
+                    beyond: int | None = None) -> Traced:
     """One rank of the job traced on fake tensors. `fast`: a stack of identical blocks (a preset or
     a decoder config.json) is traced with FAST_BLOCKS blocks and extrapolated to its own count,
     which gives the full trace's peak (benchmarks/fast_traced.py) in a fraction of the time; other
@@ -174,7 +178,10 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
     checkpointing are traced whole. cp > 1 runs the context-parallel code (runtime/backends/cp.py) on the
     rank's chunks of a whole-sequence batch; ep > 1 the expert-parallel code (runtime/backends/ep.py) with
     the dispatch shapes of spec.moe_imbalance (a fake process group carries no routing counts). `cache`
-    (TraceCache): traces of the same program already run for another candidate are reused."""
+    (TraceCache): traces of the same program already run for another candidate are reused. `beyond`
+    (bytes, the GPU's capacity): where the states the rank must hold at its optimizer step
+    (states_floor), with the CUDA context and the allocator's least floor, exceed it, the job cannot
+    fit whatever the trace would add, and nothing is traced: the memory is that floor (traced False)."""
     import torch.distributed as dist
 
     check_traceable(source)
@@ -190,6 +197,22 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
     strategy.family_obj.check(Layout(dims, strategy))
     placement_of(strategy, source.profile, spec, cluster, n * cp)   # NotApplicable, before tracing
     start = time.perf_counter()
+    if beyond is not None:
+        floor = states_floor(source, strategy, spec, cluster, n, prefer_hf, tp, cp, ep, cache)
+        if floor is not None:
+            parts, impl, cpu, phase = floor
+            held = sum(parts.values())
+            if held + cluster.gpu.cuda_context_bytes + fragmentation_floor(cluster, 0) > beyond:
+                from ..units import fmt_bytes
+                what = ("its parameters, gradients and optimizer states" if phase == "step" else
+                        "its parameters and optimizer states, and every block's parameters gathered")
+                when = "optimizer step" if phase == "step" else "forward's end"
+                note = (f"not traced: at its {when} the rank holds at least {what}, {fmt_bytes(held)}, which "
+                        f"with the CUDA context exceed the GPU's "
+                        f"{fmt_bytes(beyond)}; the figures are that floor")
+                memory = MemoryBreakdown.from_tensors({c: parts.get(c, 0) for c in CATEGORIES}, cluster, cpu=int(cpu),
+                                                      phase=phase, notes=(note,))
+                return Traced(memory, impl, time.perf_counter() - start, traced=False)
     layers = source.decoder_cfg.layers if source.decoder_cfg is not None else 0
     # every block alike: not with layer:N checkpointing, whose 3- and 4-block models mix kinds of block
     alike = not spec.activation_checkpointing.startswith("layer:")
@@ -213,6 +236,69 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
     tracker, impl = _cached_trace(cache, source, strategy, spec, cluster, n, prefer_hf, steps, tp, cp=cp, ep=ep)
     memory = _account(tracker, strategy, source, spec, cluster, n, tp)
     return Traced(memory, impl, time.perf_counter() - start)
+
+
+STATE_COPIES = {"adamw": 2, "sgd": 1}
+"""Optimizer states torch's optimizer keeps per trainable parameter, each shaped and typed like it
+(AdamW: exp_avg and exp_avg_sq; SGD with momentum: momentum_buffer); others: none counted."""
+
+
+def states_floor(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cluster, n: int,
+                 prefer_hf: bool, tp: int = 1, cp: int = 1, ep: int = 1, cache: TraceCache | None = None):
+    """({category: bytes}, implementation, host bytes, phase): what rank 0 of the traced job holds at
+    once at one moment of its step at the least, so that its traced peak (fast or full) is at least
+    their sum; None where it is not derived. Where the trace replaces the state (DeepSpeed, host
+    offload: _account), the replacing layout at the optimizer step, which the peak takes in. Else,
+    counted on the model built on meta, the larger of: at the optimizer step its parameters, their
+    gradients (the step reads them) and the optimizer's states (STATE_COPIES, made by the first
+    step); and, where FSDP2 keeps gathered parameters after forward (reshard_after_forward false),
+    at the end of the forward the parameters and states with every block's parameters gathered in
+    the compute dtype. Whole under ddp; under FSDP2 each shard at least 1/n of its parameter (rank
+    0's chunk is the largest). Only without tp, cp, ep, LoRA, compile or float8."""
+    family = strategy.family_obj
+    replaced = family.traced_replaces(strategy)
+    if replaced:
+        place = placement_of(strategy, tp_share(source.profile, tp), spec, cluster, n)
+        return (replaced_layout(place, replaced)("step", 1.0), _states(source, spec, prefer_hf, cache)[3],
+                place.cpu, "step")
+    if (strategy.family not in ("ddp", "fsdp") or (tp, cp, ep) != (1, 1, 1) or spec.lora is not None
+            or spec.compile or spec.float8):
+        return None
+    every, trainable, blocks, impl, model = _states(source, spec, prefer_hf, cache)
+    if strategy.family == "ddp":                 # what the trace would refuse first (NotApplicable)
+        from ..runtime.backends.ddp import check_grouped_experts
+        check_grouped_experts(model, spec)
+    share = 1 if strategy.family == "ddp" else n
+    copies = STATE_COPIES.get(spec.optimizer, 0)
+    step = dict(params=every // share, grads=trainable // share, optimizer=copies * trainable // share)
+    if strategy.family == "fsdp" and not strategy.config.reshard_after_forward:
+        forward = dict(params=step["params"], optimizer=step["optimizer"], buffers=blocks)
+        if sum(forward.values()) > sum(step.values()):
+            return forward, impl, 0, "head"
+    return step, impl, 0, "step"
+
+
+def _states(source: ModelSource, spec: TrainSpec, prefer_hf: bool, cache: TraceCache | None):
+    """(bytes of every parameter, of the trainable ones, of the blocks' parameters gathered in the compute
+    dtype, implementation, the module) of the model as the trace builds it, built on meta (kept in `cache`:
+    a meta module holds no memory)."""
+    def count():
+        import torch
+
+        from ..runtime.backends.base import compute_dtype, shardable_blocks
+        dtype = torch.bfloat16 if spec.precision == "bf16" else None
+        model, impl = source.build(device="meta", attention=spec.attention, prefer_hf=prefer_hf, dtype=dtype)
+        params = list(model.parameters())
+        low = compute_dtype(spec)
+        gathered = sum(p.numel() * (low.itemsize if low is not None else p.element_size())
+                       for b in shardable_blocks(model) for p in b.parameters())
+        return (sum(p.numel() * p.element_size() for p in params),
+                sum(p.numel() * p.element_size() for p in params if p.requires_grad), gathered, impl, model)
+    if cache is None:
+        return count()
+    layers = source.decoder_cfg.layers if source.decoder_cfg is not None else None
+    return cache.get(("states", source.profile.name, source.profile.params, layers, spec.precision, spec.attention,
+                      prefer_hf), count)
 
 
 def extrapolate(moments: list[dict], blocks: tuple[int, int], layers: int) -> tuple[dict[str, int], str]:
@@ -253,12 +339,11 @@ def replaced_layout(place, replaced: frozenset):
     return layout
 
 
-def _blocks_run(tracker):
+def _blocks_run(segments):
     """The blocks phase (the blocks' backward) of a one-step trace, as the live bytes before it and
-    its segments, one per mark (tracker.segments: pre, first, mid per middle block, last, post), each
+    its segments, one per mark (`segments`: tracker.segments: pre, first, mid per middle block, last, post), each
     as the change by category at each event: (start {category: bytes}, [(position, [[(category,
     change), ...] per event]) ...]); None when the trace has not exactly one blocks phase."""
-    segments = tracker.segments()
     where = [i for i, (phase, _, _) in enumerate(segments) if phase == "blocks"]
     if not where or where != list(range(where[0], where[-1] + 1)) or where[-1] + 1 == len(segments):
         return None
@@ -304,7 +389,7 @@ def extrapolate_replacing(trackers: list, blocks: tuple[int, int], layers: int, 
     (k1, t1), (k2, t2) = zip(blocks, trackers)
     if k2 != k1 + 1:
         return None
-    runs = [_blocks_run(t) for t in trackers]
+    runs = [_blocks_run(t.segments()) for t in trackers]
     if None in runs:
         return None
     (s1, run1), (s2, run2) = runs
@@ -318,16 +403,20 @@ def extrapolate_replacing(trackers: list, blocks: tuple[int, int], layers: int, 
     def rebuilt_blocks(best):
         segments = _blocks_at(run2, k2, layers)
         live = {c: s1[c] + (s2[c] - s1[c]) * (layers - k1) for c in s1}
+        kept = sum(live[c] for c in keep)
         events, i = sum(len(changes) for _, changes in segments), 0
         for _, changes in segments:
             for change in changes:
                 for c, d in change:
                     live[c] += d
-                out = {c: live[c] for c in keep}
-                out.update(layout("blocks", i / max(events, 1)))      # as peak_replacing's progress
+                    if c in keep:
+                        kept += d
+                state = layout("blocks", i / max(events, 1))        # as peak_replacing's progress
                 i += 1
-                total = sum(out.values())
+                total = sum(state.values(), kept)      # = sum(out.values()): the kept ints, then the state
                 if total > best[0]:
+                    out = {c: live[c] for c in keep}
+                    out.update(state)
                     best = (total, out, "blocks")
         return best
 

@@ -78,6 +78,7 @@ class MemoryTracker(TorchDispatchMode):
         """(clock, phase, position) at every setting of the position, repeats included: where each
         phase and each block's run in it starts (segments)."""
         self._orig_resize = None
+        self._answers: dict = {}      # moments and segments already read, by the clock they were read at
 
     @property
     def phase(self) -> str:
@@ -265,7 +266,14 @@ class MemoryTracker(TorchDispatchMode):
         memory is linear in the block index, so its maximum is at these moments: two traces with
         different block counts give every moment for any L (traced.py: extrapolate). `exclude`:
         categories left out of the bytes compared (those another layout replaces: peak_replacing);
-        the breakdown still holds them."""
+        the breakdown still holds them. Kept until the clock moves (candidates sharing a trace ask
+        again)."""
+        key = ("moments", frozenset(exclude), self.clock)
+        if key not in self._answers:
+            self._answers[key] = self._moments(frozenset(exclude))
+        return self._answers[key]
+
+    def _moments(self, exclude: frozenset) -> dict[tuple[str, str], tuple[int, dict[str, int]]]:
         marks = sorted([(c, 0, p) for c, p in self.phases] + [(c, 1, p) for c, p in self.positions])
         best: dict[tuple[str, str], tuple[int, dict[str, int]]] = {}
         phase, position, mi = "setup", "pre", 0
@@ -287,7 +295,13 @@ class MemoryTracker(TorchDispatchMode):
         """The timeline since reset_peak cut at every mark (each phase change, and each block's
         start within a phase: marks): (phase, position, [live bytes by category after each event
         of the segment]), in order, empty segments included. An event at a mark's clock belongs to
-        the segment the mark starts, as in peak_replacing and moments."""
+        the segment the mark starts, as in peak_replacing and moments. Kept until the clock moves."""
+        key = ("segments", self.clock)
+        if key not in self._answers:
+            self._answers[key] = self._segments()
+        return self._answers[key]
+
+    def _segments(self) -> list[tuple[str, str, list[dict[str, int]]]]:
         out, mi, marks = [], 0, self.marks
         current = None
         for t, running in self._timeline():

@@ -55,7 +55,8 @@ def test_the_estimator_traces_a_shared_program_once():
     spec = TrainSpec(1, 64)
     a = est(Layout(ParallelDims(dp_shard=4), CAT["zero1"]), spec)
     b = est(Layout(ParallelDims(dp_shard=4), CAT["zero2"]), spec)
-    assert est.traces.misses == 2 and est.traces.hits == 2       # the 3- and 4-block traces
+    # the 3- and 4-block traces, and the meta model's state count (traced.states_floor)
+    assert est.traces.misses == 3 and est.traces.hits == 3
     assert b == RunEstimator("traced", src, CLUSTER)(Layout(ParallelDims(dp_shard=4), CAT["zero2"]), spec)
     assert a != b
 
@@ -119,3 +120,56 @@ def test_the_rebuilt_backward_is_the_traced_one_event_by_event():
     assert extrapolate_replacing([three, four], (3, 4), 6, replaced, layout) == (parts, phase)
     assert extrapolate_replacing([three, traced(4, "zero1")], (3, 4), 6, replaced, layout) is None
     assert extrapolate_replacing([three, four], (3, 5), 6, replaced, layout) is None
+
+
+@pytest.mark.parametrize("names,spec", [
+    (("ddp",), TrainSpec(1, 64)),
+    (("ddp",), TrainSpec(1, 64, precision="bf16", optimizer="sgd")),
+    (("fsdp", "hsdp", "zero3", "fsdp-offload"), TrainSpec(1, 64)),
+    (("fsdp-grad-op", "zero1", "zero2-offload"), TrainSpec(1, 64, activation_checkpointing="full")),
+])
+@pytest.mark.fakepg
+def test_the_states_floor_is_below_the_trace(names, spec):
+    """What a rank must hold at one moment by its states alone (traced.states_floor, counted on the model built
+    on meta) is at most the traced peak, for every kind of program; under ddp the parameters and gradients are
+    the traced ones to the byte (the optimizer's step counters are left out)."""
+    from hybrid.measure.traced import states_floor
+
+    src = resolve_model("tiny-llama").with_layers(6)
+    cache = TraceCache()
+    for name in names:
+        s = CAT[name]
+        parts, impl, cpu, phase = states_floor(src, s, spec, CLUSTER, s.shard_size(CLUSTER), True, cache=cache)
+        traced = traced_estimate(src, s, spec, CLUSTER, cache=cache)
+        assert 0 < sum(parts.values()) <= traced.memory.tensors or name == "fsdp-offload", name
+        assert impl == traced.implementation and cpu == traced.memory.cpu, name
+        if name == "ddp":
+            assert (parts["params"], parts["grads"]) == (traced.memory.params, traced.memory.grads)
+        if name == "fsdp-grad-op":                 # gathered blocks kept from forward to backward
+            assert phase == "head" and parts["buffers"] > 0
+
+
+@pytest.mark.fakepg
+def test_a_rank_whose_states_exceed_the_gpu_is_not_traced():
+    """With the GPU's capacity given (`beyond`, as the planner's RunEstimator gives it), a rank whose states
+    floor with the CUDA context and the allocator's least floor exceeds it is not traced: its memory is that
+    floor, which cannot fit; one byte more room and it is traced as before."""
+    from hybrid.estimation.memory.breakdown import fragmentation_floor
+    from hybrid.measure.traced import states_floor
+
+    src = resolve_model("tiny-llama").with_layers(6)
+    spec = TrainSpec(1, 64)
+    parts = states_floor(src, CAT["ddp"], spec, CLUSTER, 1, True)[0]
+    edge = sum(parts.values()) + CLUSTER.gpu.cuda_context_bytes + fragmentation_floor(CLUSTER, 0)
+    cache = TraceCache()
+    out = traced_estimate(src, CAT["ddp"], spec, CLUSTER, cache=cache, beyond=edge - 1)
+    assert not out.traced and cache.misses == 1                       # the meta model's count, no trace
+    assert out.memory.tensors == sum(parts.values()) and out.memory.needed > edge - 1
+    assert "not traced" in out.memory.notes[0]
+    kept = traced_estimate(src, CAT["ddp"], spec, CLUSTER, cache=cache, beyond=edge)
+    assert kept.traced and kept.memory == traced_estimate(src, CAT["ddp"], spec, CLUSTER).memory
+
+    small = Cluster.build(1, 4, "h100-80gb", gpu_memory=edge - 1)
+    est = RunEstimator("traced", src, small)
+    memory = est(Layout(ParallelDims(dp_shard=1), CAT["ddp"]), spec)
+    assert any("not traced" in n for n in memory.notes) and est.traces.misses == 1
