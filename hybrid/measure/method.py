@@ -54,8 +54,9 @@ class RunEstimator:
             self.progress.begin(f"{layout.label} (shard {n})")
         if self.method == "traced":
             from .stages import traced_rank
+            # a rank whose states alone exceed the GPU cannot fit: not traced (traced.states_floor)
             result = traced_rank(self.source, layout, spec, self.cluster, rank, self.prefer_hf, self.strategies_dir,
-                                 self.traces)
+                                 self.traces, beyond=self.cluster.capacity_bytes)
             memory = result.memory
         else:
             from .measured import measured_estimate
@@ -64,5 +65,7 @@ class RunEstimator:
             note = f"measured on {IMPLEMENTATIONS[result.implementation]} ({result.implementation})"
             memory = replace(result.memory, notes=result.memory.notes + (note,))
         if self.progress is not None:
-            self.progress.end(f"{result.seconds:.1f}s ({result.implementation})")
+            done = "not traced: its states alone exceed the GPU" if not getattr(result, "traced", True) else \
+                f"{result.seconds:.1f}s ({result.implementation})"
+            self.progress.end(done)
         return memory

@@ -16,18 +16,21 @@ if TYPE_CHECKING:
 
 
 def traced_rank(source: ModelSource, layout: Layout, spec: TrainSpec, cluster: Cluster, rank: int = 0,
-                prefer_hf: bool = True, strategies_dir=(), cache=None) -> "Traced":
+                prefer_hf: bool = True, strategies_dir=(), cache=None, beyond: int | None = None) -> "Traced":
     """Pipeline rank `rank` of `layout`'s job traced, its memory noted with what ran: without stages
     the whole job's rank (traced_estimate); with stages that rank's stage (traced_stage_estimate)
     in a fresh process, as each needs a fake process group of its own rank. `cache` (traced.TraceCache):
-    the traces of candidates already judged, reused where this rank runs the same program."""
+    the traces of candidates already judged, reused where this rank runs the same program. `beyond`: a rank
+    without stages whose states alone exceed it is not traced (traced_estimate)."""
     from .traced import IMPLEMENTATIONS, traced_estimate, traced_stage_in_process
 
     d, s = layout.dims, layout.dp
     shard = d.dp_shard if s.shard_is_free else None
     if layout.pipeline is None:
         t = traced_estimate(source, s, spec, cluster, shard, prefer_hf=prefer_hf, tp=d.tp, cp=d.cp, ep=d.ep,
-                            cache=cache)
+                            cache=cache, beyond=beyond)
+        if not t.traced:
+            return t
         note = f"traced on {IMPLEMENTATIONS[t.implementation]} ({t.implementation})"
     else:
         import multiprocessing as mp

@@ -22,7 +22,7 @@ from ..model.sources import ModelSource
 from ..estimation.shares import tp_share
 from ..config.spec import TrainSpec
 from ..estimation.memory.analytic import check_job, placement_of
-from ..estimation.memory.breakdown import MemoryBreakdown
+from ..estimation.memory.breakdown import CATEGORIES, MemoryBreakdown, fragmentation_floor
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,9 @@ class Traced:
     implementation: str
     """Which code was traced: 'transformers' (the HF model of the preset), 'hybrid' (ours), 'factory'."""
     seconds: float
+    traced: bool = True
+    """False where nothing ran: the states the rank must hold alone exceed the GPU (traced_estimate's
+    `beyond`), and `memory` is that floor."""
 
 
 def optimizer_factory(spec: TrainSpec):
@@ -133,7 +136,7 @@ class TraceCache:
     accounted on it afterwards (_account). Bounded (the oldest trace goes); `hits` and `misses`
     count the lookups."""
 
-    def __init__(self, size: int = 8):
+    def __init__(self, size: int = 16):
         self.size, self.hits, self.misses = size, 0, 0
         self._traces: OrderedDict = OrderedDict()
 
@@ -166,7 +169,8 @@ def _cached_trace(cache: TraceCache | None, source: ModelSource, strategy: Strat
 
 def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cluster,
                     shard_size: int | None = None, prefer_hf: bool = True, steps: int = 2, tp: int = 1,
-                    fast: bool = True, cp: int = 1, ep: int = 1, cache: TraceCache | None = None) -> Traced:
+                    fast: bool = True, cp: int = 1, ep: int = 1, cache: TraceCache | None = None,
+                    beyond: int | None = None) -> Traced:
     """One rank of the job traced on fake tensors. `fast`: a stack of identical blocks (a preset or
     a decoder config.json) is traced with FAST_BLOCKS blocks and extrapolated to its own count,
     which gives the full trace's peak (benchmarks/fast_traced.py) in a fraction of the time; other
@@ -174,7 +178,10 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
     checkpointing are traced whole. cp > 1 runs the context-parallel code (runtime/backends/cp.py) on the
     rank's chunks of a whole-sequence batch; ep > 1 the expert-parallel code (runtime/backends/ep.py) with
     the dispatch shapes of spec.moe_imbalance (a fake process group carries no routing counts). `cache`
-    (TraceCache): traces of the same program already run for another candidate are reused."""
+    (TraceCache): traces of the same program already run for another candidate are reused. `beyond`
+    (bytes, the GPU's capacity): where the states the rank must hold at its optimizer step
+    (states_floor), with the CUDA context and the allocator's least floor, exceed it, the job cannot
+    fit whatever the trace would add, and nothing is traced: the memory is that floor (traced False)."""
     import torch.distributed as dist
 
     check_traceable(source)
@@ -190,19 +197,108 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
     strategy.family_obj.check(Layout(dims, strategy))
     placement_of(strategy, source.profile, spec, cluster, n * cp)   # NotApplicable, before tracing
     start = time.perf_counter()
+    if beyond is not None:
+        floor = states_floor(source, strategy, spec, cluster, n, prefer_hf, tp, cp, ep, cache)
+        if floor is not None:
+            parts, impl, cpu, phase = floor
+            held = sum(parts.values())
+            if held + cluster.gpu.cuda_context_bytes + fragmentation_floor(cluster, 0) > beyond:
+                from ..units import fmt_bytes
+                what = ("its parameters, gradients and optimizer states" if phase == "step" else
+                        "its parameters and optimizer states, and every block's parameters gathered")
+                when = "optimizer step" if phase == "step" else "forward's end"
+                note = (f"not traced: at its {when} the rank holds at least {what}, {fmt_bytes(held)}, which "
+                        f"with the CUDA context exceed the GPU's "
+                        f"{fmt_bytes(beyond)}; the figures are that floor")
+                memory = MemoryBreakdown.from_tensors({c: parts.get(c, 0) for c in CATEGORIES}, cluster, cpu=int(cpu),
+                                                      phase=phase, notes=(note,))
+                return Traced(memory, impl, time.perf_counter() - start, traced=False)
     layers = source.decoder_cfg.layers if source.decoder_cfg is not None else 0
     # every block alike: not with layer:N checkpointing, whose 3- and 4-block models mix kinds of block
     alike = not spec.activation_checkpointing.startswith("layer:")
-    if fast and alike and layers > FAST_BLOCKS[-1] and not strategy.family_obj.traced_replaces(strategy):
+    if fast and alike and layers > FAST_BLOCKS[-1]:
         runs = [_cached_trace(cache, source.with_layers(k), strategy, spec, cluster, n, prefer_hf, 1, tp, prime=True,
                               cp=cp, ep=ep) for k in FAST_BLOCKS]
-        parts, phase = extrapolate([t.moments() for t, _ in runs], FAST_BLOCKS, layers)
-        memory = MemoryBreakdown.from_tensors(parts, cluster, phase=phase, notes=(
-            f"traced with {' and '.join(map(str, FAST_BLOCKS))} blocks, extrapolated to {layers}",))
-        return Traced(memory, runs[0][1], time.perf_counter() - start)
+        note = f"traced with {' and '.join(map(str, FAST_BLOCKS))} blocks, extrapolated to {layers}"
+        replaced = strategy.family_obj.traced_replaces(strategy)
+        if not replaced:
+            parts, phase = extrapolate([t.moments() for t, _ in runs], FAST_BLOCKS, layers)
+            memory = MemoryBreakdown.from_tensors(parts, cluster, phase=phase, notes=(note,))
+            return Traced(memory, runs[0][1], time.perf_counter() - start)
+        place = placement_of(strategy, tp_share(source.profile, tp), spec, cluster, n)
+        found = extrapolate_replacing([t for t, _ in runs], FAST_BLOCKS, layers, replaced,
+                                      replaced_layout(place, replaced))
+        if found is not None:            # else the blocks do not repeat as the model needs: traced whole
+            parts, phase = found
+            memory = MemoryBreakdown.from_tensors(parts, cluster, cpu=int(place.cpu), phase=phase,
+                                                  notes=(note, strategy.family_obj.traced_note(strategy)))
+            return Traced(memory, runs[0][1], time.perf_counter() - start)
     tracker, impl = _cached_trace(cache, source, strategy, spec, cluster, n, prefer_hf, steps, tp, cp=cp, ep=ep)
     memory = _account(tracker, strategy, source, spec, cluster, n, tp)
     return Traced(memory, impl, time.perf_counter() - start)
+
+
+STATE_COPIES = {"adamw": 2, "sgd": 1}
+"""Optimizer states torch's optimizer keeps per trainable parameter, each shaped and typed like it
+(AdamW: exp_avg and exp_avg_sq; SGD with momentum: momentum_buffer); others: none counted."""
+
+
+def states_floor(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cluster, n: int,
+                 prefer_hf: bool, tp: int = 1, cp: int = 1, ep: int = 1, cache: TraceCache | None = None):
+    """({category: bytes}, implementation, host bytes, phase): what rank 0 of the traced job holds at
+    once at one moment of its step at the least, so that its traced peak (fast or full) is at least
+    their sum; None where it is not derived. Where the trace replaces the state (DeepSpeed, host
+    offload: _account), the replacing layout at the optimizer step, which the peak takes in. Else,
+    counted on the model built on meta, the larger of: at the optimizer step its parameters, their
+    gradients (the step reads them) and the optimizer's states (STATE_COPIES, made by the first
+    step); and, where FSDP2 keeps gathered parameters after forward (reshard_after_forward false),
+    at the end of the forward the parameters and states with every block's parameters gathered in
+    the compute dtype. Whole under ddp; under FSDP2 each shard at least 1/n of its parameter (rank
+    0's chunk is the largest). Only without tp, cp, ep, LoRA, compile or float8."""
+    family = strategy.family_obj
+    replaced = family.traced_replaces(strategy)
+    if replaced:
+        place = placement_of(strategy, tp_share(source.profile, tp), spec, cluster, n)
+        return (replaced_layout(place, replaced)("step", 1.0), _states(source, spec, prefer_hf, cache)[3],
+                place.cpu, "step")
+    if (strategy.family not in ("ddp", "fsdp") or (tp, cp, ep) != (1, 1, 1) or spec.lora is not None
+            or spec.compile or spec.float8):
+        return None
+    every, trainable, blocks, impl, model = _states(source, spec, prefer_hf, cache)
+    if strategy.family == "ddp":                 # what the trace would refuse first (NotApplicable)
+        from ..runtime.backends.ddp import check_grouped_experts
+        check_grouped_experts(model, spec)
+    share = 1 if strategy.family == "ddp" else n
+    copies = STATE_COPIES.get(spec.optimizer, 0)
+    step = dict(params=every // share, grads=trainable // share, optimizer=copies * trainable // share)
+    if strategy.family == "fsdp" and not strategy.config.reshard_after_forward:
+        forward = dict(params=step["params"], optimizer=step["optimizer"], buffers=blocks)
+        if sum(forward.values()) > sum(step.values()):
+            return forward, impl, 0, "head"
+    return step, impl, 0, "step"
+
+
+def _states(source: ModelSource, spec: TrainSpec, prefer_hf: bool, cache: TraceCache | None):
+    """(bytes of every parameter, of the trainable ones, of the blocks' parameters gathered in the compute
+    dtype, implementation, the module) of the model as the trace builds it, built on meta (kept in `cache`:
+    a meta module holds no memory)."""
+    def count():
+        import torch
+
+        from ..runtime.backends.base import compute_dtype, shardable_blocks
+        dtype = torch.bfloat16 if spec.precision == "bf16" else None
+        model, impl = source.build(device="meta", attention=spec.attention, prefer_hf=prefer_hf, dtype=dtype)
+        params = list(model.parameters())
+        low = compute_dtype(spec)
+        gathered = sum(p.numel() * (low.itemsize if low is not None else p.element_size())
+                       for b in shardable_blocks(model) for p in b.parameters())
+        return (sum(p.numel() * p.element_size() for p in params),
+                sum(p.numel() * p.element_size() for p in params if p.requires_grad), gathered, impl, model)
+    if cache is None:
+        return count()
+    layers = source.decoder_cfg.layers if source.decoder_cfg is not None else None
+    return cache.get(("states", source.profile.name, source.profile.params, layers, spec.precision, spec.attention,
+                      prefer_hf), count)
 
 
 def extrapolate(moments: list[dict], blocks: tuple[int, int], layers: int) -> tuple[dict[str, int], str]:
@@ -211,14 +307,133 @@ def extrapolate(moments: list[dict], blocks: tuple[int, int], layers: int) -> tu
     fix them; the peak is the largest moment at L = layers. The middle blocks' moment is the
     largest over blocks 1 .. L-2 of a + L x b + j x c, at j = 1 or L - 2 by the sign of c: also
     a + L x b' for every L >= 3."""
-    (k1, m1), (k2, m2) = zip(blocks, moments)
     best, best_key = None, None
-    for key in m1.keys() & m2.keys():
-        p1, p2 = m1[key][1], m2[key][1]
-        parts = {c: max(0, round(p1[c] + (p2[c] - p1[c]) * (layers - k1) / (k2 - k1))) for c in p1}
+    for key, parts in extrapolated_moments(moments, blocks, layers).items():
         if best is None or sum(parts.values()) > sum(best.values()):
             best, best_key = parts, key
     return best, best_key[0]
+
+
+def extrapolated_moments(moments: list[dict], blocks: tuple[int, int], layers: int) -> dict:
+    """Each moment present in both traces (extrapolate), its bytes by category at L = layers, in
+    the order of the first trace's timeline."""
+    (k1, m1), (k2, m2) = zip(blocks, moments)
+    return {key: {c: max(0, round(p1[c] + (m2[key][1][c] - p1[c]) * (layers - k1) / (k2 - k1))) for c in p1}
+            for key, (_, p1) in m1.items() if key in m2}
+
+
+def replaced_layout(place, replaced: frozenset):
+    """layout(phase, progress) -> {category: bytes}: the real strategy's state (its Placement `place`)
+    at each moment of the step, for the categories `replaced` that the traced proxy holds otherwise
+    (tracker.peak_replacing)."""
+    def layout(phase: str, progress: float) -> dict:
+        if phase == "step":
+            out = dict(grads=place.grads_end + place.grads_step, buffers=place.buffers_step)
+        elif phase == "blocks":          # gradients arrive block by block
+            out = dict(grads=place.grads_start + progress * (place.grads_end - place.grads_start),
+                       buffers=place.buffers_mid)
+        else:                            # forward, head, loss
+            out = dict(grads=place.grads_start, buffers=place.buffers_start)
+        out.update(params=place.params, optimizer=place.optimizer)
+        return {k: v for k, v in out.items() if k in replaced}
+    return layout
+
+
+def _blocks_run(segments):
+    """The blocks phase (the blocks' backward) of a one-step trace, as the live bytes before it and
+    its segments, one per mark (`segments`: tracker.segments: pre, first, mid per middle block, last, post), each
+    as the change by category at each event: (start {category: bytes}, [(position, [[(category,
+    change), ...] per event]) ...]); None when the trace has not exactly one blocks phase."""
+    where = [i for i, (phase, _, _) in enumerate(segments) if phase == "blocks"]
+    if not where or where != list(range(where[0], where[-1] + 1)) or where[-1] + 1 == len(segments):
+        return None
+    before = [events for _, _, events in segments[:where[0]] if events]
+    if not before:
+        return None
+    start = previous = before[-1][-1]
+    out = []
+    for i in where:
+        position, events = segments[i][1], segments[i][2]
+        changes = []
+        for now in events:
+            changes.append([(c, now[c] - previous[c]) for c in now if now[c] != previous[c]])
+            previous = now
+        out.append((position, changes))
+    return start, out
+
+
+def _blocks_at(run, k: int, layers: int):
+    """The segments of the blocks phase of a `layers`-block model (layers >= 3) from `run`
+    (_blocks_run), a trace of k >= 4 blocks: its segments up to the first block's and from the last
+    block's on as they are; of the middle blocks' the last one's (its successor is the last block)
+    as it is, and the first one's (its successor a middle block) once for each other middle block.
+    None where the trace's segments are not first, k - 2 middle blocks, last."""
+    positions = [p for p, _ in run]
+    if k < 4 or layers < 3 or "first" not in positions or "last" not in positions:
+        return None
+    a, b = positions.index("first") + 1, positions.index("last")
+    if positions[a:b] != ["mid"] * (k - 2) or "mid" in positions[b:] or "first" in positions[a:]:
+        return None
+    return run[:a] + [run[a]] * (layers - 3) + run[b - 1:]
+
+
+def extrapolate_replacing(trackers: list, blocks: tuple[int, int], layers: int, replaced: frozenset, layout):
+    """What tracker.peak_replacing(replaced, layout) gives on the full trace of a `layers`-block
+    model, from one-step traces (prime) of `blocks` blocks: (breakdown, phase), or None where the
+    traces do not repeat as this needs. Outside the blocks' backward the layout is constant in each
+    phase, so each moment's peak is the extrapolated moment (tracker.moments without `replaced`); in
+    the blocks' backward the gradients grow with the phase's progress (its events), so that phase is
+    rebuilt event by event: its start extrapolated (a + L x b), then the change at each event as the
+    larger trace has it, a middle block's repeated for each block it lacks. The rebuild must give
+    the smaller trace's own events exactly, or None."""
+    (k1, t1), (k2, t2) = zip(blocks, trackers)
+    if k2 != k1 + 1:
+        return None
+    runs = [_blocks_run(t.segments()) for t in trackers]
+    if None in runs:
+        return None
+    (s1, run1), (s2, run2) = runs
+    model = _blocks_at(run2, k2, k1)
+    if model is None or [(p, c) for p, c in model] != run1 or s1.keys() != s2.keys():
+        return None                                  # the smaller trace is not the larger one less a block
+    keep = [c for c in CATEGORIES if c != "overhead" and c not in replaced]
+    moments = extrapolated_moments([t.moments(exclude=replaced) for t in trackers], blocks, layers)
+    best = (-1, None, "")
+
+    def rebuilt_blocks(best):
+        segments = _blocks_at(run2, k2, layers)
+        live = {c: s1[c] + (s2[c] - s1[c]) * (layers - k1) for c in s1}
+        kept = sum(live[c] for c in keep)
+        events, i = sum(len(changes) for _, changes in segments), 0
+        for _, changes in segments:
+            for change in changes:
+                for c, d in change:
+                    live[c] += d
+                    if c in keep:
+                        kept += d
+                state = layout("blocks", i / max(events, 1))        # as peak_replacing's progress
+                i += 1
+                total = sum(state.values(), kept)      # = sum(out.values()): the kept ints, then the state
+                if total > best[0]:
+                    out = {c: live[c] for c in keep}
+                    out.update(state)
+                    best = (total, out, "blocks")
+        return best
+
+    rebuilt = False
+    for (phase, _), parts in moments.items():          # in the timeline's order, as peak_replacing
+        if phase == "blocks":
+            if not rebuilt:
+                best, rebuilt = rebuilt_blocks(best), True
+            continue
+        out = {c: parts[c] for c in keep}
+        out.update(layout(phase, 0.0))
+        total = sum(out.values())
+        if total > best[0]:
+            best = (total, out, phase)
+    if not rebuilt:
+        best = rebuilt_blocks(best)
+    return best[1], best[2]
 
 
 def _trace(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cluster, n: int,
@@ -271,19 +486,7 @@ def _account(tracker, strategy: Strategy, source: ModelSource, spec: TrainSpec, 
     replaced = strategy.family_obj.traced_replaces(strategy)
     if replaced:
         place = placement_of(strategy, tp_share(source.profile, tp), spec, cluster, n)
-
-        def layout(phase: str, progress: float) -> dict:
-            if phase == "step":
-                out = dict(grads=place.grads_end + place.grads_step, buffers=place.buffers_step)
-            elif phase == "blocks":          # gradients arrive block by block
-                out = dict(grads=place.grads_start + progress * (place.grads_end - place.grads_start),
-                           buffers=place.buffers_mid)
-            else:                            # forward, head, loss
-                out = dict(grads=place.grads_start, buffers=place.buffers_start)
-            out.update(params=place.params, optimizer=place.optimizer)
-            return {k: v for k, v in out.items() if k in replaced}
-
-        _, parts, phase = tracker.peak_replacing(replaced, layout)
+        _, parts, phase = tracker.peak_replacing(replaced, replaced_layout(place, replaced))
         cpu = place.cpu
         notes.append(strategy.family_obj.traced_note(strategy))
     else:

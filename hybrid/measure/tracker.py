@@ -75,9 +75,13 @@ class MemoryTracker(TorchDispatchMode):
         self.phases: list[tuple[int, str]] = [(0, "setup")]   # (clock, phase) at each change
         self._position = "pre"
         self.positions: list[tuple[int, str]] = [(0, "pre")]  # (clock, position) at each change
+        self.marks: list[tuple[int, str, str]] = [(0, "setup", "pre")]
+        """(clock, phase, position) at every setting of the position, repeats included: where each
+        phase and each block's run in it starts (segments)."""
         self._orig_resize = None
         self._orig_meta = None
         self._metadata = 0          # inside DTensor's sharding propagation (_patch_metadata)
+        self._answers: dict = {}      # moments and segments already read, by the clock they were read at
 
     @property
     def phase(self) -> str:
@@ -96,6 +100,7 @@ class MemoryTracker(TorchDispatchMode):
 
     @position.setter
     def position(self, value: str) -> None:
+        self.marks.append((self.clock, self._phase, value))
         self._mark("position", value)
 
     def _mark(self, name: str, value: str) -> bool:
@@ -288,12 +293,21 @@ class MemoryTracker(TorchDispatchMode):
                 best = (total, parts, phases[pi][1])
         return best
 
-    def moments(self) -> dict[tuple[str, str], tuple[int, dict[str, int]]]:
+    def moments(self, exclude=frozenset()) -> dict[tuple[str, str], tuple[int, dict[str, int]]]:
         """The largest live bytes (and their breakdown) at each moment of the step since
         reset_peak: (phase, position) -> (bytes, {category: bytes}). For a stack of identical
         blocks each moment holds a + L x b bytes of every category (L blocks), and within a phase
         memory is linear in the block index, so its maximum is at these moments: two traces with
-        different block counts give every moment for any L (traced.py: extrapolate)."""
+        different block counts give every moment for any L (traced.py: extrapolate). `exclude`:
+        categories left out of the bytes compared (those another layout replaces: peak_replacing);
+        the breakdown still holds them. Kept until the clock moves (candidates sharing a trace ask
+        again)."""
+        key = ("moments", frozenset(exclude), self.clock)
+        if key not in self._answers:
+            self._answers[key] = self._moments(frozenset(exclude))
+        return self._answers[key]
+
+    def _moments(self, exclude: frozenset) -> dict[tuple[str, str], tuple[int, dict[str, int]]]:
         marks = sorted([(c, 0, p) for c, p in self.phases] + [(c, 1, p) for c, p in self.positions])
         best: dict[tuple[str, str], tuple[int, dict[str, int]]] = {}
         phase, position, mi = "setup", "pre", 0
@@ -305,11 +319,32 @@ class MemoryTracker(TorchDispatchMode):
                     position = marks[mi][2]
                 mi += 1
             parts = {c: running.get(c, 0) for c in CATEGORIES if c != "overhead"}
-            total = sum(parts.values())
+            total = sum(v for c, v in parts.items() if c not in exclude)
             key = (phase, position)
             if total > best.get(key, (-1,))[0]:
                 best[key] = (total, parts)
         return best
+
+    def segments(self) -> list[tuple[str, str, list[dict[str, int]]]]:
+        """The timeline since reset_peak cut at every mark (each phase change, and each block's
+        start within a phase: marks): (phase, position, [live bytes by category after each event
+        of the segment]), in order, empty segments included. An event at a mark's clock belongs to
+        the segment the mark starts, as in peak_replacing and moments. Kept until the clock moves."""
+        key = ("segments", self.clock)
+        if key not in self._answers:
+            self._answers[key] = self._segments()
+        return self._answers[key]
+
+    def _segments(self) -> list[tuple[str, str, list[dict[str, int]]]]:
+        out, mi, marks = [], 0, self.marks
+        current = None
+        for t, running in self._timeline():
+            while mi < len(marks) and marks[mi][0] <= t:
+                current = (marks[mi][1], marks[mi][2], [])
+                out.append(current)
+                mi += 1
+            current[2].append({c: running.get(c, 0) for c in CATEGORIES if c != "overhead"})
+        return out
 
 
 def allocator_net_bytes(fn) -> tuple[object, int]:
