@@ -149,11 +149,17 @@ def tp_share(profile: ModelProfile, tp: int, stage=None) -> ModelProfile:
         raise HybridError(f"tensor parallelism needs a transformer's dimensions; {profile.name} has none: use tp 1")
     import dataclasses
     matrices = sum(m[0] * m[1] for m in d.block_matrices() if len(m) == 2)      # the largest block's
+    blocks = d.block_matmul_params
+    if d.stack:      # read from a module: what its plan splits, layer by layer (model/tp_plan.py)
+        from ..model.tp_plan import split_elements
+        largest = max(set(d.stack), key=lambda ly: ly.params(d.hidden))
+        matrices = split_elements(largest, d.hidden, d.tp_plan)
+        blocks = sum(split_elements(ly, d.hidden, d.tp_plan) for ly in d.stack)
     if stage is None:
         head = d.vocab * d.hidden * (1 if d.tied else 2)      # embedding and (untied) head
     else:                                                      # a pipeline rank's embedding and/or head
         head = d.vocab * d.hidden * (stage.first + stage.last)
-    sharded = d.block_matmul_params + head
+    sharded = blocks + head
     cut = sharded - sharded // tp
     frac = (profile.params - cut) / profile.params
     return dataclasses.replace(
@@ -195,6 +201,10 @@ def share_activations(sh: Share, act: ActivationTerms, autocast: bool, notes: li
         # whole: in every stored block, or only in the recomputed one under full checkpointing
         gathered = 2 * spec.bytes.compute * sh.whole.decoder.hidden * spec.tokens * (1 - 1 / tp)
         stored, redone = (0, gathered) if spec.activation_checkpointing == "full" else (gathered, 0)
+        # a read stack's attention: the mask each rank keeps whole, k and v views where a rank holds one kv head
+        from .memory.activations import read_tp_terms
+        whole, again = read_tp_terms(sh.profile.decoder, spec, autocast, tp)
+        stored, redone = stored + whole, redone + again
         # the loss on the vocab shards in place of the replicated one (loss_terms' vocab_parallel:
         # torch's loss_parallel, or Megatron-LM's fused cross-entropy in place of Liger's), the
         # LoRA model's frozen-norm saving kept; the head's column-wise matmul keeps its input whole

@@ -367,18 +367,20 @@ def _norm_kind(norm, hidden: int) -> str:
 
     if "LayerNorm" in type(norm).__name__ and "RMS" not in type(norm).__name__:
         return "layer"
-    saved: list[int] = []
+    tokens = 3      # activations are tokens x hidden: apart from the weight (and 1 + weight), each saved once
+    saved: dict[int, int] = {}
 
     def pack(t):
-        saved.append(t.numel() * t.element_size() if t.dtype == torch.float32 and t.numel() >= hidden else 0)
+        if t.dtype == torch.float32 and t.numel() >= tokens * hidden:
+            saved[id(t)] = t.numel() * t.element_size()
         return t
     try:
-        x = torch.empty(1, 1, hidden, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        x = torch.empty(1, tokens, hidden, device="meta", dtype=torch.bfloat16, requires_grad=True)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             (norm if _on_meta(norm) else _meta_copy(norm))(x)
     except Exception:  # noqa: BLE001 - a norm that will not run on meta: the common form
         return "rms"
-    return "rms1p" if sum(saved) >= 8 * hidden else "rms"
+    return "rms1p" if sum(saved.values()) >= 2 * 4 * tokens * hidden else "rms"
 
 
 def _on_meta(module) -> bool:

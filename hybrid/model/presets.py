@@ -13,6 +13,7 @@ from typing import Literal
 
 from ..errors import HybridError, short, unknown_name
 from .anatomy import Layer
+from .tp_plan import HFPlan
 
 Style = Literal["llama", "gpt2"]
 
@@ -73,6 +74,10 @@ class DecoderConfig:
     """The transformers config (JSON) a read model is built from again."""
     head: bool = True
     """Whether this piece of the model ends in the LM head (False on pipeline ranks before the last)."""
+    tp_plan: HFPlan | None = None
+    """A decoder read from a transformers module: what the module says about splitting it over tp
+    (its base_model_tp_plan, hybrid/model/tp_plan.py), read with the stack; None for hybrid's closed
+    forms, whose style decides."""
 
     def __post_init__(self):
         for attr, (lo, hi) in SHAPE_RANGES.items():     # before any count that scales with them
@@ -268,7 +273,8 @@ class DecoderConfig:
                 "num_key_value_heads": self.n_kv_heads, "max_position_embeddings": self.max_positions,
                 "tie_word_embeddings": self.tied, "rms_norm_eps": self.norm_eps,
                 "rope_theta": self.rope_theta,
-                **({"sliding_window": self.sliding_window} if self.hf_model_type == "mistral" else {})}
+                **({"sliding_window": self.sliding_window} if self.hf_model_type == "mistral" else {}),
+                **({"head_dim": self.head_dim} if self.hf_model_type == "qwen3" else {})}
 
     def _hf_moe_config(self) -> dict:
         common = {"model_type": self.hf_model_type, "vocab_size": self.vocab, "hidden_size": self.hidden,

@@ -177,16 +177,23 @@ TP_DEGREES = (1, 2, 4, 8)
 torchtitan recipes do; on NVL72 8 spans two 4-GPU trays)."""
 
 
-def tp_degrees(profile: ModelProfile, gpus_per_node: int) -> list[int]:
-    """tp that divides `gpus_per_node` (the GPUs of one scale-up domain: Cluster.domain) and the
-    attention and key/value heads of a llama-style decoder (GPT-2's fused qkv has no plan); [1] for
-    anything else."""
+def tp_problem(profile: ModelProfile, tp: int) -> str | None:
+    """Why tensor parallelism cannot split this model `tp` ways as the runtime runs it (one line
+    naming the fix), or None: the rule the runtime checks (hybrid/model/tp_plan.py), asked of the
+    profile's decoder: hybrid's llama-style closed forms, or a decoder read from a transformers
+    module with its base_model_tp_plan; heads and key/value heads divisible by tp; dense MLPs
+    (MoE experts are split by ep)."""
+    from .tp_plan import decoder_problem
     d = profile.decoder
-    if d is None or d.style != "llama" or d.moe:          # MoE: experts are split by ep, not tp (yet)
-        return [1]
-    if d.stack:      # read from a transformers module: the runtime's tp plan is our decoder's (runtime/backends/tp.py)
-        return [1]
-    return [t for t in TP_DEGREES if gpus_per_node % t == 0 and d.heads % t == 0 and d.n_kv_heads % t == 0]
+    if d is None:
+        return f"tensor parallelism needs a transformer's dimensions; {profile.name} has none: use tp=1"
+    return decoder_problem(d, tp, profile.name)
+
+
+def tp_degrees(profile: ModelProfile, gpus_per_node: int) -> list[int]:
+    """tp that divides `gpus_per_node` (the GPUs of one scale-up domain: Cluster.domain) and that the
+    runtime can apply to this model (tp_problem); [1] for a model it cannot split."""
+    return [t for t in TP_DEGREES if t == 1 or (gpus_per_node % t == 0 and tp_problem(profile, t) is None)]
 
 
 HF_LAYERS = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "qwen2": "Qwen2DecoderLayer",
@@ -368,6 +375,7 @@ def read_decoder(module, cfg) -> DecoderConfig | None:
 
     from .anatomy import Unreadable, read_layers
     from .presets import _rope_theta
+    from .tp_plan import HFPlan
     emb = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
     w = getattr(emb, "weight", None)
     if w is None or w.dim() != 2:
@@ -396,7 +404,8 @@ def read_decoder(module, cfg) -> DecoderConfig | None:
         hf_model_type=d.get("model_type"), sliding_window=min(windows) if windows else None,
         head_size=attn.head_dim, qk_norm=attn.qk_norm if attn.qk_norm in ("head", "full") else None,
         experts=moe[0].experts if moe else 0, top_k=moe[0].top_k if moe else 0,
-        moe_ffn=moe[0].moe_ffn if moe else 0, stack=layers, hf_json=json.dumps(hf, default=str, sort_keys=True))
+        moe_ffn=moe[0].moe_ffn if moe else 0, stack=layers, hf_json=json.dumps(hf, default=str, sort_keys=True),
+        tp_plan=HFPlan.of(module))
 
 
 def build_profile(module, name: str | None = None) -> ModelProfile:

@@ -34,7 +34,7 @@ from ..estimation.memory.stages import rank_estimates
 from .stages import staged
 from ..layout.pipeline import (StageSplit, batch_schedules, check_stages_with_cp, pp_degrees, schedules_for,
                        splits_sequences, stage_cluster, stage_degrees)
-from ..model.profile import ModelProfile, tp_degrees
+from ..model.profile import ModelProfile, tp_degrees, tp_problem
 from ..config.spec import TrainSpec
 from ..units import GiB, fmt_bytes
 
@@ -227,6 +227,9 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
                           f"none of {', '.join(names)} has one")
     # an expensive estimator (traced, measured) runs once per preset, not per shard size
     if tp is not None:
+        problem = tp_problem(profile, tp) if tp > 1 else None
+        if problem is not None:         # the runtime cannot split this model so: its reason, one line
+            raise HybridError(f"--tp {tp}: {problem}")
         per = cluster.gpus_per_node
         valid = [t for t in tp_degrees(profile, cluster.domain) if per % t == 0 or t % per == 0]
         if tp not in valid:

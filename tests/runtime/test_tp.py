@@ -45,6 +45,32 @@ def test_tp2_on_two_ranks_equals_one_process():
             assert diff < 1e-5, (s, diff)
 
 
+def hf_gemma3():
+    """A tiny transformers Gemma 3: post-norms feeding the residual sums, (1 + weight) norms, q/k norms,
+    a scaled and tied embedding, sliding layers shorter than the sequence (a mask)."""
+    from transformers import Gemma3TextConfig, Gemma3ForCausalLM
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                           max_position_embeddings=64, pad_token_id=0)
+    return Gemma3ForCausalLM(cfg)
+
+
+def train_gemma3(strategy, tp):
+    return {"gemma3": train(strategy, tp=tp, model_fn=hf_gemma3)}
+
+
+def test_gemma3_tp2_on_two_ranks_equals_one_process():
+    """Gemma 3's norms after attention and the MLP return this rank's sequence shard as a plain
+    tensor (the residual it is added to is one), as its pre-norms and the final norm do."""
+    from tests.runtime.test_loop import reference
+    res = run_ranks(2, train_gemma3, "fsdp", 2)
+    ref = reference(1, model_fn=hf_gemma3)[0]
+    for r in res:
+        diff = max((r["gemma3"]["state"][k] - ref[k]).abs().max().item() for k in ref)
+        assert diff < 1e-5, diff
+
+
 def test_dp2_by_tp2_on_four_ranks_fsdp_and_ddp_outer():
     runs = [("fsdp", 2), ("ddp", 2), ("hsdp", 2)]
     res = run_ranks(4, train_tp, runs, local_world=4)

@@ -188,7 +188,7 @@ def _norm(kind: str, width: int, c: int, pre: bool) -> float:
     return body + (c * width if pre else 0)
 
 
-def _attention_read(at, spec: TrainSpec, c: int) -> float:
+def _attention_read(at, spec: TrainSpec, c: int, norm: str = "rms") -> float:
     """Bytes per token one read attention keeps (the projections' outputs backward needs and what
     the attention kernel saves): SDPA's mask-free path keeps q, k, v, its output and a logsumexp per
     head; with a mask (a window or chunk shorter than the sequence) k and v expanded to every head
@@ -207,11 +207,14 @@ def _attention_read(at, spec: TrainSpec, c: int) -> float:
         # q_a's output is the q norm's input; kv_a's output is split: its compressed part feeds a norm
         extra += (_norm("rms", at.q_lora, c, True) if at.q_lora else 0) + c * (at.kv_lora + at.rope_dim)
         extra += _norm("rms", at.kv_lora, c, True) + c * a * (at.head_dim - at.rope_dim + at.v_dim)
+    # a q/k norm keeps its fp32 input and its normalised value: cast back (Llama's form), or in fp32
+    # where the layer's norms multiply their weight in fp32 (`norm` 'rms1p': Gemma 3, OLMo 2)
+    normed = F32 if norm == "rms1p" and at.qk_norm != "l2" else c
     if at.qk_norm == "head" or at.qk_norm == "l2":
         groups = a + at.kv_heads
-        extra += (F32 + c) * (q + kv) + F32 * groups
+        extra += (F32 + normed) * (q + kv) + F32 * groups
     elif at.qk_norm == "full":
-        extra += (F32 + c) * (q + kv) + 2 * F32
+        extra += (F32 + normed) * (q + kv) + 2 * F32
     eager = spec.attention == "eager" or at.sinks or at.softcap
     if eager:
         probs = (F32 + (c if c < F32 else 0)) * a * s
@@ -253,7 +256,7 @@ def layer_read_full(layer, d: DecoderConfig, spec: TrainSpec, c: int, autocast: 
     else:
         pre = 2 * _norm(layer.norm, h, c, pre=True)
         norms = pre + (2 * _norm(layer.norm, h, c, pre=False) if layer.post_norms else 0)
-    return norms + _attention_read(layer.attention, spec, cc) + _mlp_read(layer.mlp, h, cc, autocast)
+    return norms + _attention_read(layer.attention, spec, cc, layer.norm) + _mlp_read(layer.mlp, h, cc, autocast)
 
 
 def compiled_supported(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> str | None:
@@ -297,6 +300,48 @@ def _read_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> tuple[floa
     every = layer_every(ckpt)
     per = [kept if i % every == 0 else f for i, f in enumerate(full)]
     return sum(per) / len(per), max(full)
+
+
+def attention_tp_delta(at, spec: TrainSpec, c: int, tp: int) -> float:
+    """Bytes per token one tensor-parallel rank keeps of a read attention beyond 1/tp of what
+    _attention_read counts (heads split tp ways; hybrid/runtime/backends/tp.py _hf_plan): with a
+    mask, the float mask SDPA keeps is (b, 1, s, s) on every rank, not split with the heads; and
+    where the rank holds one key/value head for several query heads, k and v expanded to its heads
+    are views of k and v (repeat_kv's reshape over a size-1 dimension), not copies."""
+    if tp == 1 or at.kind == "mla":
+        return 0.0
+    eager = spec.attention == "eager" or at.sinks or at.softcap
+    if not (eager or at.masked(spec.seq_len)):
+        return 0.0
+    delta = 0.0 if eager else c * spec.seq_len * (1 - 1 / tp)
+    heads, kv_heads = at.heads // tp, at.kv_heads // tp
+    if kv_heads == 1 and heads > 1:
+        delta -= c * 2 * (heads - kv_heads) * at.v_dim
+    return delta
+
+
+def read_tp_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool, tp: int) -> tuple[float, float]:
+    """(stored, redone): bytes per micro-batch a tensor-parallel rank keeps of a read stack beyond
+    1/tp of _read_terms' (mean bytes a block keeps, most bytes one recomputed block needs), from
+    attention_tp_delta: every stored block's with no checkpointing, the uncheckpointed blocks' with
+    layer:N, and the recomputed block's (the largest, as a rank holds it) with checkpointing."""
+    if tp == 1 or not d.stack:
+        return 0.0, 0.0
+    c = spec.bytes.compute
+    cc = 2 if autocast else c
+    T = spec.micro_batch * spec.seq_len
+    ckpt = spec.activation_checkpointing
+    delta = [attention_tp_delta(ly.attention, spec, cc, tp) * T for ly in d.stack]
+    full = [layer_read_full(ly, d, spec, c, autocast) * T for ly in d.stack]
+    redone = (max(f / tp + x for f, x in zip(full, delta)) - max(full) / tp) if ckpt != "none" else 0.0
+    every = layer_every(ckpt)
+    if ckpt == "none":
+        stored = sum(delta) / len(delta)
+    elif every is not None:
+        stored = sum(x for i, x in enumerate(delta) if i % every) / len(delta)
+    else:                      # full (and any mode that keeps no attention tensors of its own)
+        stored = 0.0
+    return stored, redone
 
 
 def lora_layer_delta(d: DecoderConfig, spec: TrainSpec, c: int, autocast: bool, mask_bytes: int = 1) -> float:

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from ...errors import HybridError
+from ...model.tp_plan import HF_LAYER_STYLES, HFPlan, decoder_problem
+
+__all__ = ["HF_LAYER_STYLES", "TensorParallel", "apply_tensor_parallel", "check_tensor_parallel", "hf_plan_problem"]
 
 
 @dataclass
@@ -62,32 +65,12 @@ def _our_plan(model, cfg, blocks=None, first=True, last=True):
     return plan, True
 
 
-HF_LAYER_STYLES = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
-                   "self_attn.o_proj": "rowwise", "self_attn.q_norm": "replicated_with_grad_allreduce",
-                   "self_attn.k_norm": "replicated_with_grad_allreduce", "mlp.gate_proj": "colwise",
-                   "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
-"""The per-layer entries of a transformers `base_model_tp_plan` the sequence-parallel plan
-below applies (Llama, Mistral, Qwen2, Qwen3, Gemma 3, OLMo 2, Phi-3 without fused projections)."""
-
-
 def hf_plan_problem(model) -> str | None:
     """Why hybrid's sequence-parallel plan cannot run this transformers decoder (one line naming
     the fix), or None: it needs the model's `base_model_tp_plan` with only the per-layer entries
-    of HF_LAYER_STYLES, and an `embed_tokens`, `layers` and `norm` in its base model."""
-    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
-    name = type(model).__name__
-    if not base:
-        return (f"{name} has no tensor-parallel plan (hybrid's llama-style decoders and transformers decoders "
-                "with base_model_tp_plan have one): use tp=1")
-    for pattern, style in base.items():
-        key = pattern.removeprefix("layers.*.")
-        if key not in HF_LAYER_STYLES or HF_LAYER_STYLES[key] != style:
-            return (f"{name}'s tensor-parallel plan has {pattern!r}: {style!r}, which hybrid's sequence-parallel "
-                    "plan does not apply (it splits attention and dense MLP projections): use tp=1")
-    inner = getattr(model, getattr(model, "base_model_prefix", "model"), None)
-    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")):
-        return f"{name} has no embed_tokens / layers / norm in its base model: use tp=1"
-    return None
+    of HF_LAYER_STYLES, dense MLPs, and an `embed_tokens`, `layers` and `norm` in its base model
+    (hybrid/model/tp_plan.py HFPlan.problem: the planner asks the same of a decoder read from its module)."""
+    return HFPlan.of(model).problem()
 
 
 def _hf_plan(model):
@@ -118,8 +101,10 @@ def _hf_plan(model):
             plan[b] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                          use_local_output=True)
         for name, child in layer.named_children():
+            # a local output: a norm after attention or the MLP (Gemma 3's post-norms) feeds the
+            # residual sum with the layer's plain sequence shard
             if name not in ("self_attn", "mlp") and "norm" in type(child).__name__.lower():
-                plan[f"{b}.{name}"] = SequenceParallel()
+                plan[f"{b}.{name}"] = SequenceParallel(use_local_output=True)
         plan[f"{b}.self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
                                                     desired_input_kwarg_layouts={"hidden_states": Replicate()})
         plan[f"{b}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
@@ -129,21 +114,16 @@ def _hf_plan(model):
 
 
 def check_tensor_parallel(model: nn.Module, tp: int) -> None:
-    """tp must split heads and key/value heads evenly; the model needs a plan."""
+    """tp must split heads and key/value heads evenly; the model needs a plan (hybrid/model/tp_plan.py,
+    the rule the planner's tp_degrees asks). A transformers model is judged from its config and module
+    tree, not by reading its anatomy (which runs its norms: not on the fake tensors a trace builds)."""
     from ...model.decoder import Decoder
-    from ...model.profile import decoder_of
-    cfg = decoder_of(model)
-    if isinstance(model, Decoder) and cfg.style != "llama":
-        raise HybridError(f"tensor parallelism needs separate q/k/v projections; {cfg.style} fuses them (qkv_proj): "
-                          "use tp=1")
-    if not isinstance(model, Decoder) and hf_plan_problem(model):
-        raise HybridError(hf_plan_problem(model))
-    if cfg is not None:
-        for what, n in (("attention heads", cfg.heads), ("key/value heads", cfg.n_kv_heads)):
-            if n % tp:
-                valid = [d for d in range(1, cfg.n_kv_heads + 1) if cfg.n_kv_heads % d == 0 and cfg.heads % d == 0]
-                raise HybridError(f"tp {tp} does not divide the {n} {what} of {type(model).__name__}; valid tp: "
-                                  f"{', '.join(map(str, valid))}")
+    if isinstance(model, Decoder):
+        problem = decoder_problem(model.config, tp, type(model).__name__)
+    else:
+        problem = HFPlan.of(model).problem(tp)
+    if problem:
+        raise HybridError(problem)
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = True) -> TensorParallel:
