@@ -167,6 +167,21 @@ class MLP:
 
 
 @dataclass(frozen=True)
+class Linear:
+    """One linear of a block, as PEFT's target_modules see it (peft/tuners/tuners_utils.py
+    check_target_module_exists: a name, or a suffix after a dot)."""
+
+    name: str
+    """Its path under the block (self_attn.q_proj)."""
+    in_features: int
+    out_features: int
+    reads: Literal["attention", "core", "mlp", "product", "other"] = "other"
+    """What its input is: the attention's input (q/k/v), the attention core's output (o_proj), the
+    MLP's input (gate/up), the MLP's activation product (down), or something else (MLA's inner
+    projections, an MoE block's shared experts)."""
+
+
+@dataclass(frozen=True)
 class Layer:
     attention: Attention
     mlp: MLP
@@ -177,6 +192,8 @@ class Layer:
     OLMo 2): they keep those outputs too."""
     norm: Literal["rms", "rms1p", "layer"] = "rms"
     """RMSNorm as Llama writes it, Gemma's (1 + weight) in fp32, or LayerNorm."""
+    linears: tuple[Linear, ...] = ()
+    """The block's linears as read from the module (what LoRA adapts); () where not read."""
 
     def matrices(self, hidden: int) -> list[tuple[int, ...]]:
         norms = [(hidden,)] * self.norms * (2 if self.norm == "layer" else 1)
@@ -355,7 +372,37 @@ def read_layer(block, config, hidden: int, layer_type: str | None = None) -> Lay
     post = bool(names & {"post_feedforward_layernorm", "post_mlp_layernorm"})
     kind = _norm_kind(norm_mods[0], hidden) if norm_mods else "rms"
     return Layer(read_attention(attn, config, hidden, layer_type), read_mlp(mlp, config, hidden),
-                 norms=len(norm_mods), post_norms=post, norm=kind)
+                 norms=len(norm_mods), post_norms=post, norm=kind, linears=read_linears(block, attn, mlp, hidden))
+
+
+_OUT = ("o_proj", "c_proj", "dense", "out_proj", "wo")
+_DOWN = ("down_proj", "w2", "fc2", "c_proj", "dense_4h_to_h")
+
+
+def read_linears(block, attn, mlp, hidden: int) -> tuple[Linear, ...]:
+    """Every linear under the block with its input's role; a PEFT adapter's wrapper counts as the
+    base linear it wraps (its lora_A/lora_B are not the model's)."""
+    out_proj = next((getattr(attn, n) for n in _OUT if getattr(attn, n, None) is not None), None)
+    down = next((getattr(mlp, n) for n in _DOWN if getattr(mlp, n, None) is not None), None)
+    found = []
+
+    def walk(module, prefix, parent):
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            base = getattr(child, "base_layer", None)
+            linear = base if base is not None else child
+            if isinstance(getattr(linear, "in_features", None), int) and isinstance(
+                    getattr(linear, "out_features", None), int):
+                reads = "other"
+                if parent is attn:
+                    reads = "core" if child is out_proj else "attention" if linear.in_features == hidden else "other"
+                elif parent is mlp:
+                    reads = "product" if child is down else "mlp" if linear.in_features == hidden else "other"
+                found.append(Linear(path, linear.in_features, linear.out_features, reads))
+            else:
+                walk(child, path + ".", child)
+    walk(block, "", block)
+    return tuple(found)
 
 
 def _norm_kind(norm, hidden: int) -> str:

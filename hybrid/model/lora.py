@@ -71,34 +71,132 @@ def adapted(d: DecoderConfig, lora: LoRA) -> dict[str, list[tuple[int, int]]]:
     skipped. Our decoder's and transformers' gpt2 names stand for the same linears, so the
     default adapts them once."""
     shapes = target_shapes(d)
-    unknown = [t for t in lora.targets if t not in shapes]
+    names = _closed_names(d, lora.targets, shapes)
+    unknown = [t for t in lora.targets if t not in shapes and t not in names]
     if unknown and not lora.default_targets:
         raise HybridError(f"unknown lora-targets {', '.join(unknown)} for this {d.style}-style decoder"
                           f"{' (MoE experts are not linears)' if d.moe else ''}. Available: {', '.join(shapes)}")
-    found = {t: shapes[t] for t in lora.targets if t in shapes}
+    found = {n: shapes[n] for n in dict.fromkeys(names.get(t, t) for t in lora.targets) if n in shapes}
     if d.style == "gpt2" and lora.default_targets:
         found = {t: found[t] for t in ("qkv_proj", "o_proj", "fc", "proj")}
     return found
 
 
+def _closed_names(d: DecoderConfig, targets, shapes) -> dict[str, str]:
+    """Targets that name one block's linear by its full path (PEFT's 'all-linear' expands to them:
+    model.layers.3.mlp.down_proj) -> the closed form's name, where every block's is named; a
+    linear adapted in some blocks only is one line (the closed form has one figure per block)."""
+    blocks: dict[str, set[int]] = {}
+    paths: dict[str, str] = {}
+    for t in targets:
+        parts = t.split(".")
+        index = next((int(p) for p in reversed(parts[:-1]) if p.isdigit()), None)
+        if t not in shapes and parts[-1] in shapes and index is not None:
+            blocks.setdefault(parts[-1], set()).add(index)
+            paths[t] = parts[-1]
+    partial = [n for n, got in blocks.items() if got != set(range(d.layers))]
+    if partial:
+        raise HybridError(f"lora-targets adapt {', '.join(partial)} in some blocks only; this {d.style}-style decoder "
+                          "is planned with one figure per block: adapt every block's, or plan the transformers module")
+    return paths
+
+
+READS = {"q_proj": ("attention",), "k_proj": ("attention",), "v_proj": ("attention",), "qkv_proj": ("attention",),
+         "c_attn": ("attention",), "o_proj": ("core",), "gate_proj": ("mlp",), "up_proj": ("mlp",), "fc": ("mlp",),
+         "c_fc": ("mlp",), "down_proj": ("product",), "proj": ("product",), "c_proj": ("core", "product")}
+"""What the closed forms' target names read (anatomy.Linear.reads); GPT-2's c_proj names the
+attention's output projection and the MLP's second linear."""
+
+
+def closed_reads(d: DecoderConfig, lora: LoRA) -> set[str]:
+    """The inputs a closed-form decoder's adapted linears read."""
+    return {r for name in adapted(d, lora) for r in READS[name]}
+
+
+def matches(name: str, index: int, target: str) -> bool:
+    """Whether PEFT adapts block `index`'s linear at `name` (its path under the block) for this
+    target (peft check_target_module_exists: the module's full name equals the target or ends in
+    '.' + target; the full name is <blocks>.<index>.<name>, so a target naming the block by its
+    index, as PEFT's expanded 'all-linear' does, matches that block alone)."""
+    if name == target or name.endswith("." + target):
+        return True
+    if target.endswith("." + name):
+        block = target[:-len(name) - 1]
+        return block == str(index) or block.endswith(f".{index}")
+    return False
+
+
+def layer_adapted(layer, index: int, lora: LoRA) -> tuple:
+    """The linears (anatomy.Linear) of block `index` of a read stack that `lora` adapts."""
+    return tuple(ln for ln in layer.linears if any(matches(ln.name, index, t) for t in lora.targets))
+
+
+def stack_adapted(d: DecoderConfig, lora: LoRA) -> tuple[tuple, ...]:
+    """Per block of a decoder read from its module, the linears `lora` adapts. Given targets must
+    each match some linear (one line listing the blocks' linear names); the default's absent ones
+    are skipped."""
+    if not all(ly.linears for ly in d.stack):
+        raise HybridError(f"LoRA adapts the blocks' linears, and this {d.hf_model_type or 'read'} decoder's were not "
+                          "read from its module: give a transformers module, a preset or a config.json")
+    per = tuple(layer_adapted(ly, i, lora) for i, ly in enumerate(d.stack))
+    if not lora.default_targets:
+        hit = {t for i, ly in enumerate(d.stack) for ln in ly.linears for t in lora.targets if matches(ln.name, i, t)}
+        unknown = [t for t in lora.targets if t not in hit]
+        if unknown:
+            names = dict.fromkeys(ln.name.rsplit(".", 1)[-1] for ly in d.stack for ln in ly.linears)
+            raise HybridError(f"unknown lora-targets {', '.join(unknown)} for this {d.hf_model_type or 'read'} "
+                              f"decoder. Available: {', '.join(names)}")
+    return per
+
+
+def adapted_per_block(d: DecoderConfig, lora: LoRA) -> tuple[list[str], int]:
+    """The target names that adapt something, and the most linears one block adapts."""
+    if not d.stack:
+        found = adapted(d, lora)
+        return list(found), sum(len(v) for v in found.values())
+    per = stack_adapted(d, lora)
+    names = [t for t in lora.targets if any(matches(ln.name, i, t) for i, lns in enumerate(per) for ln in lns)]
+    return names, max(len(lns) for lns in per)
+
+
+def _adapter_shapes(d: DecoderConfig, lora: LoRA) -> list[list[tuple[int, int]]]:
+    """(in, out) of every adapted linear, per block."""
+    if d.stack:
+        return [[(ln.in_features, ln.out_features) for ln in lns] for lns in stack_adapted(d, lora)]
+    one = [shape for shapes in adapted(d, lora).values() for shape in shapes]
+    return [one] * d.layers
+
+
 def adapter_params(d: DecoderConfig, lora: LoRA) -> int:
     """Trainable elements of the adapters: r x (in + out) per adapted linear, every block."""
-    return d.layers * sum(lora.rank * (i + o) for shapes in adapted(d, lora).values() for i, o in shapes)
+    return sum(lora.rank * (i + o) for block in _adapter_shapes(d, lora) for i, o in block)
+
+
+def largest_block_adapters(d: DecoderConfig, lora: LoRA) -> int:
+    """The adapter elements of the block that has the most."""
+    return max(sum(lora.rank * (i + o) for i, o in block) for block in _adapter_shapes(d, lora))
 
 
 def adapter_factored(d: DecoderConfig, lora: LoRA) -> int:
     """Adafactor's row and column vectors over the adapters (A: r + in, B: out + r)."""
-    return d.layers * sum(2 * lora.rank + i + o for shapes in adapted(d, lora).values() for i, o in shapes)
+    return sum(2 * lora.rank + i + o for block in _adapter_shapes(d, lora) for i, o in block)
 
 
 def base_linears(d: DecoderConfig) -> list[tuple[int, int]]:
     """(out, in) of one block's linear weights: what a quantised base stores quantised (MoE experts,
-    stacked parameters, stay in the compute dtype)."""
+    stacked parameters, stay in the compute dtype); a read stack: its largest block's linears."""
+    if d.stack and all(ly.linears for ly in d.stack):
+        block = max(d.stack, key=lambda ly: sum(ln.in_features * ln.out_features for ln in ly.linears))
+        return [(ln.out_features, ln.in_features) for ln in block.linears]
     return [m for m in d.block_matrices() if len(m) == 2]
 
 
 def base_quantized(d: DecoderConfig, method: str) -> tuple[int, int]:
-    """(elements, bytes) of every block's linears stored by `method`."""
+    """(elements, bytes) of every block's linears stored by `method` (a read stack: each block's
+    own linears, as transformers' bitsandbytes integration replaces every nn.Linear but the head)."""
+    if d.stack and all(ly.linears for ly in d.stack):
+        mats = [(ln.out_features, ln.in_features) for ly in d.stack for ln in ly.linears]
+        return sum(o * i for o, i in mats), sum(quantized_bytes(m, method) for m in mats)
     mats = base_linears(d)
     return d.layers * sum(o * i for o, i in mats), d.layers * sum(quantized_bytes(m, method) for m in mats)
 
@@ -122,10 +220,12 @@ def with_lora(profile, lora: LoRA | None):
                           "it in full")
     adapters = adapter_params(d, lora)
     if adapters == 0:
+        available = (dict.fromkeys(ln.name.rsplit(".", 1)[-1] for ly in d.stack for ln in ly.linears) if d.stack
+                     else target_shapes(d))
         raise HybridError(f"lora-targets {', '.join(lora.targets)} match no linear of {profile.name}. Available: "
-                          f"{', '.join(target_shapes(d))}")
+                          f"{', '.join(available)}")
     q_elems, q_bytes = base_quantized(d, lora.quantize) if lora.quantize else (0, 0)
-    per_block = adapters // d.layers
+    per_block = largest_block_adapters(d, lora)
     return dataclasses.replace(
         profile, name=f"{profile.name} + LoRA r{lora.rank}" + (f" ({lora.quantize} base)" if lora.quantize else ""),
         params=profile.params + adapters, trainable_params=adapters, param_bytes=profile.param_bytes + 4 * adapters,

@@ -293,11 +293,10 @@ def lora_lines(p: Plan, c: Candidate | None) -> list[str]:
     if lora is None:
         return []
     from ..families.placement import frozen_bytes
-    from ..model.lora import adapted
+    from ..model.lora import adapted_per_block
     d = m.decoder
-    names = adapted(d, lora) if d is not None and m.source != "module" else {}
-    where = (f" on {', '.join(names)} ({sum(len(v) for v in names.values())} linears per block, {d.layers} blocks)"
-             if names else "")
+    names, per_block = adapted_per_block(d, lora) if d is not None and m.source != "module" else ([], 0)
+    where = f" on {', '.join(names)} ({per_block} linears per block, {d.layers} blocks)" if names else ""
     frozen = m.params - m.trainable_params
     state = 4 + 4 + s.bytes.state * (2 if s.optimizer == "adamw" else 1 if s.optimizer == "sgd" else 0)
     out = [f"fine-tuning: LoRA r{lora.rank}{where}: adapters {m.trainable_params:,} params "

@@ -103,3 +103,73 @@ def test_adapter_params_equal_peft(style, targets):
     from hybrid.model.profile import build_profile
     assert lora_of(model).rank == 4 and set(lora_of(model).targets) == set(names)
     assert build_profile(model).trainable_params == real
+
+
+@pytest.mark.unit
+def test_targets_match_as_peft_matches_module_names():
+    """peft's check_target_module_exists on <blocks>.<index>.<path>: the name, a suffix after a dot,
+    or the full name of one block's linear (what 'all-linear' expands to)."""
+    from hybrid.model.lora import matches
+    assert matches("self_attn.q_proj", 0, "q_proj") and matches("self_attn.q_proj", 3, "self_attn.q_proj")
+    assert matches("self_attn.q_proj", 3, "model.layers.3.self_attn.q_proj")
+    assert not matches("self_attn.q_proj", 13, "model.layers.3.self_attn.q_proj")
+    assert not matches("self_attn.o_proj", 0, "proj") and not matches("mlp.gate_up_proj", 0, "up_proj")
+
+
+@pytest.mark.unit
+def test_a_read_stack_adapts_the_linears_its_blocks_have():
+    """A hand-built stack with the linears anatomy reads: adapters per block from its own shapes,
+    unknown targets listed from the blocks' names, a QLoRA base from every block's linears."""
+    from hybrid.model.anatomy import MLP, Attention, Layer, Linear
+    from hybrid.model.lora import stack_adapted
+    from hybrid.model.presets import DecoderConfig
+    lin = (Linear("self_attn.qkv_proj", 64, 128, "attention"), Linear("self_attn.o_proj", 64, 64, "core"),
+           Linear("mlp.gate_up_proj", 64, 192, "mlp"), Linear("mlp.down_proj", 96, 64, "product"))
+    ly = Layer(Attention(4, 2, 16, fused_qkv=True), MLP("dense", 96), linears=lin)
+    d = DecoderConfig("llama", 300, 64, 2, 4, 96, 128, kv_heads=2, stack=(ly, ly), hf_model_type="phi3")
+    assert adapter_params(d, LoRA(8)) == 2 * 8 * (64 + 128 + 64 + 64 + 96 + 64)   # the defaults phi-3 has
+    assert [len(b) for b in stack_adapted(d, LoRA(8, targets=("model.layers.1.mlp.down_proj",)))] == [0, 1]
+    with pytest.raises(HybridError, match="unknown lora-targets q_proj for this phi3 decoder. Available: qkv_proj, "
+                                          "o_proj, gate_up_proj, down_proj"):
+        adapter_params(d, LoRA(8, targets=("q_proj", "o_proj")))
+    elems, nbytes = base_quantized(d, "nf4")
+    assert elems == 2 * (64 * 128 + 64 * 64 + 64 * 192 + 96 * 64)
+    assert nbytes == 2 * sum(nf4_bytes(ln.in_features * ln.out_features) for ln in lin)
+
+
+READ = {"qwen3": dict(head_dim=32), "gemma3_text": dict(head_dim=16, sliding_window=32,
+                                                        layer_types=["sliding_attention", "full_attention"]),
+        "phi3": {}, "olmo2": {}, "qwen2": {}}
+
+
+def read_tiny(mt: str):
+    """Tiny transformers decoders (tests/model/test_anatomy.py's sizes); Gemma 3 with both layer kinds."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.model.test_anatomy import TINY
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(mt, **{**TINY, **READ[mt]}))
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("targets", ["default", "all-linear", ("o_proj", "down_proj")])
+@pytest.mark.parametrize("mt", sorted(READ))
+def test_adapter_params_of_transformers_decoders_equal_peft(mt, targets):
+    """PEFT's get_nb_trainable_parameters on the transformers model against the plan's adapters:
+    from the module's own profile (the anatomy, or Qwen3's closed form) with the same targets, and
+    from the PEFT model read as it is (its LoraConfig, 'all-linear' expanded to every linear's
+    full name)."""
+    peft = pytest.importorskip("peft", reason="peft is not installed: pip install 'hybrid[lora]'")
+    from hybrid.config.spec import LORA_TARGETS
+    from hybrid.model.lora import lora_of
+    from hybrid.model.profile import build_profile, profile_module
+    base = profile_module(read_tiny(mt))
+    assert bool(base.decoder.stack) == (mt != "qwen3")
+    names = list(LORA_TARGETS) if targets == "default" else targets if isinstance(targets, str) else list(targets)
+    model = peft.get_peft_model(read_tiny(mt), peft.LoraConfig(r=4, target_modules=names))
+    real = model.get_nb_trainable_parameters()[0]
+    lora = LoRA(4) if targets == "default" else lora_of(model)
+    planned = with_lora(base, lora)
+    assert planned.trainable_params == real and planned.params == base.params + real
+    assert build_profile(model).trainable_params == real and lora_of(model).rank == 4

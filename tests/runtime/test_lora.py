@@ -21,6 +21,21 @@ def peft_llama():
                                                                                                  "down_proj"]))
 
 
+def peft_gemma3():
+    """A tiny transformers Gemma 3, read from its module (a sliding layer, window 8 < SEQ, then a global one)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                           layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64,
+                           pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    return peft.get_peft_model(Gemma3ForCausalLM(cfg), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj",
+                                                                                            "down_proj"]))
+
+
+MODELS = {"llama": peft_llama, "gemma3": peft_gemma3}
+
+
 def batches():
     g = torch.Generator().manual_seed(3)
     return [torch.randint(0, 300, (2, SEQ), generator=g) for _ in range(STEPS)]
@@ -30,8 +45,8 @@ def adamw(ps):
     return torch.optim.AdamW(ps, lr=1e-2)
 
 
-def reference():
-    model = peft_llama()
+def reference(name="llama"):
+    model = MODELS[name]()
     opt = adamw([p for p in model.parameters() if p.requires_grad])
     losses = []
     for ids in batches():
@@ -49,8 +64,8 @@ def wrapped_losses():
     from hybrid import auto_wrap
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out = {}
-    for strategy in ("fsdp", "ddp"):
-        w = auto_wrap(peft_llama(), optimizer=adamw, strategy=strategy, precision="fp32", micro_batch=2 // world,
+    for name, strategy in (("llama", "fsdp"), ("llama", "ddp"), ("gemma3", "fsdp")):
+        w = auto_wrap(MODELS[name](), optimizer=adamw, strategy=strategy, precision="fp32", micro_batch=2 // world,
                       seq_len=SEQ, verbose=False)
         lora = w.plan.spec.lora
         assert lora is not None and lora.rank == 4 and set(lora.targets) == {"q_proj", "v_proj", "down_proj"}
@@ -64,17 +79,19 @@ def wrapped_losses():
             g = loss.detach().clone()
             dist.all_reduce(g)
             losses.append(g.item() / world)
-        out[strategy] = losses
+        out[(name, strategy)] = losses
     return out
 
 
 @pytest.mark.gloo
 def test_auto_wrap_trains_a_peft_model_as_one_process_does():
-    ref = reference()
+    """A PEFT Llama (closed form) under fsdp and ddp, and a PEFT Gemma 3 (its anatomy read from the
+    module: planned with lora_read_delta) under fsdp."""
+    refs = {name: reference(name) for name in MODELS}
     got = run_ranks(2, wrapped_losses)[0]
-    for strategy, losses in got.items():
-        assert losses == pytest.approx(ref, abs=1e-5), strategy
-    assert ref[-1] < ref[0]
+    for (name, strategy), losses in got.items():
+        assert losses == pytest.approx(refs[name], abs=1e-5), (name, strategy)
+    assert all(ref[-1] < ref[0] for ref in refs.values())
 
 
 @pytest.mark.torch

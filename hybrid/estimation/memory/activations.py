@@ -279,8 +279,10 @@ def checkpointed_blocks(layers: int, every: int) -> int:
     return -(-layers // every)
 
 
-def _read_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> tuple[float, float]:
-    """(mean bytes a block keeps, most bytes one recomputed block needs) over a read stack."""
+def _read_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool,
+                adapters_autocast: bool = False) -> tuple[float, float]:
+    """(mean bytes a block keeps, most bytes one recomputed block needs) over a read stack (with
+    spec.lora: each block's LoRA delta, lora_read_delta)."""
     from ...errors import NotApplicable
     c = spec.bytes.compute
     T = spec.micro_batch * spec.seq_len
@@ -291,7 +293,9 @@ def _read_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> tuple[floa
     if ckpt not in ("none", "full") and not ckpt.startswith("layer:"):
         raise NotApplicable(f"{ckpt} checkpointing of {d.hf_model_type or 'this'} decoder (read from its module) is "
                             "not modelled; use none, full or layer:N")
-    full = [layer_read_full(ly, d, spec, c, autocast) * T for ly in d.stack]
+    full = [(layer_read_full(ly, d, spec, c, autocast)
+             + (lora_read_delta(ly, i, d, spec, c, adapters_autocast) if spec.lora else 0)) * T
+            for i, ly in enumerate(d.stack)]
     kept = (F32 if autocast else c) * d.hidden * T
     if ckpt == "none":
         return sum(full) / len(full), 0.0
@@ -364,6 +368,8 @@ def lora_layer_delta(d: DecoderConfig, spec: TrainSpec, c: int, autocast: bool, 
         delta += sum(i * (2 if autocast else c) + (mask_bytes if lora.dropout else 0) * i for i, _ in linears)
     names = set(() if own_copy else adapted(d, lora))
     h, f = d.hidden, d.ffn
+    if d.qk_norm is not None:           # frozen q/k norm weights: their normalised values are not kept (_qk_norm)
+        delta -= c * (d.q_dim + d.kv_dim)
     if d.style == "llama":
         delta -= 2 * c * h
         delta -= c * h * (not names & {"q_proj", "k_proj", "v_proj"}) + c * h * (not names & {"gate_proj", "up_proj"})
@@ -374,19 +380,117 @@ def lora_layer_delta(d: DecoderConfig, spec: TrainSpec, c: int, autocast: bool, 
     return delta
 
 
+NORM_WEIGHT_INPUT = {"rms": "c", "rms1p": "fp32", "layer": None}
+"""What a norm's weight multiply keeps for the weight's gradient (see _norm): Llama's RMSNorm the
+normalised value cast back (c bytes), Gemma's (1 + weight) its fp32 normalised value, LayerNorm
+nothing apart (one fused op keeps its input and statistics whatever trains)."""
+
+
+def _norm_weight_input(kind: str, width: int, c: int) -> float:
+    return width * {"c": c, "fp32": F32, None: 0}[NORM_WEIGHT_INPUT[kind]]
+
+
+def lora_read_delta(layer, index: int, d: DecoderConfig, spec: TrainSpec, c: int, autocast: bool,
+                    mask_bytes: int = 1) -> float:
+    """Bytes per token block `index` of a read stack (an anatomy Layer with its linears) keeps
+    under spec.lora beyond what layer_read_full counts for it trained whole: lora_layer_delta's
+    rules on the linears the module has. Added: per adapted linear B's input (A x, r wide), and
+    with dropout or under autocast A's own copy of its input (and dropout's mask). Not kept where
+    nothing trainable needs them: what each frozen norm weight's multiply keeps, the q/k norms'
+    normalised values, the attention's and the MLP's inputs when no adapter reads them, the MLP's
+    activation product without an adapter on the down projection, eager attention's output copy
+    without one on the o projection (SDPA keeps its output itself), and in the first block what
+    lies before every adapter (first_block_unkept)."""
+    from ...errors import NotApplicable
+    from ...model.lora import layer_adapted
+    lora, at, mlp, h = spec.lora, layer.attention, layer.mlp, d.hidden
+    if mlp.moe or at.kind == "mla":
+        raise NotApplicable(f"LoRA on {'mixture-of-experts' if mlp.moe else 'multi-head latent attention'} blocks of "
+                            f"{d.hf_model_type or 'this'} decoder (read from its module) is not modelled; fine-tune "
+                            "it in full")
+    adapted = layer_adapted(layer, index, lora)
+    ca = 2 if autocast else c
+    own_copy = autocast or lora.dropout > 0
+    delta = sum(ca * lora.rank for _ in adapted)
+    if own_copy:
+        delta += sum(ln.in_features * ((2 if autocast else c) + (mask_bytes if lora.dropout else 0))
+                     for ln in adapted)
+    reads = {ln.reads for ln in adapted}
+    reading = set() if own_copy else reads
+    delta -= layer.norms * _norm_weight_input(layer.norm, h, c)
+    if at.qk_norm in ("head", "full"):
+        delta -= c * (at.q_width + at.kv_width)
+    delta -= c * h * ("attention" not in reading) + c * h * ("mlp" not in reading)
+    delta -= c * mlp.ffn * ("product" not in reading)
+    eager = spec.attention == "eager" or at.sinks or at.softcap
+    if eager and "core" not in reading:
+        delta -= c * at.heads * at.v_dim
+    if index == 0:
+        masks = [(ln.reads, ln.in_features) for ln in adapted] if lora.dropout else []
+        delta -= first_block_unkept(layer, spec, h, c, reads, "core" in reading, masks, mask_bytes)
+    return delta
+
+
+def first_block_unkept(layer, spec: TrainSpec, h: int, c: int, reads: set, core_read: bool,
+                       masks: list = (), mask_bytes: int = 1) -> float:
+    """Bytes per token the first block of a LoRA model does not keep beyond lora_read_delta's: its
+    input (a frozen embedding's output) needs no gradient, so an op keeps what only an input's
+    gradient needs only downstream of an adapter (autograd records no node for an op none of whose
+    inputs needs a gradient). The norms before the first adapter keep nothing of theirs; the
+    attention core, its q/k norms included, nothing unless a q/k/v projection is adapted (then its
+    output is kept by an adapter on the o projection alone, `core_read`); the MLP's activation
+    nothing unless something before or in it is adapted (counted whole when gate or up is: which
+    of them is adapted is not read); an adapter's dropout on an input that needs no gradient keeps
+    no mask (`masks`: (what each adapted linear reads, its in_features) under dropout)."""
+    at, mlp = layer.attention, layer.mlp
+    attn = "attention" in reads
+    after_attn = attn or "core" in reads
+    in_mlp = after_attn or "mlp" in reads
+    after_mlp = in_mlp or "product" in reads
+    no_grad = {"attention": True, "core": not attn, "mlp": not after_attn, "product": not in_mlp, "other": False}
+    body = _norm(layer.norm, h, c, pre=False) - _norm_weight_input(layer.norm, h, c)
+    if layer.post_norms and layer.norms == 2:          # OLMo 2: after the attention and after the MLP
+        needs = (after_attn, after_mlp)
+    elif layer.post_norms:                             # Gemma 3: before and after each
+        needs = (False, after_attn, after_attn, after_mlp)
+    else:
+        needs = (False, after_attn)
+    out = body * sum(not n for n in needs)
+    if not attn:
+        core = _attention_read(at, spec, c) - (c * (at.q_width + at.kv_width) if at.qk_norm in ("head", "full") else 0)
+        eager = spec.attention == "eager" or at.sinks or at.softcap
+        # the output copy eager attention makes for o_proj is lora_read_delta's; SDPA's own output
+        # stays when an adapter on the o projection reads it
+        out += core - (c * at.heads * at.v_dim if eager or core_read else 0)
+    if not in_mlp and not mlp.moe:          # gate, activation and up (a plain MLP: its activation's input)
+        out += c * mlp.ffn * (3 if mlp.gated else 1)
+    return out + sum(mask_bytes * i for r, i in masks if no_grad[r])
+
+
+def _closed_first_block(d: DecoderConfig, spec: TrainSpec, c: int, autocast: bool) -> float:
+    """first_block_unkept for a closed-form decoder's first block (its blocks share one figure,
+    so activation_terms spreads it over them)."""
+    from ...model.lora import READS, adapted
+    lora = spec.lora
+    found = adapted(d, lora)
+    reads = {r for name in found for r in READS[name]}
+    core_read = "core" in reads and not (autocast or lora.dropout > 0)
+    # GPT-2's c_proj: the attention's output projection, then the MLP's second linear
+    masks = [(READS[n][k], i) for n, shapes in found.items() for k, (i, _) in enumerate(shapes)] if lora.dropout else []
+    return first_block_unkept(d.layer_list()[0], spec, d.hidden, c, reads, core_read, masks)
+
+
 def activation_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> ActivationTerms:
     c = spec.bytes.compute
     T = spec.micro_batch * spec.seq_len
     lora = spec.lora is not None
     adapters_autocast, autocast = autocast and lora, autocast and not lora   # a LoRA base is in the compute dtype
-    if lora and d.stack:
-        from ...errors import NotApplicable
-        raise NotApplicable("LoRA on a decoder read from its module is not modelled; use a preset's closed form")
     ckpt = spec.activation_checkpointing
     full = 0.0 if d.stack else (_layer_full(d, spec, c, autocast)
-                                + (lora_layer_delta(d, spec, c, adapters_autocast) if lora else 0)) * T
+                                + (lora_layer_delta(d, spec, c, adapters_autocast)
+                                   - _closed_first_block(d, spec, c, adapters_autocast) / d.layers if lora else 0)) * T
     if d.stack:
-        per_layer, recompute = _read_terms(d, spec, autocast)
+        per_layer, recompute = _read_terms(d, spec, autocast, adapters_autocast)
     elif getattr(spec, "compile", False):
         why = compiled_supported(d, spec, autocast)
         if why is not None:
