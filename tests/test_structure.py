@@ -134,7 +134,7 @@ DIMENSION_MODULES = {"layout/layout.py", "estimation/shares.py", "estimation/cos
                      "estimation/memory/analytic.py", "layout/dims.py", "layout/pipeline.py", "runtime/parallelize.py",
                      "runtime/mesh.py", "estimation/memory/cp.py", "estimation/memory/moe.py",
                      "estimation/memory/stages.py", "planning/stages.py", "measure/stages.py",
-                     "handoff/torchtitan.py", "layout/applied.py"}
+                     "handoff/torchtitan.py", "layout/applied.py", "model/tp_plan.py"}
 """Where `tp > 1`, `cp == 1`, `pipeline is None` and the like belong: the Layout, the per-rank
 shares, the time and memory models that compose them (estimation/cost/step.py;
 estimation/memory/analytic.py, where a pipeline rank's moments differ), ParallelDims and its mesh,

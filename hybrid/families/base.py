@@ -132,6 +132,13 @@ class Family:
         preset itself unless the family's runtime wraps through another family (ddp over tp)."""
         return s
 
+    def states_split(self, layout, n: int) -> tuple[int, bool] | None:
+        """(the ranks one copy of the model states is split over, whether the blocks' parameters stay
+        gathered from forward to backward) under the plain data-parallel wrap this family's runtime
+        applies without tp, cp or ep, for the trace's floor (measure/traced.states_floor); None where
+        the family's states are not torch's parameters, gradients and optimizer states as built."""
+        return None
+
     def autocast_experts_problem(self, layout, spec, grouped_experts: bool):
         """Why the layout cannot run the model's transformers grouped_mm experts (NotApplicable), or
         None: a wrap that runs mixed precision under torch.autocast over fp32 weights (applied_wrap)

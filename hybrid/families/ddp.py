@@ -61,6 +61,9 @@ class DDPFamily(Family):
             return "fsdp", "blocks+root", False, False
         return "ddp", "buckets", None, True
 
+    def states_split(self, layout, n):
+        return 1, False
+
     def priced_strategy(self, s, applied):
         # replication through FSDP2 (applied_wrap) is priced as that wrap: whole parameters (a shard
         # group of 1), kept gathered from forward to backward, MixedPrecisionPolicy's casts

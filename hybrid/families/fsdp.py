@@ -47,6 +47,9 @@ class FSDPFamily(Family):
     def applied_wrap(self, layout, staged):
         return "fsdp", "blocks+root", layout.dp.config.reshard_after_forward, False
 
+    def states_split(self, layout, n):
+        return n, not layout.dp.config.reshard_after_forward
+
     def placement(self, s, p, spec, n, cl, stage=None) -> Placement:
         b = spec.bytes
         c = b.compute

@@ -261,17 +261,19 @@ def states_floor(source: ModelSource, strategy: Strategy, spec: TrainSpec, clust
         place = placement_of(strategy, tp_share(source.profile, tp), spec, cluster, n)
         return (replaced_layout(place, replaced)("step", 1.0), _states(source, spec, prefer_hf, cache)[3],
                 place.cpu, "step")
-    if (strategy.family not in ("ddp", "fsdp") or (tp, cp, ep) != (1, 1, 1) or spec.lora is not None
-            or spec.compile or spec.float8):
+    if (tp, cp, ep) != (1, 1, 1) or spec.lora is not None or spec.compile or spec.float8:
         return None
+    layout = Layout.of(strategy, cluster, spec)
+    split = family.states_split(layout, n)
+    if split is None:
+        return None
+    share, kept_gathered = split
     every, trainable, blocks, impl, model = _states(source, spec, prefer_hf, cache)
-    if strategy.family == "ddp":                 # what the trace would refuse first (NotApplicable)
-        from ..runtime.backends.ddp import check_grouped_experts
-        check_grouped_experts(model, spec)
-    share = 1 if strategy.family == "ddp" else n
+    from ..runtime.backends.ddp import check_grouped_experts    # what the trace would refuse first
+    check_grouped_experts(model, spec, layout)
     copies = STATE_COPIES.get(spec.optimizer, 0)
     step = dict(params=every // share, grads=trainable // share, optimizer=copies * trainable // share)
-    if strategy.family == "fsdp" and not strategy.config.reshard_after_forward:
+    if kept_gathered:
         forward = dict(params=step["params"], optimizer=step["optimizer"], buffers=blocks)
         if sum(forward.values()) > sum(step.values()):
             return forward, impl, 0, "head"

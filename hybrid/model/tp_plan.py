@@ -134,7 +134,9 @@ def decoder_problem(d, tp: int, name: str) -> str | None:
     """Why tensor parallelism cannot split decoder `d` (hybrid/model/presets.DecoderConfig) `tp`
     ways as the runtime runs it, or None. A decoder read from a transformers module: its module's
     plan (HFPlan.problem, the runtime's own check); hybrid's closed forms: llama style (separate
-    q/k/v projections), dense, heads and key/value heads divisible by tp."""
+    q/k/v projections), dense, heads and key/value heads divisible by tp. tp 1 splits nothing."""
+    if tp == 1:
+        return None
     if d.stack:
         if d.tp_plan is None:
             return (f"{name} was read without its module's tensor-parallel plan (transformers' "

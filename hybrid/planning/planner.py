@@ -227,7 +227,7 @@ def plan(profile: ModelProfile, spec: TrainSpec, cluster: Cluster,
                           f"none of {', '.join(names)} has one")
     # an expensive estimator (traced, measured) runs once per preset, not per shard size
     if tp is not None:
-        problem = tp_problem(profile, tp) if tp > 1 else None
+        problem = tp_problem(profile, tp)
         if problem is not None:         # the runtime cannot split this model so: its reason, one line
             raise HybridError(f"--tp {tp}: {problem}")
         per = cluster.gpus_per_node

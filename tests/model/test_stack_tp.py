@@ -155,7 +155,8 @@ def test_a_tp2_ranks_per_layer_activations_are_the_traces(mt):
 
 @pytest.mark.fakepg
 @pytest.mark.parametrize("mt", sorted(READ))
-def test_tp2_totals_are_above_the_trace_by_at_most_the_known_head_gap(mt):
+def test_tp2_totals_are_within_3_percent_of_the_trace(mt):
+    """The whole rank at its peak, with the loss-parallel head priced as torch allocates it."""
     a, t = pair(mt, 3)
     assert a.params == t.params
-    assert t.tensors <= a.tensors <= 1.2 * t.tensors, (a.tensors, t.tensors)
+    assert a.tensors == pytest.approx(t.tensors, rel=0.03), (a.tensors, t.tensors)

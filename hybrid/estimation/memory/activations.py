@@ -312,7 +312,7 @@ def attention_tp_delta(at, spec: TrainSpec, c: int, tp: int) -> float:
     mask, the float mask SDPA keeps is (b, 1, s, s) on every rank, not split with the heads; and
     where the rank holds one key/value head for several query heads, k and v expanded to its heads
     are views of k and v (repeat_kv's reshape over a size-1 dimension), not copies."""
-    if tp == 1 or at.kind == "mla":
+    if at.kind == "mla":
         return 0.0
     eager = spec.attention == "eager" or at.sinks or at.softcap
     if not (eager or at.masked(spec.seq_len)):
@@ -329,7 +329,7 @@ def read_tp_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool, tp: int) ->
     1/tp of _read_terms' (mean bytes a block keeps, most bytes one recomputed block needs), from
     attention_tp_delta: every stored block's with no checkpointing, the uncheckpointed blocks' with
     layer:N, and the recomputed block's (the largest, as a rank holds it) with checkpointing."""
-    if tp == 1 or not d.stack:
+    if not d.stack:
         return 0.0, 0.0
     c = spec.bytes.compute
     cc = 2 if autocast else c
