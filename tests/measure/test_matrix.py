@@ -5,10 +5,8 @@ same line by both. One 2-rank cluster for every cell; tiny-llama at 2 x 256 toke
 
 Measured here (analytic vs traced bytes at the peak), 2026-12 on this tree:
   tp 1 and cp 2 cells: within 1.2%.
-  tp 2 cells (fsdp, ddp through FSDP2): the analytic estimate is 10-18% above the trace, all of it
-  in the loss-time head terms: the trace's peak is the head's forward (torch's vocab-parallel
-  cross-entropy fuses the log-softmax and nll backward: torch/distributed/tensor/parallel/loss.py),
-  where the closed form counts head_backward / tp. Held below as a bound, not the 3% goal.
+  tp 2 cells (fsdp, ddp through FSDP2): within 3% (ddp tp 2 full checkpointing: -1.1%) since the loss-time head terms price torch's
+  loss_parallel as it allocates (torch/distributed/tensor/parallel/loss.py); they were 10-18% over.
 """
 import pytest
 
@@ -26,9 +24,8 @@ TWO = Cluster.build(1, 2, "h100-80gb")
 CELLS = [  # (strategy, tp, cp, checkpointing, transformers)
     ("ddp", 1, 1, "none", False), ("ddp", 1, 1, "full", True), ("fsdp", 1, 1, "none", True),
     ("fsdp", 1, 1, "full", False), ("zero2", 1, 1, "none", False), ("fsdp", 1, 2, "none", False),
-    ("ddp", 1, 2, "none", False),
+    ("ddp", 1, 2, "none", False), ("fsdp", 2, 1, "none", True), ("ddp", 2, 1, "full", False),
 ]
-TP_CELLS = [("fsdp", 2, 1, "none", True), ("ddp", 2, 1, "full", False)]
 REFUSED = [("zero2", 2, 1, 1, "not applicable with tp > 1"), ("ddp", 2, 2, 1, "with tp and cp")]
 
 
@@ -50,13 +47,6 @@ def _pair(src, strategy, tp, cp, ac, hf):
 def test_analytic_within_3_percent_of_the_trace(tiny, cell):
     a, t = _pair(tiny, *cell)
     assert a == pytest.approx(t, rel=0.03), (a, t)
-
-
-@pytest.mark.fakepg
-@pytest.mark.parametrize("cell", TP_CELLS, ids=lambda c: "-".join(map(str, c)))
-def test_tp_cells_estimate_above_the_trace_by_the_known_head_gap(tiny, cell):
-    a, t = _pair(tiny, *cell)
-    assert t <= a <= 1.2 * t, (a, t)
 
 
 @pytest.mark.fakepg
