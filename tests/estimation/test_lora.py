@@ -58,24 +58,10 @@ class _NoHook:
         pass
 
 
-@pytest.mark.parametrize("targets", [ALL, ("q_proj", "v_proj")])
-def test_lora_step_estimate_matches_memtracker(targets):
-    """Two AdamW steps of a PEFT transformers Llama on CPU (fp32, one process, the loop that keeps
-    the model's output until backward: `out = model(...); out.loss.backward()`), torch's
-    MemTracker peak against the analytic ddp estimate of one rank, less DDP's gradient buckets
-    (allocated at wrap time, which a plain loop does not make)."""
+def lora_step_peak(model, ids) -> dict:
+    """MemTracker's peak snapshot (CPU, by category) over two AdamW steps of a PEFT model on `ids`."""
     from torch.distributed._tools.mem_tracker import MemTracker
-
-    from hybrid.config.cluster import Cluster, cpu_spec
-    from hybrid.estimation.memory.analytic import estimate
-    from hybrid.families.catalogue import load_catalogue
-    from hybrid.model.lora import lora_of
-    from hybrid.model.profile import build_profile
-    cfg = DecoderConfig("llama", 512, 128, 2, 4, 344, 512, kv_heads=2, hf_model_type="llama")
-    torch.manual_seed(0)
-    model = peft.get_peft_model(build_hf(cfg, device="cpu"), peft.LoraConfig(r=8, target_modules=list(targets)))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, foreach=True)
-    ids = torch.randint(0, cfg.vocab, (2, 256))
     tracker = MemTracker()
     for p in model.parameters():
         if not p.requires_grad:
@@ -89,7 +75,25 @@ def test_lora_step_estimate_matches_memtracker(targets):
             opt.step()
             opt.zero_grad()
             tracker.reset_mod_stats()
-    measured = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+
+
+@pytest.mark.parametrize("targets", [ALL, ("q_proj", "v_proj")])
+def test_lora_step_estimate_matches_memtracker(targets):
+    """Two AdamW steps of a PEFT transformers Llama on CPU (fp32, one process, the loop that keeps
+    the model's output until backward: `out = model(...); out.loss.backward()`), torch's
+    MemTracker peak against the analytic ddp estimate of one rank, less DDP's gradient buckets
+    (allocated at wrap time, which a plain loop does not make)."""
+
+    from hybrid.config.cluster import Cluster, cpu_spec
+    from hybrid.estimation.memory.analytic import estimate
+    from hybrid.families.catalogue import load_catalogue
+    from hybrid.model.lora import lora_of
+    from hybrid.model.profile import build_profile
+    cfg = DecoderConfig("llama", 512, 128, 2, 4, 344, 512, kv_heads=2, hf_model_type="llama")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(build_hf(cfg, device="cpu"), peft.LoraConfig(r=8, target_modules=list(targets)))
+    measured = lora_step_peak(model, torch.randint(0, cfg.vocab, (2, 256)))["Total"]
     spec = TrainSpec(2, 256, precision="fp32", lora=lora_of(model))
     assert spec.lora.targets == tuple(sorted(targets))
     m = estimate(load_catalogue()["ddp"], build_profile(model), spec, Cluster(1, 1, gpu=cpu_spec(1)))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hybrid.config.spec import LoRA, TrainSpec
-from tests.estimation.test_lora import ALL, _NoHook
+from tests.estimation.test_lora import ALL, lora_step_peak
 from tests.model.test_anatomy import B, S
 from tests.model.test_lora import read_tiny
 
@@ -72,7 +72,6 @@ def test_a_lora_step_of_a_transformers_decoder_is_what_memtracker_sees(mt, targe
     the loop that keeps the output until backward (tests/estimation/test_lora.py): MemTracker's
     activations at the peak within 10% of the blocks' and the head's estimate, and its whole peak
     within 6% of the analytic ddp estimate of one rank less DDP's buckets."""
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     from hybrid.config.cluster import Cluster, cpu_spec
     from hybrid.estimation.memory.activations import activation_terms
@@ -81,22 +80,7 @@ def test_a_lora_step_of_a_transformers_decoder_is_what_memtracker_sees(mt, targe
     from hybrid.model.lora import lora_of
     from hybrid.model.profile import build_profile
     model = peft_tiny(mt, targets)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, foreach=True)
-    ids = torch.randint(0, 300, (B, S))
-    tracker = MemTracker()
-    for p in model.parameters():
-        if not p.requires_grad:
-            tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
-    tracker.track_external(model, opt, ids)
-    with tracker:
-        for _ in range(2):
-            out = model(input_ids=ids, labels=ids)
-            out.loss.backward()
-            del out
-            opt.step()
-            opt.zero_grad()
-            tracker.reset_mod_stats()
-    snapshot = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    snapshot = lora_step_peak(model, torch.randint(0, 300, (B, S)))
     peak = {str(k).split(".")[-1].lower(): v for k, v in snapshot.items()}
     profile = build_profile(model)
     assert bool(profile.decoder.stack) == (mt == "gemma3_text")
