@@ -9,10 +9,9 @@ tokens, bf16 FSDP over tp 2 on 2 ranks. Measured here, 2026-12 on this tree:
   parameter bytes per rank: equal to the DTensor local shards after parallelize.
   per-layer activations (the trace's growth from 2 to 3 layers): Qwen2 and Qwen3 byte-equal; Gemma 3
   1,152 bytes a layer under the trace's 1.42 MB (0.08%).
-  peak totals (3 layers): the estimate above the trace by 10.4% (Qwen2), 6.4% (Gemma 3), 7.1% (Qwen3),
-  all of it in the loss-time head terms the closed-form llama tp-2 cells share (the estimate's peak is
-  the loss backward at head_backward / tp, the trace's the head's forward: tests/measure/test_matrix.py);
-  held here to the bound those cells hold, not the 3% goal.
+  peak totals (3 layers): were 6-10% over (the loss-time head terms, before the trace counted what
+  DTensor allocates inside loss_parallel and the closed form priced it so); held within 3% since
+  (Gemma 3: -0.6%).
 """
 import functools
 import json
