@@ -184,10 +184,7 @@ def tp_problem(profile: ModelProfile, tp: int) -> str | None:
     module with its base_model_tp_plan; heads and key/value heads divisible by tp; dense MLPs
     (MoE experts are split by ep)."""
     from .tp_plan import decoder_problem
-    d = profile.decoder
-    if d is None:
-        return f"tensor parallelism needs a transformer's dimensions; {profile.name} has none: use tp=1"
-    return decoder_problem(d, tp, profile.name)
+    return decoder_problem(profile.decoder, tp, profile.name)
 
 
 def tp_degrees(profile: ModelProfile, gpus_per_node: int) -> list[int]:

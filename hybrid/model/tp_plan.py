@@ -132,17 +132,20 @@ def _mlp(layer):
 
 def decoder_problem(d, tp: int, name: str) -> str | None:
     """Why tensor parallelism cannot split decoder `d` (hybrid/model/presets.DecoderConfig) `tp`
-    ways as the runtime runs it, or None. A decoder read from a transformers module: its module's
-    plan (HFPlan.problem, the runtime's own check); hybrid's closed forms: llama style (separate
-    q/k/v projections), dense, heads and key/value heads divisible by tp. tp 1 splits nothing."""
+    ways as the runtime runs it, or None. tp 1 splits nothing; `d` None (a model known without a
+    decoder's dimensions) splits only at tp 1. A decoder read from a transformers module: its
+    module's plan (HFPlan.problem, the runtime's own check); hybrid's closed forms: llama style
+    (separate q/k/v projections), dense, heads and key/value heads divisible by tp."""
     if tp == 1:
         return None
+    if d is None:
+        return f"tensor parallelism needs a transformer's dimensions; {name} has none: use tp=1"
     if d.stack:
         if d.tp_plan is None:
             return (f"{name} was read without its module's tensor-parallel plan (transformers' "
                     "base_model_tp_plan): use tp=1")
         problem = d.tp_plan.problem(tp)
-        if problem is not None or tp == 1:
+        if problem is not None:
             return problem
         for at in {ly.attention for ly in d.stack}:
             problem = heads_problem(name, at.heads, at.kv_heads, tp)
@@ -153,4 +156,4 @@ def decoder_problem(d, tp: int, name: str) -> str | None:
         return moe_problem(name)
     if d.style != "llama":
         return (f"tensor parallelism needs separate q/k/v projections; {d.style} fuses them (qkv_proj): use tp=1")
-    return None if tp == 1 else heads_problem(name, d.heads, d.n_kv_heads, tp)
+    return heads_problem(name, d.heads, d.n_kv_heads, tp)

@@ -5,8 +5,9 @@ same line by both. One 2-rank cluster for every cell; tiny-llama at 2 x 256 toke
 
 Measured here (analytic vs traced bytes at the peak), 2026-12 on this tree:
   tp 1 and cp 2 cells: within 1.2%.
-  tp 2 cells (fsdp, ddp through FSDP2): within 3% (ddp tp 2 full checkpointing: -1.1%) since the loss-time head terms price torch's
-  loss_parallel as it allocates (torch/distributed/tensor/parallel/loss.py); they were 10-18% over.
+  tp 2 cells (fsdp, ddp through FSDP2): within 3% (ddp tp 2 full checkpointing: -1.1%) since the loss-time
+  head terms price torch's loss_parallel as it allocates (torch/distributed/tensor/parallel/loss.py);
+  they were 10-18% over.
 """
 import pytest
 
