@@ -79,7 +79,8 @@ def main(argv=None):
     seq = min(args.seq_len, cfg.max_positions)
     cluster = None if torch.cuda.is_available() else Cluster.build(1, int(os.environ.get("WORLD_SIZE", 1)), "h100-80gb")
     w = auto_wrap(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1),
-                  micro_batch=args.micro_batch, seq_len=seq, cluster=cluster)
+                  micro_batch=args.micro_batch, seq_len=seq, cluster=cluster,
+                  pp=1)      # this loop is w(batch) / backward / step; a pipeline runs whole steps (w.train_step)
     rank, world = dist.get_rank(), dist.get_world_size()
     data = synthetic_corpus(max(args.steps, 1) * world * args.micro_batch, seq, cfg.vocab)
     sampler = DistributedSampler(data, num_replicas=w.dp_size, rank=w.dp_rank, shuffle=True, seed=0)

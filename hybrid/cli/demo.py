@@ -59,7 +59,8 @@ def chosen_and_traced(nproc: int = NPROC) -> tuple[str, int]:
 
     profile = profile_decoder(DEMO_MODEL, "demo-gpt")
     cluster = demo_cluster(nproc)
-    p = plan(profile, TrainSpec(MICRO_BATCH, SEQ, precision="fp32"), cluster, search_checkpointing=True)
+    p = plan(profile, TrainSpec(MICRO_BATCH, SEQ, precision="fp32"), cluster, search_checkpointing=True, pp=1,
+             micro_batch=MICRO_BATCH, hold_batch=True)                   # as worker's auto_wrap plans
     c = p.chosen
     t = traced_estimate(ModelSource(profile, _decoder_builder(DEMO_MODEL)), c.strategy, c.spec, cluster,
                         c.shard_size if c.strategy.shard_is_free else None, prefer_hf=False)
@@ -82,7 +83,8 @@ def worker(steps: int, traced: int = 0) -> None:
 
     cluster = demo_cluster(int(os.environ.get("WORLD_SIZE", NPROC)))
     w = auto_wrap(build_decoder(DEMO_MODEL, seed=0), optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3),
-                  micro_batch=MICRO_BATCH, seq_len=SEQ, cluster=cluster, precision="fp32", verbose=False)
+                  micro_batch=MICRO_BATCH, seq_len=SEQ, cluster=cluster, precision="fp32", verbose=False,
+                  pp=1)     # the loop below is w(batch) / backward / step: a pipeline would need w.train_step
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = [None] * world
     dist.all_gather_object(groups, shard_group_ranks(w.mesh))
