@@ -281,7 +281,7 @@ def dim_size(mesh: DeviceMesh, name: str) -> int:
 def ep_size(mesh) -> int:
     """The expert-parallel degree of a mesh built by build_mesh (1: every rank holds every expert)."""
     experts = getattr(mesh, "experts", None)
-    return experts["ep"].size() if experts is not None else 1
+    return dim_size(experts, "ep") if experts is not None else 1
 
 
 def ep_mesh(mesh: DeviceMesh) -> DeviceMesh:

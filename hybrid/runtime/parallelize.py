@@ -70,8 +70,8 @@ def plan_of(model: nn.Module, layout: Layout, spec) -> "AppliedPlan":
 
 def layout_of_mesh(strategy, mesh, spec) -> Layout:
     """The layout a built mesh stands for (pp 1), at the spec's checkpointing, compile and float8."""
-    from .mesh import ep_size
-    dims = ParallelDims(**{n: mesh[n].size() for n in ("dp_replicate", "dp_shard", "cp", "tp")}, ep=ep_size(mesh))
+    from .mesh import dim_size, ep_size
+    dims = ParallelDims(**{n: dim_size(mesh, n) for n in ("dp_replicate", "dp_shard", "cp", "tp")}, ep=ep_size(mesh))
     return Layout(dims, strategy, spec.activation_checkpointing, compile=spec.compile, float8=spec.float8)
 
 
