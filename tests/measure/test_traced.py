@@ -197,16 +197,17 @@ def test_a_traced_ddp_pipeline_stage_plans(capsys):
 def test_traced_ddp_over_tp_runs_the_tensor_parallel_program():
     """ddp with tp 2 traced: the trace ran no tensor parallelism before (its 6,594,684 bytes were
     the tp-1 bytes, 6,594,716, where the analytic estimate said 3,331,072); it now runs the real
-    parallelize (FSDP2 units over the tp groups) and the estimate prices that wrap."""
+    parallelize (FSDP2 units over the tp groups) and the estimate prices that wrap. Measured on
+    this tree: tp 1 6,594,724, tp 2 3,192,112 traced (48%; the vocab-parallel loss's temporaries
+    are counted since the tracker sees DTensor's local ops), 3,162,580 analytic (-0.9%)."""
     src = resolve_model("tiny-llama")
     cl = Cluster.build(1, 2, "h100-80gb")
     spec = TrainSpec(1, 256)
     one, two = (traced_estimate(src, CAT["ddp"], spec, cl, tp=tp, fast=False).memory.tensors for tp in (1, 2))
-    assert two < 0.45 * one, (one, two)
+    assert two < 0.5 * one, (one, two)
     from hybrid.layout.layout import Layout
     a = estimate(Layout.of(CAT["ddp"], cl, spec, tp=2), src.profile, spec, cl)
-    # tiny shapes: the tp closed forms sit 8% above the trace here (fsdp+tp2: 10%; matrix: test_matrix.py)
-    assert a.tensors == pytest.approx(two, rel=0.10)
+    assert a.tensors == pytest.approx(two, rel=0.03)           # the matrix's bound (test_matrix.py)
 
 
 @pytest.mark.fakepg

@@ -40,10 +40,19 @@ def run_cases(cases):
     return {label: train(s, model_fn=MODELS[m], **kw) for label, (s, m, kw) in cases.items()}
 
 
+ATOL = {"qwen3": 2e-5}
+"""transformers' Qwen3 under cp 2: its gradient norms equal one process's to 1e-7 (relative) at every
+step, and every weight but lm_head to 5e-6; lm_head ends 1.39e-5 (max abs, of weights up to 0.082)
+from one process after three AdamW steps at lr 3e-3, the same on this machine and in CI and on the
+tree before the read-decoder work (7c45049): fp32 summation order through the sharded attention,
+which Adam's normalised update carries into the largest matrix."""
+
+
 def check_against(results, world, cases):
     """Each case against one process on the same global batch (its model's own reference)."""
     for model in {m for _, m, _ in cases.values()}:
-        check(results, world, [k for k, (_, m, _) in cases.items() if m == model], model_fn=MODELS[model])
+        check(results, world, [k for k, (_, m, _) in cases.items() if m == model], model_fn=MODELS[model],
+              atol=ATOL.get(model, 1e-5))
 
 
 @pytest.mark.gloo
