@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from ..errors import HybridError
 from .memory.activations import ActivationTerms
@@ -130,12 +131,22 @@ class Share:
 def shares(profile: ModelProfile, layout, spec: TrainSpec, rank: int = 0, implementation: str = "hybrid") -> Share:
     """Rank `rank` of the pipeline (0 without one) under `layout`: pipeline stage, then cp, then tp;
     `implementation` (hybrid.layout.applied.IMPLEMENTATIONS): the code the runtime applies it to."""
-    stage, held = None, profile
-    if layout.pipeline is not None:
-        stage, held = stage_of(profile, layout.pipeline, rank), stage_share(profile, layout.pipeline, rank)
     tp, cp = layout.dims.tp, layout.dims.cp
-    return Share(whole=profile, whole_spec=spec, stage=stage, held=held, profile=tp_share(held, tp, stage),
+    try:        # a plan asks for the same rank of the same split many times (memoised: pure, frozen values)
+        stage, held, local = _rank_profiles(profile, layout.pipeline, rank, tp)
+    except TypeError:                   # a value that cannot be hashed (a module's tp_plan dict): computed
+        stage, held, local = _rank_profiles.__wrapped__(profile, layout.pipeline, rank, tp)
+    return Share(whole=profile, whole_spec=spec, stage=stage, held=held, profile=local,
                  spec=local_spec(spec, cp), tp=tp, cp=cp, applied=applied_plan(layout, implementation, spec.precision))
+
+
+@lru_cache(maxsize=8192)
+def _rank_profiles(profile: ModelProfile, pipeline, rank: int, tp: int) -> tuple:
+    """(the rank's StageShare or None, what its stage holds, its tensor-parallel share of that)."""
+    stage, held = None, profile
+    if pipeline is not None:
+        stage, held = stage_of(profile, pipeline, rank), stage_share(profile, pipeline, rank)
+    return stage, held, tp_share(held, tp, stage)
 
 
 def tp_share(profile: ModelProfile, tp: int, stage=None) -> ModelProfile:

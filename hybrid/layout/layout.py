@@ -99,6 +99,8 @@ class Layout:
 
     def train_spec(self, spec: TrainSpec) -> TrainSpec:
         """The job's spec run under this layout (its checkpointing, compile and float8)."""
+        if spec.activation_checkpointing == self.ac and spec.compile is self.compile and spec.float8 is self.float8:
+            return spec                 # already so (a judged layout's spec): no copy to validate again
         return replace(spec, activation_checkpointing=self.ac, compile=self.compile, float8=self.float8)
 
     def with_pipeline(self, pipeline: StageSplit) -> "Layout":
