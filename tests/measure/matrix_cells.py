@@ -31,7 +31,7 @@ EXPERT = [  # (model, checkpointing): fsdp at ep 2 (two of the 4 experts a rank)
 
 def dense_family(cell) -> str:
     strategy, tp, cp, ac, hf = cell
-    return "tp2" if tp > 1 else "cp2" if cp > 1 else "transformers tp1" if hf else "dense tp1"
+    return "tp2" if tp > 1 else "cp2" if cp > 1 else "transformers decoders" if hf else "dense tp1"
 
 
 def dense_pair(src, strategy, tp, cp, ac, hf):
