@@ -70,6 +70,27 @@ def test_a_cell_that_cannot_run_is_refused_alike_by_the_estimate_and_the_trace(t
                           tp=tp, cp=cp, ep=ep)
 
 
+@pytest.mark.fakepg
+def test_a_pipeline_cell_that_cannot_run_is_refused_alike_by_the_estimate_the_stage_trace_the_plan_and_auto_wrap(tiny):
+    """zero2 at pp 2 (DeepSpeed's own pipeline engine is not driven here): the stage trace asks the family
+    before it traces; it traced the stage (7,575,088 bytes) while the estimate and the plan refused it."""
+    from hybrid.layout.pipeline import StageSplit, stage_cluster
+    from hybrid.measure.traced import traced_stage_estimate
+    from hybrid.planning.planner import plan
+    spec = TrainSpec(2, 256, gradient_accumulation=2)
+    layout = Layout.of(CAT["zero2"], TWO, spec, pp=2, schedule="1f1b")
+    split = StageSplit(2, "1f1b", 2, (1, 1))
+    with pytest.raises(Exception, match="do not run pipeline stages") as by_estimate:
+        estimate(layout.with_pipeline(split), tiny.profile, spec, stage_cluster(TWO, 2), 0)
+    with pytest.raises(Exception, match="do not run pipeline stages") as by_trace:
+        traced_stage_estimate(tiny, CAT["zero2"], spec, TWO, None, 1, split, 0)
+    line = str(by_trace.value)
+    assert str(by_estimate.value) == line and "\n" not in line
+    row = plan(tiny.profile, spec, TWO, strategies=["zero2"], pp=2).candidates[0]
+    assert row.reason == f"not applicable: {line}", row.reason
+    _refused_by_auto_wrap(tiny.build(device="meta")[0], "zero2", spec, TWO, line, pp=2)
+
+
 def _refused_by_auto_wrap(model, strategy, spec, cluster, line, **dims):
     """auto_wrap in this one process with the cluster stated: the plan refuses the layout with the
     estimate's line before any process group starts (no world of one, no mesh: nothing it cannot finish)."""
