@@ -530,6 +530,8 @@ def traced_stage_estimate(source: ModelSource, strategy: Strategy, spec: TrainSp
         raise HybridError("a traced pipeline estimate runs gpipe and 1f1b; use --method analytic for interleaved")
     stage_cl = stage_cluster(cluster, layout.pp)
     n = strategy.shard_size(stage_cl, shard_size, tp)
+    dims = ParallelDims(dp_replicate=stage_cl.world_size // tp // n, dp_shard=n, tp=tp, pp=layout.pp)
+    strategy.family_obj.check(Layout(dims, strategy, schedule=layout.schedule))   # the estimate's refusal, first
     placement_of(strategy, stage_share(source.profile, layout, pp_rank), spec, stage_cl, n,        # NotApplicable
                  stage_of(source.profile, layout, pp_rank))                                        # first
     d = source.profile.decoder
@@ -538,7 +540,6 @@ def traced_stage_estimate(source: ModelSource, strategy: Strategy, spec: TrainSp
     dist.init_process_group(TRACED, store=FakeStore(), rank=pp_rank * (world // layout.pp), world_size=world)
     try:
         runtime = Runtime(torch.device("cpu"), TRACED, world, dist.get_rank(), cluster.gpus_per_node)
-        dims = ParallelDims(dp_replicate=stage_cl.world_size // tp // n, dp_shard=n, tp=tp, pp=layout.pp)
         mesh = build_mesh(dims, runtime, cluster.gpus_per_node, cluster.domain)
         dtype = torch.bfloat16 if spec.precision == "bf16" else None
         index = layout.rank_stages(pp_rank)[0]

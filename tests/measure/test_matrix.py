@@ -1,32 +1,30 @@
-"""The cross-check matrix: cells the runtime runs at small scale (family x tp x cp x checkpointing x
-our decoder or the transformers one), the closed-form estimate against the trace of the same
-program (the real parallelize on fake tensors), and the cells that cannot run refused with the
-same line by both. One 2-rank cluster for every cell; tiny-llama at 2 x 256 tokens.
+"""The cross-check matrix: cells the runtime runs at small scale (family x tp x cp x pp x ep x
+checkpointing x our decoder or the transformers one), the closed-form estimate against the trace of the
+same program (the real parallelize on fake tensors), and the cells that cannot run refused with the
+same line by both. One 2-rank cluster for every cell; the cells live in tests/measure/matrix_cells.py
+(benchmarks/matrix_accuracy.py prints their gaps).
 
 Measured here (analytic vs traced bytes at the peak), 2026-12 on this tree:
   tp 1 and cp 2 cells: within 1.2%.
   tp 2 cells (fsdp, ddp through FSDP2): within 3% (ddp tp 2 full checkpointing: -1.1%) since the loss-time
   head terms price torch's loss_parallel as it allocates (torch/distributed/tensor/parallel/loss.py);
   they were 10-18% over.
+  pp 2 (1f1b, 2 micro-batches, fsdp and ddp): within 0.4% without checkpointing; +2.7% on pp rank 0 with
+  full checkpointing (the first stage: embedding + one block), +0.8% on rank 1. The rank-0 excess is in
+  activations + temporaries (98,304 B) and shrinks at 4 micro-batches (+0.3%): it is where every micro-batch
+  is in the warm-up (m = pp); its cause in the analytic moment is not yet found.
+  ep 2 (fsdp, Mixtral / Qwen3-MoE from transformers, our MoE decoder): within 0.7%.
 """
 import pytest
 
 from hybrid.config.cluster import Cluster
 from hybrid.config.spec import TrainSpec
 from hybrid.estimation.memory.analytic import estimate
-from hybrid.families.catalogue import load_catalogue
 from hybrid.layout.layout import Layout
 from hybrid.measure.traced import traced_estimate
 from hybrid.model.sources import resolve_model
+from tests.measure.matrix_cells import CAT, DENSE, EXPERT, PIPELINE, TWO, dense_pair, expert_pair, pipeline_pair
 
-CAT = load_catalogue()
-TWO = Cluster.build(1, 2, "h100-80gb")
-
-CELLS = [  # (strategy, tp, cp, checkpointing, transformers)
-    ("ddp", 1, 1, "none", False), ("ddp", 1, 1, "full", True), ("fsdp", 1, 1, "none", True),
-    ("fsdp", 1, 1, "full", False), ("zero2", 1, 1, "none", False), ("fsdp", 1, 2, "none", False),
-    ("ddp", 1, 2, "none", False), ("fsdp", 2, 1, "none", True), ("ddp", 2, 1, "full", False),
-]
 REFUSED = [("zero2", 2, 1, 1, "not applicable with tp > 1"), ("ddp", 2, 2, 1, "with tp and cp")]
 
 
@@ -35,18 +33,24 @@ def tiny():
     return resolve_model("tiny-llama")
 
 
-def _pair(src, strategy, tp, cp, ac, hf):
-    spec = TrainSpec(2, 256, activation_checkpointing=ac)
-    t = traced_estimate(src, CAT[strategy], spec, TWO, tp=tp, cp=cp, fast=False, prefer_hf=hf)
-    a = estimate(Layout.of(CAT[strategy], TWO, spec, tp=tp, cp=cp), src.profile, spec, TWO)
-    assert t.implementation == ("transformers" if hf else "hybrid")
-    return a.tensors, t.memory.tensors
+@pytest.mark.fakepg
+@pytest.mark.parametrize("cell", DENSE, ids=lambda c: "-".join(map(str, c)))
+def test_analytic_within_3_percent_of_the_trace(tiny, cell):
+    a, t = dense_pair(tiny, *cell)
+    assert a == pytest.approx(t, rel=0.03), (a, t)
 
 
 @pytest.mark.fakepg
-@pytest.mark.parametrize("cell", CELLS, ids=lambda c: "-".join(map(str, c)))
-def test_analytic_within_3_percent_of_the_trace(tiny, cell):
-    a, t = _pair(tiny, *cell)
+@pytest.mark.parametrize("cell", PIPELINE, ids=lambda c: "pp2-1f1b-{}-{}-rank{}".format(*c))
+def test_each_pipeline_rank_analytic_within_3_percent_of_its_traced_stage(tiny, cell):
+    a, t = pipeline_pair(tiny, *cell)
+    assert a == pytest.approx(t, rel=0.03), (a, t)
+
+
+@pytest.mark.fakepg
+@pytest.mark.parametrize("cell", EXPERT, ids=lambda c: "ep2-fsdp-{}-{}".format(*c))
+def test_expert_parallel_analytic_within_3_percent_of_the_trace(cell):
+    a, t = expert_pair(*cell)
     assert a == pytest.approx(t, rel=0.03), (a, t)
 
 
@@ -66,6 +70,27 @@ def test_a_cell_that_cannot_run_is_refused_alike_by_the_estimate_and_the_trace(t
     assert row.reason == f"not applicable: {by_trace.value}", row.reason     # the plan row: the same line
     _refused_by_auto_wrap(tiny.build(device="meta")[0], strategy, spec, cluster, str(by_trace.value),
                           tp=tp, cp=cp, ep=ep)
+
+
+@pytest.mark.fakepg
+def test_a_pipeline_cell_that_cannot_run_is_refused_alike_by_the_estimate_the_stage_trace_the_plan_and_auto_wrap(tiny):
+    """zero2 at pp 2 (DeepSpeed's own pipeline engine is not driven here): the stage trace asks the family
+    before it traces; it traced the stage (7,575,088 bytes) while the estimate and the plan refused it."""
+    from hybrid.layout.pipeline import StageSplit, stage_cluster
+    from hybrid.measure.traced import traced_stage_estimate
+    from hybrid.planning.planner import plan
+    spec = TrainSpec(2, 256, gradient_accumulation=2)
+    layout = Layout.of(CAT["zero2"], TWO, spec, pp=2, schedule="1f1b")
+    split = StageSplit(2, "1f1b", 2, (1, 1))
+    with pytest.raises(Exception, match="do not run pipeline stages") as by_estimate:
+        estimate(layout.with_pipeline(split), tiny.profile, spec, stage_cluster(TWO, 2), 0)
+    with pytest.raises(Exception, match="do not run pipeline stages") as by_trace:
+        traced_stage_estimate(tiny, CAT["zero2"], spec, TWO, None, 1, split, 0)
+    line = str(by_trace.value)
+    assert str(by_estimate.value) == line and "\n" not in line
+    row = plan(tiny.profile, spec, TWO, strategies=["zero2"], pp=2).candidates[0]
+    assert row.reason == f"not applicable: {line}", row.reason
+    _refused_by_auto_wrap(tiny.build(device="meta")[0], "zero2", spec, TWO, line, pp=2)
 
 
 def _refused_by_auto_wrap(model, strategy, spec, cluster, line, **dims):
