@@ -331,7 +331,7 @@ def test_the_dimension_branch_detector_sees_each_form():
 
 
 # --- the packages are the layers (issue 32) --------------------------------------------------
-LAYERS = ("errors units log _compat", "config", "model", "layout", "families", "estimation", "planning", "handoff",
+LAYERS = ("errors units log memo _compat", "config", "model", "layout", "families", "estimation", "planning", "handoff",
           "ckpt", "runtime", "measure", "tune", "api auto", "__init__", "cli")
 """hybrid's packages (and its few top-level modules) in import order: each imports only what stands
 before it or beside it in its own entry (docs/architecture.md). The first entry is the base every

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, replace
-from functools import lru_cache
 
 from ..errors import HybridError
+from ..memo import memoised
 from .memory.activations import ActivationTerms
 from ..model.profile import ModelProfile
 from ..config.spec import TrainSpec
@@ -132,15 +132,12 @@ def shares(profile: ModelProfile, layout, spec: TrainSpec, rank: int = 0, implem
     """Rank `rank` of the pipeline (0 without one) under `layout`: pipeline stage, then cp, then tp;
     `implementation` (hybrid.layout.applied.IMPLEMENTATIONS): the code the runtime applies it to."""
     tp, cp = layout.dims.tp, layout.dims.cp
-    try:        # a plan asks for the same rank of the same split many times (memoised: pure, frozen values)
-        stage, held, local = _rank_profiles(profile, layout.pipeline, rank, tp)
-    except TypeError:                   # a value that cannot be hashed (a module's tp_plan dict): computed
-        stage, held, local = _rank_profiles.__wrapped__(profile, layout.pipeline, rank, tp)
+    stage, held, local = _rank_profiles(profile, layout.pipeline, rank, tp)
     return Share(whole=profile, whole_spec=spec, stage=stage, held=held, profile=local,
                  spec=local_spec(spec, cp), tp=tp, cp=cp, applied=applied_plan(layout, implementation, spec.precision))
 
 
-@lru_cache(maxsize=8192)
+@memoised               # a plan asks for the same rank of the same split many times
 def _rank_profiles(profile: ModelProfile, pipeline, rank: int, tp: int) -> tuple:
     """(the rank's StageShare or None, what its stage holds, its tensor-parallel share of that)."""
     stage, held = None, profile

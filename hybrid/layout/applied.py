@@ -15,9 +15,9 @@ same value, so a runtime choice that changes memory cannot go unpriced.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 from ..errors import HybridError
+from ..memo import memoised
 
 IMPLEMENTATIONS = ("hybrid", "transformers", "module")
 """hybrid's own decoder, a transformers decoder, or another module (a user's, a factory's)."""
@@ -101,13 +101,10 @@ def applied_plan(layout, implementation: str = "hybrid", precision: str = "bf16-
     """What parallelize applies for `layout` (hybrid.layout.layout.Layout) on `implementation`'s
     module; the family says its wrap (Family.applied_wrap). tp on a module that is neither hybrid's
     decoder nor a transformers decoder has no plan: HybridError, one line."""
-    try:                                # memoised: a plan asks for each layout's many times
-        return _applied_plan(layout, implementation, precision)
-    except TypeError:                   # a layout that cannot be hashed: computed
-        return _applied_plan.__wrapped__(layout, implementation, precision)
+    return _applied_plan(layout, implementation, precision)
 
 
-@lru_cache(maxsize=8192)
+@memoised               # a plan asks for each layout's many times
 def _applied_plan(layout, implementation: str, precision: str) -> AppliedPlan:
     if implementation not in IMPLEMENTATIONS:
         raise HybridError(f"unknown implementation {implementation!r}; use one of {', '.join(IMPLEMENTATIONS)}")

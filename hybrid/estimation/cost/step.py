@@ -51,9 +51,9 @@ ft        (--fault-tolerant, hybrid/runtime/ft.py) each dp_replicate group is a 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
 
 from ...families.catalogue import Strategy
+from ...memo import memoised
 from ...config.cluster import Cluster
 from ...layout.layout import Layout, as_layout
 from .links import Links
@@ -123,13 +123,10 @@ def model_flops_per_token(profile: ModelProfile, seq_len: int, recompute: bool =
     decoder), 6 per parameter for any other model; +1 forward if recomputed. A frozen weight (a LoRA
     base) costs its forward (2 per weight) and its input's gradient (2) but no weight gradient, the
     attention's core costs all three; this is the MFU reported."""
-    try:                        # memoised: the cost model asks for every pipeline rank's of every candidate
-        return _flops_per_token(profile, seq_len, recompute)
-    except TypeError:           # a profile that cannot be hashed: computed
-        return _flops_per_token.__wrapped__(profile, seq_len, recompute)
+    return _flops_per_token(profile, seq_len, recompute)
 
 
-@lru_cache(maxsize=8192)
+@memoised               # the cost model asks it for every pipeline rank of every candidate
 def _flops_per_token(profile: ModelProfile, seq_len: int, recompute: bool) -> float:
     return forward_flops_per_token(profile, seq_len) * (1 if recompute else 0) + _train_flops(profile, seq_len)
 
