@@ -29,29 +29,64 @@ class Measured:
     seconds: float
 
 
-def _rank_main(ref, strategy, spec, cluster, shard_size, steps, prefer_hf):
+@dataclass(frozen=True)
+class Job:
+    """One measured job, picklable for the ranks: the model by its MODEL string or its decoder shape
+    (a source built from a DecoderConfig in code has no string), the strategy and its degrees."""
+    ref: str | None
+    decoder_cfg: object
+    strategy: Strategy
+    spec: TrainSpec
+    cluster: Cluster
+    shard_size: int | None = None
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    steps: int = 2
+    prefer_hf: bool = True
+
+    @classmethod
+    def of(cls, source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cluster, **kw) -> "Job":
+        if source.build is None or (source.ref is None and source.decoder_cfg is None):
+            raise HybridError(f"{source.profile.name} is a bare parameter count: there is no model to run")
+        return cls(source.ref, None if source.ref is not None else source.decoder_cfg, strategy, spec, cluster, **kw)
+
+    def source(self) -> ModelSource:
+        if self.ref is not None:
+            from ..model.sources import resolve_model
+            return resolve_model(self.ref)
+        from ..model.profile import profile_decoder
+        from ..model.sources import _decoder_builder
+        return ModelSource(profile_decoder(self.decoder_cfg, "measured"), _decoder_builder(self.decoder_cfg), None,
+                           self.decoder_cfg)
+
+
+def _measure_one(job: Job, runtime):
+    """One job on this rank's real tensors: the mesh of its degrees, the layout applied by the one
+    order (runtime/parallelize.py, as traced_estimate applies it on fake tensors), `steps` steps."""
     import torch
 
-    from ..model.sources import resolve_model
-
+    from ..layout.dims import ParallelDims
     from ..model.decoder import prepare_for_training
     from ..runtime.backends import apply
-    from ..runtime.mesh import build_mesh, init_distributed
+    from ..runtime.mesh import build_mesh
     from .driver import tracked_steps
     from .traced import make_batch, optimizer_factory
     from .tracker import MemoryTracker
 
-    source = resolve_model(ref)
-    runtime = init_distributed()
-    n = strategy.shard_size(cluster, shard_size)
-    mesh = build_mesh(n, runtime, cluster.gpus_per_node, cluster.domain)
+    source, spec, cluster = job.source(), job.spec, job.cluster
+    n = job.strategy.shard_size(cluster, job.shard_size, job.tp, job.cp)
+    dims = ParallelDims(dp_replicate=cluster.world_size // job.tp // job.cp // n, dp_shard=n, cp=job.cp, tp=job.tp,
+                        ep=job.ep)
+    mesh = build_mesh(dims, runtime, cluster.gpus_per_node, cluster.domain)
     torch.manual_seed(runtime.rank)
     dtype = torch.bfloat16 if spec.precision == "bf16" else None
     tracker = MemoryTracker()
     with tracker:
-        model, impl = source.build(device=runtime.device, attention=spec.attention, prefer_hf=prefer_hf, dtype=dtype)
+        model, impl = source.build(device=runtime.device, attention=spec.attention, prefer_hf=job.prefer_hf,
+                                   dtype=dtype)
         prepare_for_training(model)
-        engine = apply(strategy, model, optimizer_factory(spec), mesh, spec, runtime)
+        engine = apply(job.strategy, model, optimizer_factory(spec), mesh, spec, runtime)
         tracker.relabel(list(model.parameters()), "params")
         tracker.reset_peak()
         if runtime.device.type == "cuda":
@@ -59,16 +94,24 @@ def _rank_main(ref, strategy, spec, cluster, shard_size, steps, prefer_hf):
             torch.cuda.reset_peak_memory_stats()
         batch = make_batch(model, spec, source.profile.decoder.vocab if source.profile.decoder else None)
         batch = {k: v.to(runtime.device) if hasattr(v, "to") else v for k, v in batch.items()}
-        tracked_steps(engine, batch, tracker, steps)
+        tracked_steps(engine, batch, tracker, job.steps)
     cuda_peak = torch.cuda.max_memory_allocated() if runtime.device.type == "cuda" else None
+    del engine, model
     return tracker.peak_breakdown(), tracker.peak_phase, cuda_peak, impl
+
+
+def _rank_main(jobs: list[Job]):
+    """Every job in turn on this rank (one launch, one process group): [result per job]."""
+    from ..runtime.mesh import init_distributed
+    runtime = init_distributed()
+    return [_measure_one(job, runtime) for job in jobs]
 
 
 def check_runnable(source: ModelSource, cluster: Cluster) -> None:
     """A measured run needs a model to build and few enough ranks for this machine."""
     import torch
 
-    if source.build is None or source.ref is None:
+    if source.build is None or (source.ref is None and source.decoder_cfg is None):
         raise HybridError(f"{source.profile.name} is a bare parameter count: there is no model to run")
     local = torch.cuda.device_count() if torch.cuda.is_available() else MAX_LOCAL_RANKS
     if cluster.world_size > local:
@@ -77,7 +120,7 @@ def check_runnable(source: ModelSource, cluster: Cluster) -> None:
                           f"--gpus-per-node 2, or --method traced for the full-size job")
 
 
-def check_host_memory(source, strategy, spec, cluster, shard_size) -> None:
+def check_host_memory(source, strategy, spec, cluster, shard_size, tp: int = 1, cp: int = 1, ep: int = 1) -> None:
     """CPU ranks share this machine's memory: refuse up front a run the kernel would OOM-kill."""
     if cluster.gpu.is_cuda:
         return
@@ -85,7 +128,8 @@ def check_host_memory(source, strategy, spec, cluster, shard_size) -> None:
     from ..units import fmt_bytes
     from ..layout.layout import Layout
     from ..estimation.memory.analytic import estimate
-    need = estimate(Layout.of(strategy, cluster, spec, shard_size=shard_size), source.profile, spec, cluster).total
+    need = estimate(Layout.of(strategy, cluster, spec, shard_size=shard_size, tp=tp, cp=cp, ep=ep), source.profile,
+                    spec, cluster).total
     need *= cluster.world_size
     have = available_host_bytes()
     if need > 0.9 * have:
@@ -96,16 +140,34 @@ def check_host_memory(source, strategy, spec, cluster, shard_size) -> None:
 
 
 def measured_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cluster,
-                      shard_size: int | None = None, steps: int = 2, prefer_hf: bool = True) -> Measured:
+                      shard_size: int | None = None, steps: int = 2, prefer_hf: bool = True, tp: int = 1,
+                      cp: int = 1, ep: int = 1) -> Measured:
+    """The job run on this machine's ranks (tp, cp, ep as parallelize applies them), the tracker
+    on every rank; the rank with the largest peak."""
+    return measured_estimates([Job.of(source, strategy, spec, cluster, shard_size=shard_size, tp=tp, cp=cp, ep=ep,
+                                      steps=steps, prefer_hf=prefer_hf)])[0]
+
+
+def measured_estimates(jobs: list[Job]) -> list[Measured]:
+    """Several jobs on one cluster, each checked first, run one after another in one launch of the
+    ranks (a launch and its rendezvous cost seconds; a tiny job costs less)."""
     from ..runtime.launch import run_ranks
 
-    check_runnable(source, cluster)
-    check_job(source.profile, spec)
-    world = cluster.world_size
-    check_host_memory(source, strategy, spec, cluster, shard_size)
+    if not jobs:
+        return []
+    cluster = jobs[0].cluster
+    if any(j.cluster != cluster for j in jobs):
+        raise HybridError("measured_estimates runs jobs of one cluster in one launch; launch the others apart")
+    for job in jobs:
+        source = job.source()
+        check_runnable(source, cluster)
+        check_job(source.profile, job.spec)
+        check_host_memory(source, job.strategy, job.spec, cluster, job.shard_size, job.tp, job.cp, job.ep)
     start = time.perf_counter()
-    results = run_ranks(world, _rank_main, source.ref, strategy, spec, cluster, shard_size, steps, prefer_hf,
-                        local_world=cluster.gpus_per_node)
-    parts, phase, cuda_peak, impl = max(results, key=lambda r: sum(r[0].values()))
-    memory = MemoryBreakdown.from_tensors(parts, cluster, phase=phase)
-    return Measured(memory, cuda_peak, impl, time.perf_counter() - start)
+    per_rank = run_ranks(cluster.world_size, _rank_main, list(jobs), local_world=cluster.gpus_per_node)
+    seconds = (time.perf_counter() - start) / len(jobs)
+    out = []
+    for i in range(len(jobs)):
+        parts, phase, cuda_peak, impl = max((r[i] for r in per_rank), key=lambda r: sum(r[0].values()))
+        out.append(Measured(MemoryBreakdown.from_tensors(parts, cluster, phase=phase), cuda_peak, impl, seconds))
+    return out

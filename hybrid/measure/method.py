@@ -49,7 +49,8 @@ class RunEstimator:
         shard = n if s.shard_is_free else None
         if self.method == "measured":     # before the progress line: a refusal is the only stderr line
             from .measured import check_host_memory
-            check_host_memory(self.source, s, spec, self.cluster, shard)
+            d = layout.dims
+            check_host_memory(self.source, s, spec, self.cluster, shard, d.tp, d.cp, d.ep)
         if self.progress is not None:
             self.progress.begin(f"{layout.label} (shard {n})")
         if self.method == "traced":
@@ -61,7 +62,9 @@ class RunEstimator:
         else:
             from .measured import measured_estimate
             from .traced import IMPLEMENTATIONS
-            result = measured_estimate(self.source, s, spec, self.cluster, shard, prefer_hf=self.prefer_hf)
+            d = layout.dims
+            result = measured_estimate(self.source, s, spec, self.cluster, shard, prefer_hf=self.prefer_hf, tp=d.tp,
+                                       cp=d.cp, ep=d.ep)
             note = f"measured on {IMPLEMENTATIONS[result.implementation]} ({result.implementation})"
             memory = replace(result.memory, notes=result.memory.notes + (note,))
         if self.progress is not None:

@@ -8,7 +8,7 @@ from ..layout.layout import DIMENSIONS
 
 METHOD_REACH = {"analytic": dict.fromkeys(DIMENSIONS, "search"),
                 "traced": {"pp": "pinned", "tp": "pp", "cp": "pinned", "ep": "pinned"},
-                "measured": {},
+                "measured": {"tp": "pinned", "cp": "pinned", "ep": "pinned"},
                 "tune": {"tp": "search", "cp": "search"}}
 """Which degrees of each dimension a memory method (and `hybrid tune`, which runs the layouts it
 measures) runs: "search" every valid one, "pinned" a given one, the name of another dimension: a

@@ -23,7 +23,8 @@ from hybrid.estimation.memory.analytic import estimate
 from hybrid.layout.layout import Layout
 from hybrid.measure.traced import traced_estimate
 from hybrid.model.sources import resolve_model
-from tests.measure.matrix_cells import CAT, DENSE, EXPERT, PIPELINE, TWO, dense_pair, expert_pair, pipeline_pair
+from tests.measure.matrix_cells import (CAT, DENSE, EXPERT, LIVE, PIPELINE, TWO, dense_pair, expert_pair, live_label,
+                                        live_pairs, pipeline_pair)
 
 REFUSED = [("zero2", 2, 1, 1, "not applicable with tp > 1"), ("ddp", 2, 2, 1, "with tp and cp")]
 
@@ -143,13 +144,15 @@ def test_ddp_under_autocast_refuses_grouped_experts_alike_in_the_estimate_the_tr
     assert estimate(layout, eager, spec, TWO).total > 0      # the eager loop runs under autocast
 
 
+@pytest.fixture(scope="module")
+def live():
+    return dict(zip(LIVE, live_pairs()))
+
+
 @pytest.mark.gloo
-@pytest.mark.parametrize("strategy,hf", [("fsdp", False), ("ddp", True)])
-def test_traced_within_1_percent_of_the_live_tensors_on_gloo_ranks(tiny, strategy, hf):
-    """The trace against the same job on 2 real CPU ranks (measure/measured.py: the tracker on
-    real tensors); fp32, 2 x 64 tokens. Measured: byte-equal for fsdp, 8 bytes apart for ddp."""
-    from hybrid.measure.measured import measured_estimate
-    spec = TrainSpec(2, 64, precision="fp32")
-    m = measured_estimate(tiny, CAT[strategy], spec, TWO, prefer_hf=hf).memory.tensors
-    t = traced_estimate(tiny, CAT[strategy], spec, TWO, prefer_hf=hf, fast=False).memory.tensors
+@pytest.mark.parametrize("cell", LIVE, ids=live_label)
+def test_traced_within_1_percent_of_the_live_tensors_on_gloo_ranks(live, cell):
+    """The trace against the same job on 2 real CPU ranks (measure/measured.py: the tracker on real
+    tensors, the layout applied by the same parallelize); fp32, 2 x 64 tokens; every cell in one launch."""
+    t, m = live[cell]
     assert t == pytest.approx(m, rel=0.01), (t, m)

@@ -22,14 +22,12 @@ def test_pinned_degrees_a_method_runs_are_kept():
     assert method_degrees("traced", {"pp": 2, "tp": 4, "cp": None, "ep": None}) == {"pp": 2, "tp": 4, "cp": 1, "ep": 1}
     assert method_degrees("traced", {"cp": 8, "ep": 2}) == {"pp": 1, "tp": 1, "cp": 8, "ep": 2}
     assert method_degrees("analytic", {"tp": 8, "pp": 4, "cp": 2, "ep": 8})["ep"] == 8
+    assert method_degrees("measured", {"tp": 2, "cp": 2, "ep": 2}) == {"pp": 1, "tp": 2, "cp": 2, "ep": 2}
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("method,degrees,match", [
-    ("measured", {"cp": 2}, r"--method measured runs cp 1 only; use --method traced or analytic for --cp 2"),
-    ("measured", {"ep": 4}, r"--method measured runs ep 1 only; use --method traced or analytic for --ep 4"),
     ("measured", {"pp": 2}, r"--method measured runs pp 1 only; use --method traced or analytic for --pp 2"),
-    ("measured", {"tp": 2}, r"runs tp 1 only \(traced: with --pp\); use --method analytic for --tp 2"),
     ("traced", {"tp": 2}, r"--method traced runs tp 1 only \(traced: with --pp\); use --method analytic for --tp 2"),
     ("traced", {"tp": 2, "pp": 1}, r"--method traced runs tp 1 only"),
 ])
@@ -69,15 +67,15 @@ def test_traced_pipeline_rank_runs_through_the_planners_estimator(capsys):
 
 @pytest.mark.gloo
 def test_measure_runs_through_the_planners_estimator(capsys):
-    """`hybrid measure` (estimate --method measured): the estimator runs the job on 2 CPU ranks and
-    notes what ran; the progress line shows the layout."""
-    code = main(["measure", "tiny-llama", "--strategy", "ddp", "--seq-len", "32", "--implementation", "hybrid",
-                 "--json"])
+    """`hybrid measure` (estimate --method measured): the estimator runs the job on 2 CPU ranks, here
+    at tp 2 (the layout parallelize applies), and notes what ran; the progress line shows the layout."""
+    code = main(["measure", "tiny-llama", "--strategy", "ddp", "--tp", "2", "--seq-len", "32", "--implementation",
+                 "hybrid", "--json"])
     out, err = capsys.readouterr()
     assert code == 0, err
     row = json.loads(out)["strategies"][0]
     assert row["per_gpu"]["total"] > 0 and "measured on hybrid's own implementation (hybrid)" in row["notes"]
-    assert "measuring ddp (shard 1)" in err
+    assert row["parallel"]["tp"] == 2 and "measuring ddp+tp2 (shard 1)" in err, err
 
 
 @pytest.mark.fakepg

@@ -80,12 +80,16 @@ _BIASES: dict = {}
 
 def lower_right_bias(q_len: int, kv_len: int):
     """torch's lower-right causal bias for q_len queries ending where kv_len keys end, made once
-    per shape: a tensor subclass that cannot be created under selective checkpointing's dispatch
-    mode, so ContextParallel.forward makes the rank's two before the model runs."""
+    per shape: a tensor subclass that cannot be created under a Python dispatch mode (selective
+    checkpointing's, a memory tracker's: "the raw Tensor object is already associated to a python
+    object"), so it is made outside every mode (it holds no data), and ContextParallel.forward makes
+    the rank's two before the model runs."""
     key = (q_len, kv_len)
     if key not in _BIASES:
         from torch.nn.attention.bias import causal_lower_right
-        _BIASES[key] = causal_lower_right(q_len, kv_len)
+        from torch.utils._python_dispatch import _disable_current_modes
+        with _disable_current_modes():
+            _BIASES[key] = causal_lower_right(q_len, kv_len)
     return _BIASES[key]
 
 
