@@ -1,8 +1,9 @@
 """Test tiers (ARCHITECTURE.md): every test gets one of the markers unit, torch, fakepg, gloo (or gpu).
 
     pytest -m unit        pure estimation: no torch, DeepSpeed, transformers or accelerate imported,
-                          no process group (the fast subset; it runs where torch is not installed,
-                          and `pytest -m unit --no-torch` checks that where torch is)
+                          no process group (it runs where torch is not installed, and
+                          `pytest -m unit --no-torch` checks that where torch is); without the tests
+                          marked `slow`, `-m "unit and not slow"`, it is the fast subset
     pytest -m torch       one process with torch (real or meta modules, tensors, the libraries'
                           own estimators), no process group
     pytest -m fakepg      fake process group + fake tensors
@@ -17,6 +18,7 @@ hold no unit test are not collected (nothing in them could run); one that does m
 import functools
 import importlib.abc
 import importlib.util
+import itertools
 import os
 import re
 import sys
@@ -103,9 +105,14 @@ def _extension_cache():
 
 RANK_PRELOAD = ("deepspeed", "hybrid.auto", "hybrid.ckpt.store", "hybrid.model.decoder", "hybrid.runtime.backends.ddp",
                 "hybrid.runtime.backends.fsdp", "hybrid.runtime.backends.deepspeed", "hybrid.runtime.backends.tp",
-                "hybrid.runtime.backends.cp", "hybrid.runtime.backends.ep", "hybrid.runtime.backends.pipeline")
+                "hybrid.runtime.backends.cp", "hybrid.runtime.backends.ep", "hybrid.runtime.backends.pipeline",
+                "torch._dynamo", *(f"transformers.models.{m}.modeling_{m}" for m in (
+                    "llama", "qwen3", "qwen2", "mixtral", "qwen3_moe", "qwen2_moe", "gemma3", "deepseek_v3", "gpt2")))
 """What the ranks of run_ranks import in (nearly) every test: imported once by the fork server of each
-test process (hybrid.runtime.launch.preload) instead of by every rank of every launch (~1.5 s of CPU)."""
+test process (hybrid.runtime.launch.preload) instead of by every rank of every launch. Measured on the
+gloo tier (226 rank runs): torch._dynamo, which FSDP2 and checkpointing import, in 221 of them (0.6 s
+of CPU each) and transformers' modeling code in 38 (3.2 s each); the transformers decoders the tests
+build are listed (a module missing from the installed transformers is skipped by the fork server)."""
 
 
 def pytest_runtest_setup(item):
@@ -137,15 +144,22 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+FREE_MARKERS = ("safety", "slow")
+"""Markers beside the tier: `safety` (data loss, code execution, hangs, tracebacks) and `slow` (one test
+over ~5 s on 2 cores: plans of thousand-GPU clusters, subprocesses; in the full suite, not in the fast
+subset `-m "unit and not slow"`)."""
+
+
 def only_unit(markexpr: str) -> bool:
     """Whether a `-m` expression can select unit tests only: false for every test of another tier
-    (with or without `safety`). An expression naming any other marker is not judged (False)."""
+    (with or without each FREE_MARKERS marker). An expression naming any other marker is not judged (False)."""
     names = set(re.findall(r"[A-Za-z_]\w*", markexpr)) - {"and", "or", "not"}
-    if not names or not names <= {*TIERS, "safety"} or re.search(r"[^\w\s()]", markexpr):
+    if not names or not names <= {*TIERS, *FREE_MARKERS} or re.search(r"[^\w\s()]", markexpr):
         return False
     code = compile(markexpr, "<-m>", "eval")
-    return not any(eval(code, {"__builtins__": {}}, {**dict.fromkeys(names, False), tier: True, "safety": safety})
-                   for tier in TIERS if tier != "unit" for safety in (False, True))
+    free = [dict(zip(FREE_MARKERS, values)) for values in itertools.product((False, True), repeat=len(FREE_MARKERS))]
+    return not any(eval(code, {"__builtins__": {}}, {**dict.fromkeys(names, False), tier: True, **f})
+                   for tier in TIERS if tier != "unit" for f in free)
 
 
 def pytest_ignore_collect(collection_path, config):

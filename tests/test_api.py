@@ -20,6 +20,7 @@ def _cli_json(*argv):
 
 
 @pytest.mark.unit
+@pytest.mark.slow
 def test_plan_takes_a_preset_and_chooses_what_the_cli_chooses():
     p = hybrid.plan("llama2-7b", cluster=hybrid.Cluster.build(8, 8, "h100-80gb"), seq_len=4096)
     cli = _cli_json("plan", "llama2-7b", "--nodes", "8", "--gpus-per-node", "8", "--gpu", "h100-80gb",

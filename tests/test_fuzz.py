@@ -57,6 +57,7 @@ values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=
      "headroom", "micro_batch", "seq_len", "gradient_accumulation", "precision", "optimizer",
      "activation_checkpointing", "attention", "shard_size", "tp", "pp", "schedule", "method", "implementation",
      "efficiency", "strategies_dir", "strategy"]), st.text(max_size=12)), values, max_size=6))
+@pytest.mark.slow
 def test_job_files_are_checked_or_one_line(job):
     import yaml
 
@@ -82,6 +83,7 @@ def test_job_files_are_checked_or_one_line(job):
                       st.lists(st.sampled_from(["a: &a [1,2]", "b: *a", "<<: *a", "- ", "{", "[", "? x", "nodes: 8",
                                                "!!python/object:os.system", "!!binary AAAA", "&x", "*x", ": :",
                                                "'", "\t", "---", "..."]), max_size=30).map("\n".join)))
+@pytest.mark.slow
 def test_any_job_file_text_is_read_or_one_line(text):
     from hybrid.config.jobfile import load_job
     with tempfile.TemporaryDirectory() as d:
@@ -110,6 +112,7 @@ arg_values = st.one_of(st.integers(-5, 10**10).map(str), st.floats(allow_nan=Tru
 @fuzz(60)
 @given(model=st.sampled_from([["gpt2"], ["llama2-7b"], ["--params", "7.5e9"], ["--params", "0"]]),
        pairs=st.lists(st.tuples(st.sampled_from(FLAGS), arg_values), max_size=4))
+@pytest.mark.slow
 def test_cli_arguments_answer_or_one_line(model, pairs):
     from hybrid.cli.main import main
     argv = ["plan", *model]

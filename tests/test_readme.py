@@ -76,6 +76,7 @@ def norm(line: str) -> str:
 
 @pytest.mark.unit
 @pytest.mark.parametrize("doc,command,rows", shown_outputs(), ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.slow
 def test_shown_output_is_what_the_command_prints(capsys, doc, command, rows):
     assert main(shlex.split(command)[1:]) == 0
     printed = [norm(line) for line in capsys.readouterr().out.splitlines()]
@@ -116,6 +117,7 @@ def script_tables(script: str):
 
 
 @pytest.mark.unit
+@pytest.mark.slow
 def test_public_runs_tables_are_what_the_script_writes(tmp_path, monkeypatch):
     shown = script_tables("benchmarks/public_runs.py")
     assert len(shown) >= 2 and sum(len(rows) for _, rows in shown) > 36

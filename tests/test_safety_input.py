@@ -134,6 +134,7 @@ def test_a_job_file_past_the_size_limit_is_refused_whole(tmp_path):
         load_job(str(job))
 
 
+@pytest.mark.slow
 def test_params_json_never_says_fits_while_activations_are_unknown(capsys):
     rc, out, _ = _run(capsys, "plan", "--params", "7.5e9", "--json")
     rows = json.loads(out)["strategies"]

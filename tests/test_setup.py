@@ -11,6 +11,7 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_setup_says_what_it_does():
     """Re-run where the set-up is complete (it then installs and builds nothing): every step is a line."""
     venv = ROOT / ".venv"

@@ -82,6 +82,7 @@ def test_no_import_cycles():
             visit(m)
 
 
+@pytest.mark.slow
 def test_plan_path_imports_no_torch():
     code = ("import sys, io, contextlib\nfrom hybrid.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
@@ -230,6 +231,7 @@ def test_dimension_branches_live_in_the_modules_that_compose_a_layout():
     assert not lower, f"fewer dimension branches than DIMENSION_DEBT says (file: (debt, found)): lower it: {lower}"
 
 
+@pytest.mark.slow
 def test_family_names_and_knobs_stay_in_families():
     strategies = REPO / "strategies"
     names = {"ddp", "fsdp", "deepspeed"} | {yaml.safe_load(p.read_text())["name"] for p in strategies.glob("*.yaml")}
@@ -273,6 +275,7 @@ def _graph(everywhere: bool = False) -> dict[str, set[str]]:
     return {m: _imports(rel, trees[rel], set(names), everywhere) for m, rel in names.items()}
 
 
+@pytest.mark.slow
 def test_no_import_cycle_at_module_level_type_only_imports_included():
     """test_no_import_cycles leaves TYPE_CHECKING blocks out; a cycle through them is one too
     (planner and report imported each other for types)."""

@@ -63,6 +63,7 @@ def check(*args, cwd=ROOT):
                           timeout=120)
 
 
+@pytest.mark.slow
 def test_the_unit_tier_imports_no_torch():
     r = check()
     assert r.returncode == 0 and "no unit test needs torch" in r.stdout, (r.stdout + r.stderr)[-3000:]
@@ -90,6 +91,7 @@ def test_torch_tier_may():
 '''
 
 
+@pytest.mark.slow
 def test_the_check_names_a_unit_test_that_imports_torch(tmp_path):
     """The check can fail: a unit module importing torch, a unit test whose helper imports a module
     built on torch (and not the torch-tier test beside it)."""
@@ -101,3 +103,12 @@ def test_the_check_names_a_unit_test_that_imports_torch(tmp_path):
     assert "test_bad_top.py" in out and "No module named 'torch' (blocked by --no-torch)" in out, out[-3000:]
     assert "test_bad_body.py::test_body: helper imports hybrid.model.decoder" in out, out[-3000:]
     assert "test_torch_tier_may" not in out, out[-3000:]
+
+
+@pytest.mark.unit
+def test_the_fast_subset_expression_selects_unit_tests_only():
+    """`-m "unit and not slow"` (the fast subset) is judged unit-only, so no module of another tier is
+    imported for it; an expression that can select a test of another tier is not."""
+    from tests.conftest import only_unit
+    assert only_unit("unit and not slow") and only_unit("unit") and only_unit("unit and safety")
+    assert not only_unit("not slow") and not only_unit("unit or slow") and not only_unit("torch or unit")

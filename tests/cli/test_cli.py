@@ -19,6 +19,7 @@ def run(capsys, *argv):
 
 
 @pytest.mark.unit
+@pytest.mark.slow
 def test_plan_table(capsys):
     code, out, _ = run(capsys, *PLAN_7B, "--all")
     assert code == 0
@@ -28,6 +29,7 @@ def test_plan_table(capsys):
 
 
 @pytest.mark.unit
+@pytest.mark.slow
 def test_plan_table_shows_the_best_rows_each_family_and_the_choice(capsys):
     """~300 candidates for llama2-7b on 8 x 8: the default table is the best 12, the best of each
     family and the choice; --top N changes N, --all shows every one."""
@@ -69,6 +71,7 @@ def check_contract(doc, n_strategies=None):
 
 
 @pytest.mark.unit
+@pytest.mark.slow
 def test_plan_json_contract(capsys):
     code, out, _ = run(capsys, *PLAN_7B, "--json")
     doc = json.loads(out)
@@ -148,6 +151,7 @@ def test_bad_input_that_needs_torch_to_see_exits_2(capsys, argv, match):
 
 
 @pytest.mark.unit
+@pytest.mark.slow
 def test_console_script_and_no_torch_on_fast_path():
     """`hybrid plan` on a preset must answer without importing torch (it takes ~1 s alone)."""
     code = ("import sys; from hybrid.cli import main; rc = main(%r); "

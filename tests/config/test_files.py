@@ -64,6 +64,7 @@ def test_a_fifo_as_calibration_flag_or_variable_is_refused(fifo):
         assert _one_line(rc, out, err) and "calibration file" in err and "is a FIFO" in err, err
 
 
+@pytest.mark.slow
 def test_a_fifo_in_a_strategy_folder_flag_or_variable_is_refused(tmp_path, fifo):
     fifo("s.yaml")
     for argv, env in ((["--strategies-dir", str(tmp_path)], None), ([], {"HYBRID_STRATEGIES": str(tmp_path)})):

@@ -148,6 +148,7 @@ def test_the_links_price_the_domain():
     assert rack.collective("all_gather", 1e9, 8) < hgx.collective("all_gather", 1e9, 16)
 
 
+@pytest.mark.slow
 def test_cli_plans_the_2026_gpus(capsys):
     from hybrid.cli.main import main
     assert main(["plan", "llama3-70b", "--nodes", "36", "--gpus-per-node", "4", "--gpu", "gb200", "--tp", "8",

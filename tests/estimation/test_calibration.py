@@ -22,6 +22,7 @@ GPT2_NODE = ["gpt2", "--nodes", "1", "--gpus-per-node", "8", "--gpu", "a100-80gb
              "--micro-batch", "8"]
 
 
+@pytest.mark.slow
 def test_model_error_is_the_corpus_leave_one_out_median():
     import public_runs
     assert public_runs.model_error() == pytest.approx(MODEL_ERROR, abs=0.0005)
@@ -39,6 +40,7 @@ def test_gpt2_on_one_node_picks_ddp_and_says_why(capsys):
 
 @pytest.mark.parametrize("argv", [GPT2_NODE, ["llama2-7b", "--nodes", "8"], ["llama3-70b", "--nodes", "8",
                                                                             "--seq-len", "8192"]])
+@pytest.mark.slow
 def test_the_chosen_line_calls_nothing_fastest_that_is_not(capsys, argv):
     assert main(["plan", *argv]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -78,6 +78,7 @@ def test_torchtitan_command_names_its_registry_entry(capsys, argv, module, confi
 
 
 @pytest.mark.unit
+@pytest.mark.slow
 def test_torchtitan_command_says_what_it_cannot_express(capsys):
     assert main(["plan", "llama3-8b", "--nodes", "1", "--precision", "fp16-mixed", "--gpu", "v100-32gb",
                  "--emit", "torchtitan"]) == 2
@@ -91,6 +92,7 @@ def test_torchtitan_command_says_what_it_cannot_express(capsys):
 
 
 @pytest.mark.unit
+@pytest.mark.slow
 def test_deepspeed_for_the_trainer_leaves_its_values_auto(capsys):
     # the plan chooses hsdp here, which DeepSpeed does not run: its fastest layout that fits is emitted
     out, err = _run(capsys, "plan", "llama3-70b", "--nodes", "8", "--seq-len", "8192", "--emit", "deepspeed",
@@ -110,6 +112,7 @@ def test_deepspeed_for_the_trainer_leaves_its_values_auto(capsys):
 
 
 @pytest.mark.unit
+@pytest.mark.slow
 def test_job_file_round_trip_and_flags_override(capsys, tmp_path):
     job, saved = tmp_path / "job.yaml", tmp_path / "saved.yaml"
     job.write_text("model: llama3-70b\nnodes: 8\nseq-len: 8192\nactivation_checkpointing: selective\n")

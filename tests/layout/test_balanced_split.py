@@ -51,6 +51,7 @@ def _case(rng):
     return layers, fixed, per
 
 
+@pytest.mark.slow
 def test_balanced_split_matches_the_one_at_a_time_loop_on_random_inputs():
     rng = random.Random(20261201)
     checked = 0

@@ -23,6 +23,7 @@ def _plan(gb, **kw):
 
 
 @pytest.mark.unit
+@pytest.mark.slow
 def test_every_row_trains_the_global_batch_with_its_own_shape():
     p = _plan(64)
     shapes = set()
@@ -45,6 +46,7 @@ def test_every_row_trains_the_global_batch_with_its_own_shape():
 
 
 @pytest.mark.unit
+@pytest.mark.slow
 def test_max_micro_batch_is_the_largest_that_fits():
     """Judged again independently: the reported largest fits, the next option up does not."""
     p = _plan(64)
@@ -66,6 +68,7 @@ def test_max_micro_batch_is_the_largest_that_fits():
 
 
 @pytest.mark.unit
+@pytest.mark.slow
 def test_a_layout_whose_ranks_do_not_divide_the_global_batch_is_rejected_with_the_reason():
     p = _plan(12)            # 8 data-parallel ranks do not divide 12; 4 (tp 2) and 2 (tp 4) do
     dp8 = [c for c in p.candidates if c.parallel.dp_size == 8]
@@ -121,6 +124,7 @@ def test_bad_global_batch_is_one_line(capsys, extra, message):
 
 
 @pytest.mark.unit
+@pytest.mark.slow
 def test_the_405b_readme_example_trains_one_global_batch_in_every_row():
     p = plan(resolve_model("llama3.1-405b").profile, TrainSpec(seq_len=8192, global_batch=512),
              Cluster.build(16, 8, "h100-80gb"), CAT, search_checkpointing=True)
@@ -190,6 +194,7 @@ def test_auto_wrap_holds_the_implied_global_batch_as_hybrid_plan_does():
 
 
 @pytest.mark.unit
+@pytest.mark.slow
 def test_a_roomy_micro_batch_is_chosen_over_a_faster_tight_one():
     """Review: the search keeps a layout's fitting-with-room shape where it has one, as choose() does."""
     from hybrid.config.cluster import Cluster
@@ -208,6 +213,7 @@ def test_a_roomy_micro_batch_is_chosen_over_a_faster_tight_one():
 
 
 @pytest.mark.unit
+@pytest.mark.slow
 def test_a_layout_whose_batch_does_not_divide_is_rejected_not_tight(capsys):
     """A layout rejected before its batch search (100 sequences over 8 data-parallel ranks) is not
     tight: the report once read its missing step time and ended in an AttributeError."""
@@ -231,6 +237,7 @@ HELD = [
 
 @pytest.mark.unit
 @pytest.mark.parametrize("command", HELD)
+@pytest.mark.slow
 def test_every_row_of_a_plan_trains_the_global_batch_its_header_states(capsys, command):
     """tokens/s per GPU x step time x GPUs = global batch x sequence for every row, with or without
     --global-batch (without it: micro-batch x accumulation x the world, each layout at its own shape)."""

@@ -36,6 +36,7 @@ def test_fusion_explains_torchtitans_compiled_speedup():
         assert need_c == pytest.approx(need_e, rel=0.03)
 
 
+@pytest.mark.slow
 def test_the_torchtitan_emit_carries_compile(capsys):
     from hybrid.cli.main import main
     argv = ["plan", "llama3-8b", "--seq-len", "8192", "--global-batch", "64", "--emit", "torchtitan"]
@@ -66,6 +67,7 @@ def test_float8_is_refused_in_one_line_where_it_cannot_run(capsys, argv, message
     assert out == "" and message in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_float8_plans_its_linears_at_the_float8_peak_and_says_torchtitan_sets_it_in_python(capsys):
     from hybrid.cli.main import main
     from hybrid.estimation.cost.step import step_cost

@@ -79,6 +79,7 @@ def test_bytes_per_rank_follow_what_each_family_holds():
 
 
 @pytest.mark.unit
+@pytest.mark.slow
 def test_the_405b_plan_on_16k_gpus_shows_checkpoints_interval_and_goodput(capsys):
     assert main(shlex.split("plan llama3.1-405b --nodes 2048 --gpus-per-node 8 --top 3")) == 0
     out = capsys.readouterr().out

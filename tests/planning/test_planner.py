@@ -43,6 +43,7 @@ def test_llama2_70b_shards_across_nodes_or_fully():
 
 
 @pytest.mark.unit
+@pytest.mark.slow
 def test_nothing_fits_says_the_smallest_change():
     p = plan(resolve_model("llama3.1-405b").profile, TrainSpec(1, 4096), Cluster.build(1, 8, "a100-40gb"),
              search_checkpointing=True)
@@ -84,6 +85,7 @@ def _emit(capsys, *argv):
 
 
 @pytest.mark.unit
+@pytest.mark.slow
 def test_emit_fsdp_yaml(capsys):
     doc = yaml.safe_load(_emit(capsys, "llama2-7b", "--nodes", "8", "--seq-len", "4096", "--emit", "fsdp"))
     assert doc["mesh"]["dim_names"] == ["dp_replicate", "dp_shard"]
@@ -138,6 +140,7 @@ def test_emit_errors(capsys):
 
 
 @pytest.mark.unit
+@pytest.mark.slow
 def test_compare_plot(tmp_path, capsys):
     png = tmp_path / "cmp.png"
     code = main(["compare", "llama2-7b", "--nodes", "2", "--strategies", "ddp,fsdp,hsdp,zero3",
@@ -209,6 +212,7 @@ def test_a_suggested_gpu_has_more_memory_and_fits_by_the_estimate(monkeypatch):
     "plan llama2-7b --nodes 1 --gpus-per-node 1 --gpu a10g-24gb --strategy fsdp",
     "plan llama2-7b --nodes 1 --gpus-per-node 8 --seq-len 4096",
 ])
+@pytest.mark.slow
 def test_chosen_is_set_only_where_a_row_fits(capsys, command):
     import shlex
     assert main(shlex.split(command) + ["--json"]) == 0

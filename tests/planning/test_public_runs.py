@@ -129,6 +129,7 @@ def test_plan_prefers_fits_over_a_faster_tight_layout(capsys):
     assert only.chosen.verdict == "tight" and "fits tightly" in str(only)
 
 
+@pytest.mark.slow
 def test_every_published_run_gets_its_verdict():
     """Done when: every published run that trained is fits or tight, every published OOM is OOM."""
     import public_runs
@@ -153,6 +154,7 @@ def test_allocator_keys_in_a_job_file(tmp_path):
         wrap_options(str(job))
 
 
+@pytest.mark.slow
 def test_the_catalogue_constants_are_what_the_corpus_calibrates():
     """The hard-coded efficiencies and headrooms are the corpus's fit (within rounding), so a corpus
     or model change that moves them fails here instead of leaving stale figures."""
