@@ -259,6 +259,28 @@ def layer_read_full(layer, d: DecoderConfig, spec: TrainSpec, c: int, autocast: 
     return norms + _attention_read(layer.attention, spec, cc, layer.norm) + _mlp_read(layer.mlp, h, cc, autocast)
 
 
+def layer_read_selective(layer, d: DecoderConfig, spec: TrainSpec, c: int, autocast: bool) -> float:
+    """Bytes per token one read block keeps under selective checkpointing (runtime/activation_checkpoint.py
+    _selective_policy: the outputs of aten.mm/addmm and of SDPA's flash/efficient kernels are saved,
+    everything else recomputed): the block input, the output of every linear of the block (q/k/v/o or
+    the fused qkv; MLA's q_a, q_b, kv_a, kv_b; gate/up/down; the router, shared experts and their gate:
+    each 2-D matrix of Layer.matrices), and SDPA's output with its logsumexp per head. Routed experts
+    run grouped_mm (or bmm under dense dispatch) and eager attention (sinks, softcap) bmm: neither is
+    in the policy's set, so both are recomputed. A window shorter than the sequence still runs a saved
+    kernel (CPU's flash takes the mask; CUDA's efficient kernel). Measured with MemTracker on tiny
+    transformers models (tests/estimation/test_read_checkpointing.py)."""
+    at, mlp, h = layer.attention, layer.mlp, d.hidden
+    mm = 2 if autocast else c
+    if mlp.moe:          # the router's logits; a shared expert's gate, up and down, and its scalar gate
+        widths = mlp.experts + ((2 * mlp.shared_ffn + h) if mlp.shared_ffn else 0) + (1 if mlp.shared_gate else 0)
+    else:
+        widths = (2 * mlp.ffn if mlp.gated else mlp.ffn) + h
+    linears = sum(m[0] for m in at.matrices(h) if len(m) == 2) + widths
+    eager = spec.attention == "eager" or at.sinks or at.softcap
+    kernel = 0 if eager else mm * at.heads * at.v_dim + F32 * at.heads
+    return (F32 if autocast else c) * d.hidden + mm * linears + kernel
+
+
 def compiled_supported(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> str | None:
     """Why a compiled block's memory is not modelled for this job (None when it is)."""
     if autocast:
@@ -290,9 +312,12 @@ def _read_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool,
     if getattr(spec, "compile", False):
         raise NotApplicable(f"compiled blocks of {d.hf_model_type or 'this'} decoder (read from its module) are not "
                             "modelled; plan without --compile")
-    if ckpt not in ("none", "full") and not ckpt.startswith("layer:"):
-        raise NotApplicable(f"{ckpt} checkpointing of {d.hf_model_type or 'this'} decoder (read from its module) is "
-                            "not modelled; use none, full or layer:N")
+    if ckpt == "op":
+        raise NotApplicable(f"op checkpointing of {d.hf_model_type or 'this'} decoder (read from its module) is "
+                            "not modelled; use none, selective, full or layer:N")
+    if ckpt == "selective" and spec.lora:
+        raise NotApplicable(f"selective checkpointing with LoRA of {d.hf_model_type or 'this'} decoder (read from its "
+                            "module) is not modelled; use none, full or layer:N")
     full = [(layer_read_full(ly, d, spec, c, autocast)
              + (lora_read_delta(ly, i, d, spec, c, adapters_autocast) if spec.lora else 0)) * T
             for i, ly in enumerate(d.stack)]
@@ -301,6 +326,10 @@ def _read_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool,
         return sum(full) / len(full), 0.0
     if ckpt == "full":
         return kept, max(full)
+    if ckpt == "selective":
+        # recomputing a block rebuilds what it keeps without checkpointing beyond what the policy saved
+        sel = [layer_read_selective(ly, d, spec, c, autocast) * T for ly in d.stack]
+        return sum(sel) / len(sel), max(max(f - s, 0.0) for f, s in zip(full, sel))
     every = layer_every(ckpt)
     per = [kept if i % every == 0 else f for i, f in enumerate(full)]
     return sum(per) / len(per), max(full)
