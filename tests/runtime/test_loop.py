@@ -2,6 +2,7 @@
 
 Every strategy must end where one process ends on the same global batch (fp32, 1e-5).
 """
+import functools
 import math
 import os
 
@@ -36,6 +37,7 @@ def micro(ids, world, rank, k):
     return ids[start:start + MB]
 
 
+@functools.cache    # pure (seeded model and batches, one CPU process), and check() and its callers only read it
 def reference(world, steps=STEPS, model_fn=None, frozen=None):
     """One process, the whole global batch per optimizer step, torch's own clipping and scheduler."""
     model = (model_fn or (lambda: build_decoder(TINY, seed=0)))()
