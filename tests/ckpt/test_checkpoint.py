@@ -151,24 +151,35 @@ def load_bad(path):
     return None
 
 
+def load_each(paths):
+    """load_bad on each path in turn, in one launch: {path: its one-line error, or None}."""
+    return {path: load_bad(path) for path in paths}
+
+
 def test_bad_checkpoints_are_clear_errors(zero3_on_4, tmp_path):
     good, _ = zero3_on_4
-    assert "has no meta.json" in run_ranks(2, load_bad, str(tmp_path))[0]
-    assert "does not exist" in run_ranks(2, load_bad, str(tmp_path / "nope"))[0]
     # a truncated and a corrupted shard, in copies of the good checkpoint
     import shutil
     meta = json.load(open(os.path.join(good, "meta.json")))
     shard = next(f for f in meta["files"] if f.endswith(".distcp"))
-    for kind in ("truncated", "corrupted"):
+    kinds = ("truncated", "corrupted")
+    for kind in kinds:
         bad = str(tmp_path / kind)
         shutil.copytree(good, bad)
         f = os.path.join(bad, meta["data"], shard)
         data = open(f, "rb").read()
         open(f, "wb").write(data[: len(data) // 2] if kind == "truncated" else data[:100] + b"\xff" * 8 + data[108:])
-        msg = run_ranks(2, load_bad, bad)[0]
+    empty, missing = str(tmp_path / "empty"), str(tmp_path / "nope")
+    os.makedirs(empty)
+    # one launch loads each (docs/development.md, "One launch, several checks"); the good one last
+    msgs = run_ranks(2, load_each, [empty, missing, *(str(tmp_path / k) for k in kinds), good])[0]
+    assert "has no meta.json" in msgs[empty]
+    assert "does not exist" in msgs[missing]
+    for kind in kinds:
+        msg = msgs[str(tmp_path / kind)]
         assert kind in msg and shard in msg
     # the original is untouched and still loads
-    assert run_ranks(2, load_bad, good)[0] is None
+    assert msgs[good] is None
 
 
 def train_and_save_preset(name, path):

@@ -1,4 +1,6 @@
 """Pipeline parallelism as the outer dimension: stages on CPU ranks equal one process (fp32)."""
+import functools
+
 import pytest
 import torch
 
@@ -36,6 +38,7 @@ def tiny4():
 MODELS = {"tiny": tiny, "hf": hf_llama, "tiny4": tiny4}
 
 
+@functools.cache        # pure: seeded model and batches, one CPU process; read only by check()
 def reference(model_name, dp):
     """One process: each step the global batch's dp x GA micro-batches, mean loss, clip, step."""
     model = MODELS[model_name]()
@@ -88,17 +91,37 @@ def check(results, runs, dp):
                 assert max(abs(a - b) for a, b in zip(res["losses"], ref_losses)) < 1e-5, (key, res["losses"])
 
 
-def test_pp2_on_two_ranks_every_schedule_tied_model_and_transformers_llama():
-    runs = [("tiny", "fsdp", 2, "1f1b"), ("tiny", "ddp", 2, "gpipe"), ("hf", "fsdp", 2, "gpipe"),
+PP2_RUNS = [("tiny", "fsdp", 2, "1f1b"), ("tiny", "ddp", 2, "gpipe"), ("hf", "fsdp", 2, "gpipe"),
             ("hf", "ddp", 2, "1f1b"), ("tiny4", "fsdp", 2, "interleaved")]
-    res = run_ranks(2, train_pp, runs)
-    check(res, runs, 1)
+PP2_DP2_RUNS = [("tiny", "fsdp", 2, "1f1b"), ("tiny", "ddp", 2, "gpipe"), ("hf", "fsdp", 2, "1f1b")]
+PLAIN = ["ddp", "fsdp", "zero2"]
 
 
-def test_pp2_by_dp2_on_four_ranks():
-    runs = [("tiny", "fsdp", 2, "1f1b"), ("tiny", "ddp", 2, "gpipe"), ("hf", "fsdp", 2, "1f1b")]
-    res = run_ranks(4, train_pp, runs, local_world=4)
-    check(res, runs, 2)
+def two_rank_cases(_):
+    """Every independent two-rank training check of this file in one launch (docs/development.md,
+    "One launch, several checks"): the pp 2 schedules, and the plain loop on each backend."""
+    return {"pp": train_pp(PP2_RUNS), "plain": train_plain(PLAIN)}
+
+
+def four_rank_cases(_):
+    """The four-rank training checks in one launch: pp 2 x dp 2, and pp 2 x tp 2."""
+    return {"pp_dp": train_pp(PP2_DP2_RUNS), "pp_tp": train_pp_tp(None)}
+
+
+def test_pp2_every_schedule_tied_and_transformers_llama_and_the_plain_loop_on_two_ranks():
+    """pp 2 under every schedule (ours, tied, and transformers' llama) equals one process; and
+    w.train_step without a pipeline is the same loop on ddp, fsdp and zero2."""
+    launched = run_ranks(2, two_rank_cases, None)
+    check([r["pp"] for r in launched], PP2_RUNS, 1)
+    check([r["plain"] for r in launched], [("tiny",)], 2)
+
+
+def test_pp2_by_dp2_and_pp2_by_tp2_on_four_ranks_sequence_shards_cross_the_stage_boundary():
+    launched = run_ranks(4, four_rank_cases, None, local_world=4)
+    check([r["pp_dp"] for r in launched], PP2_DP2_RUNS, 2)
+    res = [r["pp_tp"] for r in launched]
+    assert res[0]["tiny/pp2xtp2"]["layout"] == "pp 2 x tp 2"
+    check(res, [("tiny",)], 1)
 
 
 def run_and_save(path, pp, strategy, ga, steps_before, steps_after, load=False, model="tiny", schedule=None):
@@ -205,12 +228,6 @@ def train_pp_tp(_):
     return {"tiny/pp2xtp2": {"state": w.state_dict(), "losses": losses, "layout": w.parallel.describe()}}
 
 
-def test_pp2_by_tp2_on_four_ranks_sequence_shards_cross_the_stage_boundary():
-    res = run_ranks(4, train_pp_tp, None, local_world=4)
-    assert res[0]["tiny/pp2xtp2"]["layout"] == "pp 2 x tp 2"
-    check(res, [("tiny",)], 1)
-
-
 def test_interleaved_checkpoint_resumes_under_fsdp(tmp_path):
     path = str(tmp_path / "ckpt")
     full = run_ranks(2, run_and_save, path, 2, "fsdp", 2, 2, 2, False, "tiny4", "interleaved")[0]
@@ -230,8 +247,3 @@ def train_plain(strategies):
         losses = [w.train_step(ids[w.dp_rank * GA * MB:(w.dp_rank + 1) * GA * MB]) for ids in batches(w.dp_size)]
         out[f"tiny/{strategy}"] = {"state": w.state_dict(), "losses": losses}
     return out
-
-
-def test_train_step_is_the_same_loop_on_ddp_fsdp_and_zero():
-    res = run_ranks(2, train_plain, ["ddp", "fsdp", "zero2"])
-    check(res, [("tiny",)], 2)

@@ -134,8 +134,13 @@ def train_meta(strategy):
     return losses, tied
 
 
+def train_meta_each(strategies):
+    return {s: train_meta(s) for s in strategies}
+
+
 def test_meta_device_models_are_materialized_after_sharding():
+    launched = run_ranks(2, train_meta_each, ("fsdp", "ddp"))[0]      # one launch, both strategies
     for strategy in ("fsdp", "ddp"):
-        losses, tied = run_ranks(2, train_meta, strategy)[0]
+        losses, tied = launched[strategy]
         assert tied and all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], strategy
         assert abs(losses[0] - 6.24) < 0.2          # N(0, 0.02) init: loss starts near ln(512)

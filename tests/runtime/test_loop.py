@@ -2,6 +2,7 @@
 
 Every strategy must end where one process ends on the same global batch (fp32, 1e-5).
 """
+import functools
 import math
 import os
 
@@ -36,6 +37,7 @@ def micro(ids, world, rank, k):
     return ids[start:start + MB]
 
 
+@functools.cache    # pure (seeded model and batches, one CPU process), and check() and its callers only read it
 def reference(world, steps=STEPS, model_fn=None, frozen=None):
     """One process, the whole global batch per optimizer step, torch's own clipping and scheduler."""
     model = (model_fn or (lambda: build_decoder(TINY, seed=0)))()
@@ -129,9 +131,16 @@ def count_collectives(strategy):
     return counts
 
 
+def count_each(strategies):
+    """count_collectives for each strategy in one launch (docs/development.md, "One launch, several checks")."""
+    return {s: count_collectives(s) for s in strategies}
+
+
 def test_no_gradient_reduction_inside_a_window():
-    for strategy in ("ddp", "fsdp", "zero1"):
-        counts = run_ranks(2, count_collectives, strategy)[0]
+    strategies = ("ddp", "fsdp", "zero1")
+    launched = run_ranks(2, count_each, strategies)[0]
+    for strategy in strategies:
+        counts = launched[strategy]
         assert counts[:-1] == [0] * (GA - 1), (strategy, counts)
         assert counts[-1] > 0, (strategy, counts)          # the counter sees the window's reduction
 
@@ -302,14 +311,20 @@ def manual_clip(strategy):
     return norm
 
 
+def manual_clip_each(strategies):
+    return {s: manual_clip(s) for s in strategies}
+
+
 def test_manual_clip_really_clips_or_names_max_grad_norm():
+    launched = run_ranks(1, manual_clip_each, ("ddp", "fsdp", "zero3"))[0]       # one launch
     for strategy in ("ddp", "fsdp"):
-        got = run_ranks(1, manual_clip, strategy)[0]
+        got = launched[strategy]
         assert math.isclose(got, reference_norm_ga1(), rel_tol=1e-5), strategy
-    msg = run_ranks(1, manual_clip, "zero3")[0]
+    msg = launched["zero3"]
     assert isinstance(msg, str) and "max_grad_norm=" in msg
 
 
+@functools.cache            # pure: seeded model and batch
 def reference_norm_ga1():
     model = build_decoder(TINY, seed=0)
     ids = global_batches(1, 1, ga=1)[0]

@@ -29,13 +29,14 @@ def hf_qwen3():
                                         tie_word_embeddings=False, max_position_embeddings=64))
 
 
-def test_tp2_on_two_ranks_equals_one_process():
+def test_tp2_on_two_ranks_equals_one_process_ours_qwen3_gemma3_and_transformers_llama():
     """Our decoder and a transformers Qwen3 (its own base_model_tp_plan's projections, with sequence
     parallelism and the vocab-parallel loss: refused before for its q/k norms) under fsdp and ddp
-    over tp 2, one launch."""
+    over tp 2; Gemma 3 and transformers' llama with its own tp plan: one launch."""
     from tests.runtime.test_loop import reference
-    runs = [("fsdp", 2), ("ddp", 2)]
-    res = run_ranks(2, train_tp, runs, runs)
+    runs = TP2_RUNS
+    launched = run_ranks(2, two_rank_cases, None)
+    res = [r["tp"] for r in launched]
     check(res, 1, [f"{s}+tp{t}" for s, t in runs])           # one data-parallel rank: the global batch
     ref = reference(1, model_fn=hf_qwen3)[0]
     for r in res:
@@ -43,6 +44,17 @@ def test_tp2_on_two_ranks_equals_one_process():
             got = r[f"qwen3:{s}+tp{t}"]["state"]
             diff = max((got[k] - ref[k]).abs().max().item() for k in ref)
             assert diff < 1e-5, (s, diff)
+    gemma3_checks([r["gemma3"] for r in launched])
+    transformers_llama_checks([r["hf"] for r in launched])
+
+
+TP2_RUNS = [("fsdp", 2), ("ddp", 2)]
+
+
+def two_rank_cases(_):
+    """The independent two-rank checks of this file in one launch (docs/development.md, "One launch,
+    several checks"): ours and Qwen3 over tp 2, Gemma 3 over tp 2, transformers' llama with its plan."""
+    return {"tp": train_tp(TP2_RUNS, TP2_RUNS), "gemma3": train_gemma3("fsdp", 2), "hf": train_hf(2)}
 
 
 def hf_gemma3():
@@ -60,21 +72,29 @@ def train_gemma3(strategy, tp):
     return {"gemma3": train(strategy, tp=tp, model_fn=hf_gemma3)}
 
 
-def test_gemma3_tp2_on_two_ranks_equals_one_process():
+def gemma3_checks(res):
     """Gemma 3's norms after attention and the MLP return this rank's sequence shard as a plain
     tensor (the residual it is added to is one), as its pre-norms and the final norm do."""
     from tests.runtime.test_loop import reference
-    res = run_ranks(2, train_gemma3, "fsdp", 2)
     ref = reference(1, model_fn=hf_gemma3)[0]
     for r in res:
         diff = max((r["gemma3"]["state"][k] - ref[k]).abs().max().item() for k in ref)
         assert diff < 1e-5, diff
 
 
-def test_dp2_by_tp2_on_four_ranks_fsdp_and_ddp_outer():
-    runs = [("fsdp", 2), ("ddp", 2), ("hsdp", 2)]
-    res = run_ranks(4, train_tp, runs, local_world=4)
-    check(res, 2, [f"{s}+tp{t}" for s, t in runs])
+DP2_TP2_RUNS = [("fsdp", 2), ("ddp", 2), ("hsdp", 2)]
+
+
+def four_rank_cases(_):
+    """The independent four-rank checks in one launch: dp 2 x tp 2 training, and which mesh
+    dimensions the parameters' collectives run over."""
+    return {"tp": train_tp(DP2_TP2_RUNS), "layout": layout_of_params(None)}
+
+
+def test_dp2_by_tp2_on_four_ranks_fsdp_and_ddp_outer_and_the_collectives_dims():
+    launched = run_ranks(4, four_rank_cases, None, local_world=4)
+    check([r["tp"] for r in launched], 2, [f"{s}+tp{t}" for s, t in DP2_TP2_RUNS])
+    collectives_checks([r["layout"] for r in launched])
 
 
 def hf_llama():
@@ -87,9 +107,9 @@ def train_hf(tp):
     return {"hf": train("fsdp", tp=tp, model_fn=hf_llama)}
 
 
-def test_transformers_llama_with_its_own_tp_plan():
+def transformers_llama_checks(res):
+    """transformers' llama under its own tp plan equals one process."""
     from tests.runtime.test_loop import CLIP, adamw, global_batches, warmup
-    res = run_ranks(2, train_hf, 2)
     model = hf_llama()
     opt = adamw(model.parameters())
     sched = warmup(opt)
@@ -123,8 +143,8 @@ def layout_of_params(_):
             "groups": groups, "dp": (w.dp_rank, w.dp_size)}
 
 
-def test_dp_collectives_run_over_dp_dims_and_tp_inside_tp_groups():
-    res = run_ranks(4, layout_of_params, None, local_world=4)
+def collectives_checks(res):
+    """dp collectives run over the dp dims, tp's inside the tp groups."""
     for rank, r in enumerate(res):
         # sharded over dp_shard (FSDP: all-gather / reduce-scatter there) and over tp (its matmul collectives)
         assert r["q"] == (("dp_shard", "tp"), ["shard", "shard"]), r["q"]
