@@ -106,13 +106,15 @@ def _extension_cache():
 RANK_PRELOAD = ("deepspeed", "hybrid.auto", "hybrid.ckpt.store", "hybrid.model.decoder", "hybrid.runtime.backends.ddp",
                 "hybrid.runtime.backends.fsdp", "hybrid.runtime.backends.deepspeed", "hybrid.runtime.backends.tp",
                 "hybrid.runtime.backends.cp", "hybrid.runtime.backends.ep", "hybrid.runtime.backends.pipeline",
-                "torch._dynamo", *(f"transformers.models.{m}.modeling_{m}" for m in (
+                "torch._dynamo", "torch._inductor.compile_fx", "torch._functorch.aot_autograd",
+                *(f"transformers.models.{m}.modeling_{m}" for m in (
                     "llama", "qwen3", "qwen2", "mixtral", "qwen3_moe", "qwen2_moe", "gemma3", "deepseek_v3", "gpt2")))
 """What the ranks of run_ranks import in (nearly) every test: imported once by the fork server of each
 test process (hybrid.runtime.launch.preload) instead of by every rank of every launch. Measured on the
 gloo tier (226 rank runs): torch._dynamo, which FSDP2 and checkpointing import, in 221 of them (0.6 s
-of CPU each) and transformers' modeling code in 38 (3.2 s each); the transformers decoders the tests
-build are listed (a module missing from the installed transformers is skipped by the fork server)."""
+of CPU each) and torch._inductor's compile_fx with it (1.3 s more), and transformers' modeling code in
+38 (3.2 s each); the transformers decoders the tests build are listed (a module missing from the
+installed transformers is skipped by the fork server)."""
 
 
 def pytest_runtest_setup(item):
