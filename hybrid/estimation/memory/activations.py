@@ -268,7 +268,8 @@ def layer_read_selective(layer, d: DecoderConfig, spec: TrainSpec, c: int, autoc
     run grouped_mm (or bmm under dense dispatch) and eager attention (sinks, softcap) bmm: neither is
     in the policy's set, so both are recomputed. A window shorter than the sequence still runs a saved
     kernel (CPU's flash takes the mask; CUDA's efficient kernel). Measured with MemTracker on tiny
-    transformers models (tests/estimation/test_read_checkpointing.py)."""
+    transformers models (tests/model/test_anatomy.py
+    test_checkpointed_activations_are_what_memtracker_sees)."""
     at, mlp, h = layer.attention, layer.mlp, d.hidden
     mm = 2 if autocast else c
     if mlp.moe:          # the router's logits; a shared expert's gate, up and down, and its scalar gate
