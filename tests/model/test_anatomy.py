@@ -106,28 +106,36 @@ def test_model_flops_count_the_window():
     assert attn == 3 * 2 * (8192 - 1 + 1024 - 1) * 8 * 128
 
 
-@pytest.mark.torch
-@pytest.mark.parametrize("mt", sorted(FAMILIES))
-def test_activations_are_what_memtracker_sees(mt):
-    """Blocks' saved tensors and the head's, against MemTracker's Activation category at the peak
-    of the second of two AdamW steps."""
+def two_adamw_steps(model):
+    """torch's MemTracker over two AdamW training steps of `model`; its module statistics are the
+    second step's (its global peak spans both)."""
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
-
-    from hybrid.config.spec import TrainSpec
-    from hybrid.estimation.memory.activations import activation_terms
-    from hybrid.model.profile import profile_module
-    model = tiny(mt)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     ids = torch.randint(0, 300, (B, S))
     tracker = MemTracker()
     tracker.track_external(model, opt, ids)
     with tracker:
         for _ in range(2):
+            tracker.reset_mod_stats()
             model(input_ids=ids, labels=ids).loss.backward()
             opt.step()
             opt.zero_grad()
-            tracker.reset_mod_stats()
+    return tracker
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("mt", sorted(FAMILIES))
+def test_activations_are_what_memtracker_sees(mt):
+    """Blocks' saved tensors and the head's, against MemTracker's Activation category at the peak
+    of the second of two AdamW steps."""
+    import torch
+
+    from hybrid.config.spec import TrainSpec
+    from hybrid.estimation.memory.activations import activation_terms
+    from hybrid.model.profile import profile_module
+    model = tiny(mt)
+    tracker = two_adamw_steps(model)
     snapshot = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     peak = {str(k).split(".")[-1].lower(): v for k, v in snapshot.items()}
     d = profile_module(model).decoder
@@ -204,8 +212,7 @@ def test_checkpointed_activations_are_what_memtracker_sees(mt, mode):
     adds, seen as Activation from its pre-backward to its backward peak, after some of it is freed
     again) is no more than the estimate by a fifth (eager attention's s x s probabilities: gpt-oss)
     and, under selective, no more than full checkpointing's."""
-    import torch
-    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
+    from torch.distributed._tools.mem_tracker import _ModState
 
     from hybrid.config.spec import TrainSpec
     from hybrid.estimation.memory.activations import activation_terms
@@ -216,16 +223,7 @@ def test_checkpointed_activations_are_what_memtracker_sees(mt, mode):
     prepare_for_training(model)        # a KV cache would be filled again by the recomputation
     blocks = find_blocks(model)[1]
     assert apply_activation_checkpointing(model, mode) == len(blocks)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    ids = torch.randint(0, 300, (B, S))
-    tracker = MemTracker()
-    tracker.track_external(model, opt, ids)
-    with tracker:
-        for _ in range(2):
-            tracker.reset_mod_stats()
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad()
+    tracker = two_adamw_steps(model)
     stats = [tracker.memory_tracking[b] for b in blocks]
     kept = _act(stats[-1], _ModState.POST_FW) - _act(stats[0], _ModState.PRE_FW)
     redone = max(_act(s, _ModState.PEAK_BW) - _act(s, _ModState.PRE_BW) for s in stats)
