@@ -8,6 +8,8 @@ On CPU ranks the blocks compile with inductor's C++ backend, on CUDA with Triton
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 
@@ -26,8 +28,28 @@ def apply_compile(model: nn.Module, spec) -> int:
                           "_no_split_modules, no ModuleList of one class): compile the model yourself and pass "
                           "compile=False")
     for block in blocks:
-        block.compile(fullgraph=True)
+        compile_block(block)
     if getattr(type(model), "loss_fn", None) is not None:        # our Decoder / DecoderStage
         from ..model.decoder import causal_lm_loss
         model.loss_fn = torch.compile(causal_lm_loss)
     return len(blocks)
+
+
+def compile_block(block: nn.Module, **kwargs) -> None:
+    """Compile one block in place (fullgraph; `kwargs` to torch.compile: a backend, dynamic), with
+    dynamo's skip_fwd_side_effects_in_bwd_under_checkpoint on while it traces the block. A
+    checkpointed block whose forward mutates Python state outside it is otherwise refused by
+    dynamo, since eager checkpointing replays the mutation when it recomputes and a compiled
+    backward cannot: transformers' attention (Qwen2, Qwen3, Gemma 3, granite...), under the
+    `kernels` package's use_kernelized_func, sets a context variable for its forward and resets it
+    on return (kernels/_internals/layer/layer.py), which leaves nothing to replay. The flag is
+    dynamo's, read when the block is traced (CheckpointHigherOrderVariable), so it is set around
+    this block's calls only."""
+    block.compile(fullgraph=True, **kwargs)
+    compiled = block._compiled_call_impl           # nn.Module.compile's: what __call__ runs
+
+    @functools.wraps(compiled)
+    def call(*args, **kw):
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+            return compiled(*args, **kw)
+    block._compiled_call_impl = call
