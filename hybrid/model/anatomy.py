@@ -19,6 +19,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from .probes import norm_kind, routing
+
+
 @dataclass(frozen=True)
 class Attention:
     heads: int
@@ -50,6 +53,10 @@ class Attention:
     softcap: float = 0.0
     """tanh soft-capping of the attention logits (Gemma 2); 0 = none."""
     rope: bool = True
+    rope_cat: bool = False
+    """Each query head is a concatenation (MLA's nope and rope parts; a rotary applied to part of the
+    head, `partial_rotary_factor`: Phi-3): the queries come out contiguous per head, so SDPA's
+    output is laid out (b, heads, s, d) and the o projection reads a copy of it, not a view."""
 
     @property
     def v_dim(self) -> int:
@@ -104,6 +111,8 @@ class MLP:
     ffn: int = 0
     """Dense: the intermediate width. MoE: 0."""
     gated: bool = True
+    fused_gate_up: bool = False
+    """One projection makes the gate and the up halves (Phi-3's gate_up_proj): one matmul, not two."""
     act: Literal["silu", "gelu_tanh", "gelu", "gelu_new", "swiglu_clamp", "relu2"] = "silu"
     bias: bool = False
     experts: int = 0
@@ -114,10 +123,17 @@ class MLP:
     """Total width of the shared expert(s) every token also passes through (0: none)."""
     shared_gate: bool = False
     """A sigmoid gate on the shared expert's output (Qwen2-MoE)."""
-    router: Literal["softmax", "sigmoid"] = "softmax"
+    router: Literal["softmax", "sigmoid", "topk_softmax"] = "softmax"
+    """The router's nonlinearity: a softmax over every expert (then the top k), a sigmoid per
+    expert, or a softmax over the top k logits (gpt-oss)."""
     router_bias: bool = False
     renorm: bool = True
     """Whether the top-k routing weights are renormalised to sum to one."""
+    router_fp32: bool = False
+    """The router's matmul runs in fp32 over lower-precision tokens (DeepSeek-V3 upcasts its input
+    and weight): an fp32 copy of both is made."""
+    shared_first: bool = False
+    """The shared expert(s) run before the router (Qwen2-MoE): the order of the block's matmuls."""
     dense_dispatch: bool = False
     """Every expert runs on every token, its output weighted by a routing score that is zero off
     the top k (transformers' Llama 4 experts: one bmm over all experts). The model's FLOPs count
@@ -279,7 +295,8 @@ def read_attention(attn, config, hidden: int, layer_type: str | None) -> Attenti
         d = q_out // heads
         v = attn.o_proj.weight.shape[1] // heads
         return Attention(heads, heads, d, kind="mla", v_head_dim=v if v != d else 0, q_lora=q_lora,
-                         kv_lora=kv_lora, rope_dim=rope, qkv_bias=_has_bias(attn, "q_a_proj", "q_proj"), **common)
+                         kv_lora=kv_lora, rope_dim=rope, qkv_bias=_has_bias(attn, "q_a_proj", "q_proj"), rope_cat=True,
+                         **common)
     q = _weight(attn, "q_proj", "query", "wq")
     if q is not None:
         q_out = q.shape[0]
@@ -301,7 +318,15 @@ def read_attention(attn, config, hidden: int, layer_type: str | None) -> Attenti
     elif getattr(attn, "qk_norm", None) is not None or (getattr(config, "use_qk_norm", False) and common["rope"]):
         qk_norm = "l2"
     return Attention(heads, kv_heads, d, qkv_bias=_has_bias(attn, "q_proj", "qkv_proj", "c_attn", "query_key_value"),
-                     qk_norm=qk_norm, **common)
+                     qk_norm=qk_norm, rope_cat=common["rope"] and _partial_rotary(config), **common)
+
+
+def _partial_rotary(config) -> bool:
+    """Whether the config declares a partial rotary factor (at its top level or in its rope
+    parameters): the code that reads one rotates a slice of each head and concatenates the rest."""
+    rope = _cfg(config, "rope_parameters", default={})
+    return _cfg(config, "partial_rotary_factor") is not None or (
+        isinstance(rope, dict) and rope.get("partial_rotary_factor") is not None)
 
 
 def _act(config) -> str:
@@ -328,7 +353,8 @@ def read_mlp(mlp, config, hidden: int) -> MLP:
     experts = getattr(mlp, "experts", None)
     if experts is None:
         width, gated, biased = _dense_width(mlp)
-        return MLP("dense", width, gated=gated, act=_act(config), bias=biased)
+        fused = _weight(mlp, "gate_up_proj") is not None and _weight(mlp, "gate_proj", "up_proj") is None
+        return MLP("dense", width, gated=gated, fused_gate_up=fused, act=_act(config), bias=biased)
     down = getattr(experts, "down_proj", None)
     if hasattr(down, "shape") and down.dim() == 3:                     # stacked experts (transformers 5)
         n = down.shape[0]
@@ -350,16 +376,21 @@ def read_mlp(mlp, config, hidden: int) -> MLP:
         raise Unreadable(f"MoE {type(mlp).__name__}: no top-k")
     shared = _child(mlp, ("shared_expert", "shared_experts", "shared_mlp"))
     shared_ffn = _dense_width(shared)[0] if shared is not None else 0
-    sigmoid = (getattr(router, "e_score_correction_bias", None) is not None
-               or _cfg(config, "scoring_func", default="softmax") == "sigmoid")
-    renorm = _cfg(config, "norm_topk_prob", default=None)
-    if renorm is None:   # Mixtral and gpt-oss renormalise over the top k (softmax of the top logits)
-        renorm = True
+    routed = routing(mlp, hidden, int(n), int(top_k), shared) or _routing_read(config, router)
     return MLP("moe", 0, gated=gated, act="swiglu_clamp" if clamp else _act(config), bias=bias,
                dense_dispatch=dense_dispatch, experts=int(n), top_k=int(top_k),
                moe_ffn=int(m), shared_ffn=int(shared_ffn), shared_gate=getattr(mlp, "shared_expert_gate", None)
-               is not None, router="sigmoid" if sigmoid else "softmax",
-               router_bias=_has_bias(mlp, "gate", "router"), renorm=bool(renorm))
+               is not None, router_bias=_has_bias(mlp, "gate", "router"), **routed)
+
+
+def _routing_read(config, router) -> dict:
+    """hybrid/model/probes.py routing's fields read from attributes, for a layer that does not run on
+    meta: a sigmoid router has a score correction bias or says so; Mixtral and gpt-oss renormalise
+    over the top k (a softmax of the top logits) where the config does not say."""
+    sigmoid = (getattr(router, "e_score_correction_bias", None) is not None
+               or _cfg(config, "scoring_func", default="softmax") == "sigmoid")
+    renorm = _cfg(config, "norm_topk_prob", default=None)
+    return dict(router="sigmoid" if sigmoid else "softmax", renorm=True if renorm is None else bool(renorm))
 
 
 def read_layer(block, config, hidden: int, layer_type: str | None = None) -> Layer:
@@ -370,7 +401,7 @@ def read_layer(block, config, hidden: int, layer_type: str | None = None) -> Lay
     norm_mods = [c for n, c in block.named_children() if "norm" in n.lower() or "ln" in n.lower()]
     names = {n for n, _ in block.named_children()}
     post = bool(names & {"post_feedforward_layernorm", "post_mlp_layernorm"})
-    kind = _norm_kind(norm_mods[0], hidden) if norm_mods else "rms"
+    kind = norm_kind(norm_mods[0], hidden) if norm_mods else "rms"
     return Layer(read_attention(attn, config, hidden, layer_type), read_mlp(mlp, config, hidden),
                  norms=len(norm_mods), post_norms=post, norm=kind, linears=read_linears(block, attn, mlp, hidden))
 
@@ -403,40 +434,6 @@ def read_linears(block, attn, mlp, hidden: int) -> tuple[Linear, ...]:
                 walk(child, path + ".", child)
     walk(block, "", block)
     return tuple(found)
-
-
-def _norm_kind(norm, hidden: int) -> str:
-    """How a norm keeps its work, measured: run once on a meta bf16 input and read what autograd
-    saves. LayerNorm keeps mean and rstd; an RMSNorm that multiplies its weight in fp32 (Gemma,
-    gpt-oss, OLMo 2) keeps an fp32 normalised copy beside its fp32 input, one that casts back first
-    (Llama) a bf16 one."""
-    import torch
-
-    if "LayerNorm" in type(norm).__name__ and "RMS" not in type(norm).__name__:
-        return "layer"
-    tokens = 3      # activations are tokens x hidden: apart from the weight (and 1 + weight), each saved once
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        if t.dtype == torch.float32 and t.numel() >= tokens * hidden:
-            saved[id(t)] = t.numel() * t.element_size()
-        return t
-    try:
-        x = torch.empty(1, tokens, hidden, device="meta", dtype=torch.bfloat16, requires_grad=True)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            (norm if _on_meta(norm) else _meta_copy(norm))(x)
-    except Exception:  # noqa: BLE001 - a norm that will not run on meta: the common form
-        return "rms"
-    return "rms1p" if sum(saved.values()) >= 2 * 4 * tokens * hidden else "rms"
-
-
-def _on_meta(module) -> bool:
-    return all(p.device.type == "meta" for p in module.parameters())
-
-
-def _meta_copy(module):
-    import copy
-    return copy.deepcopy(module).to("meta")
 
 
 def read_layers(blocks, config, hidden: int) -> tuple[Layer, ...]:
