@@ -64,7 +64,7 @@ def make_batch(model, spec: TrainSpec, vocab: int | None):
 
 
 @contextlib.contextmanager
-def _unpacked_batches():
+def unpacked_batches():
     """transformers decides from the position ids' *values* whether sequences are packed, and so
     whether SDPA may run its causal flash path without a mask (and with GQA kept). Fake tensors
     have no values, so it would materialise a mask a real unpacked batch never gets; answer for it."""
@@ -461,7 +461,7 @@ def _trace(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cl
         mesh = build_mesh(dims, runtime, cluster.gpus_per_node, cluster.domain)     # outside fake mode: real ints
         backend = strategy.family_obj.runtime()
         dtype = torch.bfloat16 if spec.precision == "bf16" else None
-        with FakeTensorMode(allow_non_fake_inputs=True), _unpacked_batches(), _real_mesh_arithmetic():
+        with FakeTensorMode(allow_non_fake_inputs=True), unpacked_batches(), _real_mesh_arithmetic():
             tracker = MemoryTracker()
             with tracker:
                 model, impl = source.build(device="cpu", attention=spec.attention, prefer_hf=prefer_hf,
@@ -544,7 +544,7 @@ def traced_stage_estimate(source: ModelSource, strategy: Strategy, spec: TrainSp
         dtype = torch.bfloat16 if spec.precision == "bf16" else None
         index = layout.rank_stages(pp_rank)[0]
         first, last = index == 0, index == layout.stages - 1
-        with FakeTensorMode(allow_non_fake_inputs=True), _unpacked_batches(), _real_mesh_arithmetic():
+        with FakeTensorMode(allow_non_fake_inputs=True), unpacked_batches(), _real_mesh_arithmetic():
             # the whole model on fake tensors, outside the tracker: only what the stage's wrapping
             # allocates (its sharded parameters) and the steps count
             model, impl = source.build(device="cpu", attention=spec.attention, prefer_hf=False, dtype=dtype)

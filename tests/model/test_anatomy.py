@@ -161,7 +161,8 @@ def test_published_configs_give_the_model_cards_counts(name):
 
 @pytest.mark.torch
 def test_qwen3_30b_preset_and_its_read_module_agree():
-    """The closed-form preset and the anatomy read from the transformers module: one model."""
+    """The closed-form preset and the anatomy read from the transformers module: one model (its
+    compiled blocks' activations too: the preset's are priced per component as the module's)."""
     import dataclasses
 
     from hybrid.model.decoder import build_hf
@@ -172,6 +173,11 @@ def test_qwen3_30b_preset_and_its_read_module_agree():
     read = read_decoder(model, model.config)
     assert read.params == cfg.params and read.active_params == cfg.active_params
     assert read.flops_per_token(4096) == pytest.approx(cfg.flops_per_token(4096), rel=1e-9)
+    from hybrid.config.spec import TrainSpec
+    from hybrid.estimation.memory.activations import activation_terms
+    for mode in ("none", "op"):                 # compiled: the preset's blocks are the module's (MoE, q/k norms)
+        spec = TrainSpec(1, 4096, precision="bf16", activation_checkpointing=mode, compile=True)
+        assert activation_terms(read, spec, False) == activation_terms(cfg, spec, False)
 
 
 @pytest.mark.torch
@@ -195,13 +201,15 @@ def _act(stats, state) -> int:
 
 
 # DeepSeek-V3's MLA has a value head narrower than its query/key head: CPU's SDPA then runs the
-# math path, which the selective policy does not save; CUDA runs the efficient kernel, which it does
-# (the estimate's case). Measured: 913408 bytes seen, 1017855 estimated (docs/limitations.md).
-CHECKPOINTED_RATIO = {("deepseek_v3", "selective"): 1.1143}
+# math path, which the selective and per-op policies do not save; CUDA runs the efficient kernel,
+# which they do (the estimate's case). Measured: 913408 bytes seen, 1017855 estimated (selective);
+# 434176 seen, 538623 estimated (op): the kernel's output and logsumexp, 272 bytes a token a layer
+# (docs/limitations.md).
+CHECKPOINTED_RATIO = {("deepseek_v3", "selective"): 1.1143, ("deepseek_v3", "op"): 1.2406}
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "op"])
 @pytest.mark.parametrize("mt", sorted(FAMILIES))
 def test_checkpointed_activations_are_what_memtracker_sees(mt, mode):
     """With the model's blocks checkpointed (runtime/activation_checkpoint.py), MemTracker's
@@ -235,3 +243,29 @@ def test_checkpointed_activations_are_what_memtracker_sees(mt, mode):
     if mode == "selective":
         assert t.recompute <= activation_terms(d, TrainSpec(B, S, activation_checkpointing="full", **spec),
                                                autocast=False).recompute
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", ["qwen3-8b", "gemma3-27b"])
+def test_a_compiled_plan_of_a_config_json_knows_its_activations(name, tmp_path, capsys):
+    """`hybrid plan <config.json> --compile`: every fsdp row (every checkpointing policy the planner
+    tries, and per-op when asked) has its activations, and the chosen one fits; a ddp row has them
+    too, or says in one line that compiled blocks under autocast (bf16-mixed) are not modelled."""
+    import json
+
+    from hybrid.cli.main import main
+    from hybrid.model.published import PUBLISHED
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(PUBLISHED[name]))
+    argv = ["plan", str(path), "--nodes", "1", "--gpu", "h100-80gb", "--seq-len", "4096", "--compile", "--json"]
+    for extra, policies in (([], {"none", "selective", "full"}), (["--activation-checkpointing", "op"], {"op"})):
+        assert main(argv + extra) == 0
+        plan = json.loads(capsys.readouterr().out)
+        fsdp = [r for r in plan["strategies"] if r["family"] == "fsdp"]
+        assert {r["activation_checkpointing"] for r in fsdp} == policies
+        assert all(r["activations_known"] for r in fsdp)
+        chosen = plan["chosen_candidate"]
+        row = next(r for r in plan["strategies"] if all(r[k] == v for k, v in chosen.items()))
+        assert row["activations_known"] and row["fits"] and not plan["missing"]
+        ddp = [r for r in plan["strategies"] if r["name"] == "ddp"]
+        assert ddp and all(r["activations_known"] or "compiled blocks under autocast" in r["reason"] for r in ddp)

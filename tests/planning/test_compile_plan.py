@@ -105,3 +105,23 @@ def test_float8_corpus_rows_are_predicted_within_5_percent():
         c = p.candidate()
         assert c.cost.tokens_per_s_per_gpu == pytest.approx(p.published_tps, rel=0.065), p.id
         assert c.memory.reserved / 2**30 == pytest.approx(p.measured["reserved_gib"], rel=0.05), p.id
+
+
+@pytest.mark.parametrize("change,what", [
+    (dict(norm="layer"), "LayerNorm blocks"), (dict(mlp=dict(gated=False)), "plain \\(ungated\\) MLPs"),
+    (dict(attention=dict(softcap=50.0)), "soft-capped attention")])
+def test_compiled_read_blocks_the_forms_do_not_cover_are_refused_in_one_line(change, what):
+    """A read block whose compiled partition has not been measured is not priced compiled (its
+    eager per-op checkpointing is)."""
+    from hybrid.config.spec import TrainSpec
+    from hybrid.errors import NotApplicable
+    from hybrid.estimation.memory.activations import activation_terms
+    from hybrid.model.anatomy import MLP, Attention, Layer
+    from hybrid.model.presets import DecoderConfig
+    layer = Layer(Attention(8, 8, 64, **change.get("attention", {})), MLP("dense", 2048, **change.get("mlp", {})),
+                  norm=change.get("norm", "rms"))
+    d = DecoderConfig("llama", 1000, 512, 2, 8, 2048, 8192, hf_model_type="x", stack=(layer, layer))
+    with pytest.raises(NotApplicable, match=f"^compiled {what} of x decoder \\(read from its module\\) are not "
+                                            "modelled; plan without --compile$"):
+        activation_terms(d, TrainSpec(1, 1024, precision="bf16", compile=True), autocast=False)
+    assert activation_terms(d, TrainSpec(1, 1024, precision="bf16", activation_checkpointing="op"), False).per_layer

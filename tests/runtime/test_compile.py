@@ -26,12 +26,62 @@ def _losses(strategy: str, compile: bool) -> list[float]:
     return out
 
 
+GEMMA = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+             max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+"""A tiny transformers Gemma 3: a sliding layer whose window the sequence outgrows (SDPA gets a mask), a
+global one."""
+
+
+def _gemma():
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma3_text", **GEMMA), attn_implementation="sdpa")
+
+
+def _gemma_batches(world: int):
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(2, GEMMA["vocab_size"], (world, SEQ), generator=g) for _ in range(STEPS)]
+
+
+def _gemma_adamw(ps):
+    return torch.optim.AdamW(ps, lr=1e-3)
+
+
+def _gemma_compiled():
+    """Gemma 3 under fsdp with its blocks compiled (inductor), fp32, one sequence a rank a step:
+    the state after three AdamW steps and whether the plan knew its activations."""
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    from hybrid import auto_wrap
+    before = counters["stats"]["unique_graphs"]
+    w = auto_wrap(_gemma(), optimizer=_gemma_adamw, strategy="fsdp", precision="fp32", micro_batch=1, seq_len=SEQ,
+                  compile=True, verbose=False)
+    for ids in _gemma_batches(dist.get_world_size()):
+        w.train_step(ids[w.dp_rank:w.dp_rank + 1])
+    return {"state": w.state_dict(), "activations": w.plan.chosen.memory.activations,
+            "graphs": counters["stats"]["unique_graphs"] - before}
+
+
+def _gemma_reference() -> dict:
+    """One process, eager, the whole global batch per step."""
+    model = _gemma()
+    opt = _gemma_adamw(model.parameters())
+    for ids in _gemma_batches(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
 def _eager_and_compiled():
     from hybrid.runtime.mesh import shutdown
     from torch._dynamo.utils import counters
     try:
         out = {(s, c): _losses(s, c) for s in ("ddp", "fsdp") for c in (False, True)}
         out["graphs"] = counters["stats"]["unique_graphs"]          # what dynamo compiled
+        out["gemma"] = _gemma_compiled()
         return out
     finally:
         shutdown()
@@ -40,14 +90,24 @@ def _eager_and_compiled():
 @pytest.mark.gloo
 def test_compiled_blocks_train_as_eager_on_two_ranks_under_ddp_and_fsdp():
     """Per-block torch.compile (inductor's C++ backend on CPU ranks) after selective
-    checkpointing, under DDP and FSDP2: the same losses as eager within 1e-4 (fp32)."""
+    checkpointing, under DDP and FSDP2: the same losses as eager within 1e-4 (fp32). In the same
+    launch a tiny transformers Gemma 3 (a masked sliding layer and a global one), planned with its
+    activations known and compiled under FSDP2, ends three AdamW steps where one eager process ends
+    on the same global batch (fp32, 1e-5)."""
     results = run_ranks(2, _eager_and_compiled, timeout_s=900)
-    assert results[0] == results[1]
+    losses = [{k: v for k, v in res.items() if k != "gemma"} for res in results]
+    assert losses[0] == losses[1]
     r = results[0]
     for strategy in ("ddp", "fsdp"):
         assert r[(strategy, True)] == pytest.approx(r[(strategy, False)], abs=1e-4)
     assert r[("ddp", False)] == pytest.approx(r[("fsdp", False)], abs=1e-4)
     assert r["graphs"] >= 2                     # the blocks and the loss were compiled, not run eagerly
+    ref = _gemma_reference()
+    for rank, res in enumerate(results):
+        gemma = res["gemma"]
+        assert gemma["activations"] is not None and gemma["graphs"] >= 2      # its sliding and global blocks
+        diff = max((gemma["state"][k] - ref[k]).abs().max().item() for k in ref)
+        assert diff < 1e-5, f"gemma 3 compiled, rank {rank}: max abs diff {diff:.2e}"
 
 
 CONFIGS = {"llama": DecoderConfig("llama", 300, 64, 2, 4, 176, 128, kv_heads=2),

@@ -311,13 +311,10 @@ def _read_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool,
     T = spec.micro_batch * spec.seq_len
     ckpt = spec.activation_checkpointing
     if getattr(spec, "compile", False):
-        raise NotApplicable(f"compiled blocks of {d.hf_model_type or 'this'} decoder (read from its module) are not "
-                            "modelled; plan without --compile")
-    if ckpt == "op":
-        raise NotApplicable(f"op checkpointing of {d.hf_model_type or 'this'} decoder (read from its module) is "
-                            "not modelled; use none, selective, full or layer:N")
-    if ckpt == "selective" and spec.lora:
-        raise NotApplicable(f"selective checkpointing with LoRA of {d.hf_model_type or 'this'} decoder (read from its "
+        from .compiled import compiled_terms
+        return compiled_terms(d, spec, autocast)
+    if ckpt in ("selective", "op") and spec.lora:
+        raise NotApplicable(f"{ckpt} checkpointing with LoRA of {d.hf_model_type or 'this'} decoder (read from its "
                             "module) is not modelled; use none, full or layer:N")
     full = [(layer_read_full(ly, d, spec, c, autocast)
              + (lora_read_delta(ly, i, d, spec, c, adapters_autocast) if spec.lora else 0)) * T
@@ -327,9 +324,11 @@ def _read_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool,
         return sum(full) / len(full), 0.0
     if ckpt == "full":
         return kept, max(full)
-    if ckpt == "selective":
+    if ckpt in ("selective", "op"):
         # recomputing a block rebuilds what it keeps without checkpointing beyond what the policy saved
-        sel = [layer_read_selective(ly, d, spec, c, autocast) * T for ly in d.stack]
+        from .compiled import layer_read_op
+        sel = [(layer_read_selective(ly, d, spec, c, autocast) if ckpt == "selective"
+                else layer_read_op(ly, d.hidden, spec, c, autocast)) * T for ly in d.stack]
         return sum(sel) / len(sel), max(max(f - s, 0.0) for f, s in zip(full, sel))
     every = layer_every(ckpt)
     per = [kept if i % every == 0 else f for i, f in enumerate(full)]
@@ -521,6 +520,10 @@ def activation_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> Activ
                                    - _closed_first_block(d, spec, c, adapters_autocast) / d.layers if lora else 0)) * T
     if d.stack:
         per_layer, recompute = _read_terms(d, spec, autocast, adapters_autocast)
+    elif getattr(spec, "compile", False) and (d.moe or d.qk_norm or d.head_size) and d.hf_model_type:
+        # transformers builds these (sources._decoder_builder): its blocks' closed forms
+        from .compiled import compiled_terms
+        per_layer, recompute = compiled_terms(d, spec, autocast)
     elif getattr(spec, "compile", False):
         why = compiled_supported(d, spec, autocast)
         if why is not None:
