@@ -270,7 +270,7 @@ def states_floor(source: ModelSource, strategy: Strategy, spec: TrainSpec, clust
     share, kept_gathered = split
     every, trainable, blocks, impl, model = _states(source, spec, prefer_hf, cache)
     from ..runtime.backends.ddp import check_grouped_experts    # what the trace would refuse first
-    check_grouped_experts(model, spec, layout)
+    check_grouped_experts(model, spec, layout, cluster.gpu.software)
     copies = STATE_COPIES.get(spec.optimizer, 0)
     step = dict(params=every // share, grads=trainable // share, optimizer=copies * trainable // share)
     if kept_gathered:
@@ -455,7 +455,8 @@ def _trace(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cl
 
     dist.init_process_group(TRACED, store=FakeStore(), rank=0, world_size=cluster.world_size)
     try:
-        runtime = Runtime(torch.device("cpu"), TRACED, cluster.world_size, 0, cluster.gpus_per_node)
+        runtime = Runtime(torch.device("cpu"), TRACED, cluster.world_size, 0, cluster.gpus_per_node,
+                          stands_for=cluster.gpu.software)
         from ..layout.dims import ParallelDims
         dims = ParallelDims(dp_replicate=cluster.world_size // tp // cp // n, dp_shard=n, cp=cp, tp=tp, ep=ep)
         mesh = build_mesh(dims, runtime, cluster.gpus_per_node, cluster.domain)     # outside fake mode: real ints
@@ -539,7 +540,8 @@ def traced_stage_estimate(source: ModelSource, strategy: Strategy, spec: TrainSp
     start = time.perf_counter()
     dist.init_process_group(TRACED, store=FakeStore(), rank=pp_rank * (world // layout.pp), world_size=world)
     try:
-        runtime = Runtime(torch.device("cpu"), TRACED, world, dist.get_rank(), cluster.gpus_per_node)
+        runtime = Runtime(torch.device("cpu"), TRACED, world, dist.get_rank(), cluster.gpus_per_node,
+                          stands_for=cluster.gpu.software)
         mesh = build_mesh(dims, runtime, cluster.gpus_per_node, cluster.domain)
         dtype = torch.bfloat16 if spec.precision == "bf16" else None
         index = layout.rank_stages(pp_rank)[0]
