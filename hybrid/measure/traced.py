@@ -173,10 +173,11 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
                     beyond: int | None = None) -> Traced:
     """One rank of the job traced on fake tensors. `fast`: a stack of identical blocks (a preset or
     a decoder config.json) is traced with FAST_BLOCKS blocks and extrapolated to its own count,
-    which gives the full trace's peak (benchmarks/fast_traced.py) in a fraction of the time; other
-    models, strategies whose state the trace replaces (DeepSpeed, host offload) and layer:N
-    checkpointing are traced whole. cp > 1 runs the context-parallel code (runtime/backends/cp.py) on the
-    rank's chunks of a whole-sequence batch; ep > 1 the expert-parallel code (runtime/backends/ep.py) with
+    which gives the full trace's peak (benchmarks/fast_traced.py) in a fraction of the time; strategies
+    whose state the trace replaces (DeepSpeed, host offload) too (extrapolate_replacing), unless their
+    blocks' backward does not repeat as it needs; other models and layer:N checkpointing are traced
+    whole. cp > 1 runs the context-parallel code (runtime/backends/cp.py) on the rank's chunks of a
+    whole-sequence batch; ep > 1 the expert-parallel code (runtime/backends/ep.py) with
     the dispatch shapes of spec.moe_imbalance (a fake process group carries no routing counts). `cache`
     (TraceCache): traces of the same program already run for another candidate are reused. `beyond`
     (bytes, the GPU's capacity): where the states the rank must hold at its optimizer step
