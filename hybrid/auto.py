@@ -284,7 +284,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
         if the_plan.chosen is None:      # forced: run the least memory-hungry variant anyway
             the_plan = _forced(the_plan, strategy, said)
     if tune is False:
-        _check_choice(model, the_plan.chosen, replica_env)
+        _check_choice(model, the_plan.chosen, replica_env, cluster)
     if runtime is None:
         runtime = init_distributed()
         _check_world(cluster, runtime)
@@ -294,7 +294,7 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     if tune is not False:
         from .tune.trials import tune_for_wrap
         the_plan = tune_for_wrap(the_plan, model, optimizer, runtime, cluster, tune, max_grad_norm)
-        _check_choice(model, the_plan.chosen, replica_env)
+        _check_choice(model, the_plan.chosen, replica_env, cluster)
     chosen = _agree(the_plan.chosen, runtime, strategy, cluster)
     if chosen.tight and runtime.rank == 0:
         log.warning("hybrid: %s %s", chosen.label, chosen.reason)
@@ -318,12 +318,12 @@ def auto_wrap(model: nn.Module, optimizer=None, *, micro_batch: int | None = Non
     return wrapped
 
 
-def _check_choice(model, chosen, replica_env) -> None:
+def _check_choice(model, chosen, replica_env, cluster: Cluster) -> None:
     """What the chosen layout needs of the model (and of torchft), before any mesh is built."""
     if replica_env is not None:
         from .runtime.ft import check_layout
         check_layout(chosen)
-    check_model(model, chosen.layout, chosen.spec)
+    check_model(model, chosen.layout, chosen.spec, cluster.gpu.software)
 
 
 def _check_world(cluster: Cluster, runtime) -> None:

@@ -250,6 +250,9 @@ def cmd_tune(args) -> int:
             raise HybridError(f"tune runs {world} ranks on this machine without torchrun, which has {local}; "
                               "launch it with torchrun on the cluster, or use fewer --nodes/--gpus-per-node")
         opts["gpus_per_node"] = per_node
+        from ..config.cluster import detect
+        from .tune_ranks import tune_plan
+        tune_plan(opts, detect(args.gpu_memory, world, per_node))    # what no rank could run: refused before any runs
         out = run_ranks(world, run_cli, opts, local_world=per_node, quiet=True, timeout_s=6 * 3600)[0]
     if out is not None:
         text, data = out

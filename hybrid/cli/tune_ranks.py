@@ -3,26 +3,49 @@ report out. Apart from tune/trials.py so that auto_wrap(tune=...) does not impor
 pieces, nor these auto_wrap's."""
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from ..errors import HybridError
 from ..tune.trials import format_tune, tokens_per_s_per_gpu, tune
 
 
+def tune_plan(opts: dict, cluster):
+    """(the model source, the plan) `hybrid tune` measures on `cluster`, the ranks' detected one; what no
+    rank could run is refused here in the plan's one line (trials.check_runnable). The command asks it
+    before it starts any rank, and every rank again before its trials."""
+    from ..estimation.calibration import resolve
+    from ..families.catalogue import load_catalogue
+    from ..planning.planner import plan as make_plan
+    from ..model.sources import resolve_model
+    from ..tune.trials import check_runnable
+
+    args = argparse.Namespace(**opts)
+    if args.gpu is not None and cluster.gpu.name != args.gpu:
+        raise HybridError(f"tune measures the accelerators it runs on ({cluster.gpu.name}), not --gpu {args.gpu}: "
+                          "drop --gpu, or plan for it with `hybrid plan`")
+    src, spec = resolve_model(args.model), args.spec
+    cat = load_catalogue(args.strategies_dir)
+    names = [s.strip() for s in args.strategies.split(",")] if args.strategies else None
+    p = make_plan(src.profile, spec, cluster, cat, args.shard_size, strategies=names,
+                  tp=args.tp if args.tp is not None else None, pp=args.pp if args.pp is not None else 1,
+                  schedule=args.schedule, search_checkpointing=args.activation_checkpointing is None,
+                  efficiency=args.efficiency, calibration=resolve(args.calibration),
+                  cp=getattr(args, "cp", None), micro_batch=args.micro_batch, hold_batch=True)
+    check_runnable(p)
+    return src, p
+
+
 def run_cli(opts: dict):
     """`hybrid tune` on one rank (under torchrun, or a rank spawned by the command): plan, run the
     trials, and on rank 0 return (text, JSON dict) and write the calibration; None elsewhere.
     `opts`: the command's options, with `spec` (the TrainSpec) and `progress` (the bar) added."""
-    import argparse
-
     from ..auto import prepare_for_training
-    from ..estimation.calibration import resolve, save
-    from ..families.catalogue import load_catalogue
+    from ..estimation.calibration import save
     from ..config.cluster import detect
     from ..measure.traced import optimizer_factory
     from ..runtime.mesh import init_distributed
-    from ..planning.planner import plan as make_plan
-    from ..model.sources import resolve_model
 
     args = argparse.Namespace(**opts)
     try:                                 # its config warnings about synthetic presets, once per trial
@@ -31,18 +54,9 @@ def run_cli(opts: dict):
     except ImportError:
         pass
     runtime = init_distributed()
-    src, spec = resolve_model(args.model), args.spec
     cluster = detect(args.gpu_memory)
-    if args.gpu is not None and cluster.gpu.name != args.gpu:
-        raise HybridError(f"tune measures the accelerators it runs on ({cluster.gpu.name}), not --gpu {args.gpu}: "
-                          "drop --gpu, or plan for it with `hybrid plan`")
-    cat = load_catalogue(args.strategies_dir)
-    names = [s.strip() for s in args.strategies.split(",")] if args.strategies else None
-    p = make_plan(src.profile, spec, cluster, cat, args.shard_size, strategies=names,
-                  tp=args.tp if args.tp is not None else None, pp=args.pp if args.pp is not None else 1,
-                  schedule=args.schedule, search_checkpointing=args.activation_checkpointing is None,
-                  efficiency=args.efficiency, calibration=resolve(args.calibration),
-                  cp=getattr(args, "cp", None), micro_batch=args.micro_batch, hold_batch=True)
+    src, p = tune_plan(opts, cluster)
+    spec = args.spec
     dtype = torch.bfloat16 if spec.precision == "bf16" else None
 
     def make_model():

@@ -509,16 +509,17 @@ def as_cluster(value) -> "Cluster | None":
                       f"nodes of 8 GPUs, got {type(value).__name__} {short(value)}")
 
 
-def detect(gpu_memory: str | int | None = None) -> Cluster:
+def detect(gpu_memory: str | int | None = None, world: int | None = None, local: int | None = None) -> Cluster:
     """The live machine: its CUDA GPUs (matched to the catalogue by name and size) or its CPU.
 
-    World shape comes from torchrun's variables when present (WORLD_SIZE, LOCAL_WORLD_SIZE).
-    On a CPU machine the 'GPU' is the host memory split between the local ranks.
+    World shape: `world` ranks, `local` per node, as given (the ranks a command is about to start), else
+    torchrun's variables when present (WORLD_SIZE, LOCAL_WORLD_SIZE). On a CPU machine the 'GPU' is the
+    host memory split between the local ranks.
     """
     import torch
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    world = world if world is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    local = local if local is not None else int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     if world % local:
         raise HybridError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}")
     if torch.cuda.is_available():

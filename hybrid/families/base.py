@@ -7,6 +7,21 @@ from dataclasses import dataclass
 
 
 
+GROUPED_MM_FP32 = {
+    "CUDA": "on CUDA torch._grouped_mm takes fp32 but runs its grouped kernel on bf16 only, on SM90/SM100: fp32 "
+            "runs one matmul per expert after copying the offsets to the host",
+    "ROCm": "on ROCm torch._grouped_mm takes fp32",
+    "CPU": "on CPU torch._grouped_mm takes fp32, one matmul per expert as for every dtype there",
+}
+"""What torch._grouped_mm does with fp32 inputs, by accelerator software (GPUSpec.software). Every real
+kernel takes fp32, bf16 and fp16 (aten/src/ATen/native/GroupedMMUtils.h _grouped_mm_validate_inputs);
+CUDA's runs its CUTLASS grouped kernel for bf16 on SM90/SM100 only, else _grouped_mm_fallback: the offsets
+copied to the host, one mm per group (native/cuda/GroupedBlas.cpp _grouped_mm_cuda); the CPU kernel always
+runs that fallback (native/Blas.cpp _grouped_mm); ROCm's takes fp32 into CK's grouped kernel where built
+(native/hip/ck_group_gemm.hip). Its meta kernel, which fake tensors (the trace) run, takes bf16 only
+(torch/_meta_registrations.py _meta_grouped_mm_common)."""
+
+
 @dataclass(frozen=True)
 class Comm:
     """A family's communication for one optimizer step, seconds (Links prices them)."""
@@ -139,21 +154,25 @@ class Family:
         the family's states are not torch's parameters, gradients and optimizer states as built."""
         return None
 
-    def autocast_experts_problem(self, layout, spec, grouped_experts: bool):
+    def autocast_experts_problem(self, layout, spec, grouped_experts: bool, software: str):
         """Why the layout cannot run the model's transformers grouped_mm experts (NotApplicable), or
-        None: a wrap that runs mixed precision under torch.autocast over fp32 weights (applied_wrap)
-        hands them fp32 inputs, and grouped_mm experts multiply in their weights' dtype outside
-        autocast's list, where torch._grouped_mm takes bf16 only: the job would fail in its first
-        forward. The one rule the estimate (`grouped_experts`: ModelProfile.grouped_experts), the
-        trace and the runtime (model.profile.runs_grouped_experts of the module) ask."""
+        None: under a wrap that runs mixed precision under torch.autocast over fp32 weights (applied_wrap)
+        transformers casts the experts' inputs to their weights' dtype (integrations/moe.py _grouped_mm), and
+        grouped_mm is not on autocast's list, so they multiply in fp32 and keep fp32 activations, which the
+        estimate (bf16 under autocast) does not price and the trace cannot run (GROUPED_MM_FP32). The one rule
+        the estimate (`grouped_experts`: ModelProfile.grouped_experts), the trace and the runtime
+        (model.profile.runs_grouped_experts of the module) ask, with the line true on `software` (the planned
+        cluster's GPUSpec.software, or the live rank's Runtime.software)."""
         if not grouped_experts or spec.precision not in ("bf16-mixed", "fp16-mixed"):
             return None
         if not self.applied_wrap(layout, layout.pipeline is not None or layout.dims.pp > 1)[3]:
             return None
         from .placement import NotApplicable
-        return NotApplicable(f"{layout.dp.name} under {spec.precision} keeps fp32 weights under autocast, and "
-                             "transformers' grouped_mm experts take bf16 inputs only (torch._grouped_mm): use fsdp "
-                             "(bf16 compute over fp32 masters), --precision bf16, or build the model with "
+        return NotApplicable(f"{layout.dp.name} under {spec.precision} keeps fp32 weights under autocast, so "
+                             "transformers' grouped_mm experts (not on autocast's list) multiply in fp32 and keep fp32 "
+                             f"activations, which the estimate does not price ({GROUPED_MM_FP32[software]}) and the "
+                             "trace cannot run (torch's fake-tensor _grouped_mm takes bf16 only): use fsdp (bf16 "
+                             "compute over fp32 masters), --precision bf16, or build the model with "
                              "experts_implementation='eager'")
 
     def problems(self, layout) -> list:

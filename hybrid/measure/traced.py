@@ -173,10 +173,11 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
                     beyond: int | None = None) -> Traced:
     """One rank of the job traced on fake tensors. `fast`: a stack of identical blocks (a preset or
     a decoder config.json) is traced with FAST_BLOCKS blocks and extrapolated to its own count,
-    which gives the full trace's peak (benchmarks/fast_traced.py) in a fraction of the time; other
-    models, strategies whose state the trace replaces (DeepSpeed, host offload) and layer:N
-    checkpointing are traced whole. cp > 1 runs the context-parallel code (runtime/backends/cp.py) on the
-    rank's chunks of a whole-sequence batch; ep > 1 the expert-parallel code (runtime/backends/ep.py) with
+    which gives the full trace's peak (benchmarks/fast_traced.py) in a fraction of the time; strategies
+    whose state the trace replaces (DeepSpeed, host offload) too (extrapolate_replacing), unless their
+    blocks' backward does not repeat as it needs; other models and layer:N checkpointing are traced
+    whole. cp > 1 runs the context-parallel code (runtime/backends/cp.py) on the rank's chunks of a
+    whole-sequence batch; ep > 1 the expert-parallel code (runtime/backends/ep.py) with
     the dispatch shapes of spec.moe_imbalance (a fake process group carries no routing counts). `cache`
     (TraceCache): traces of the same program already run for another candidate are reused. `beyond`
     (bytes, the GPU's capacity): where the states the rank must hold at its optimizer step
@@ -270,7 +271,7 @@ def states_floor(source: ModelSource, strategy: Strategy, spec: TrainSpec, clust
     share, kept_gathered = split
     every, trainable, blocks, impl, model = _states(source, spec, prefer_hf, cache)
     from ..runtime.backends.ddp import check_grouped_experts    # what the trace would refuse first
-    check_grouped_experts(model, spec, layout)
+    check_grouped_experts(model, spec, layout, cluster.gpu.software)
     copies = STATE_COPIES.get(spec.optimizer, 0)
     step = dict(params=every // share, grads=trainable // share, optimizer=copies * trainable // share)
     if kept_gathered:
@@ -455,7 +456,8 @@ def _trace(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cl
 
     dist.init_process_group(TRACED, store=FakeStore(), rank=0, world_size=cluster.world_size)
     try:
-        runtime = Runtime(torch.device("cpu"), TRACED, cluster.world_size, 0, cluster.gpus_per_node)
+        runtime = Runtime(torch.device("cpu"), TRACED, cluster.world_size, 0, cluster.gpus_per_node,
+                          stands_for=cluster.gpu.software)
         from ..layout.dims import ParallelDims
         dims = ParallelDims(dp_replicate=cluster.world_size // tp // cp // n, dp_shard=n, cp=cp, tp=tp, ep=ep)
         mesh = build_mesh(dims, runtime, cluster.gpus_per_node, cluster.domain)     # outside fake mode: real ints
@@ -539,7 +541,8 @@ def traced_stage_estimate(source: ModelSource, strategy: Strategy, spec: TrainSp
     start = time.perf_counter()
     dist.init_process_group(TRACED, store=FakeStore(), rank=pp_rank * (world // layout.pp), world_size=world)
     try:
-        runtime = Runtime(torch.device("cpu"), TRACED, world, dist.get_rank(), cluster.gpus_per_node)
+        runtime = Runtime(torch.device("cpu"), TRACED, world, dist.get_rank(), cluster.gpus_per_node,
+                          stands_for=cluster.gpu.software)
         mesh = build_mesh(dims, runtime, cluster.gpus_per_node, cluster.domain)
         dtype = torch.bfloat16 if spec.precision == "bf16" else None
         index = layout.rank_stages(pp_rank)[0]

@@ -28,10 +28,22 @@ class Runtime:
     world_size: int
     rank: int
     local_world_size: int
+    stands_for: str = ""
+    """A traced rank's accelerator software (GPUSpec.software of the planned cluster: CUDA, ROCm, CPU), which
+    its CPU device stands for; empty on a live rank (its device's: software)."""
 
     @property
     def device_type(self) -> str:
         return self.device.type
+
+    @property
+    def software(self) -> str:
+        """The accelerator software this rank's job runs on, in GPUSpec.software's words (CUDA, ROCm, CPU)."""
+        if self.stands_for:
+            return self.stands_for
+        if self.device.type != "cuda":
+            return "CPU"
+        return "ROCm" if torch.version.hip else "CUDA"
 
     @property
     def traced(self) -> bool:

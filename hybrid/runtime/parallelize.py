@@ -75,12 +75,13 @@ def layout_of_mesh(strategy, mesh, spec) -> Layout:
     return Layout(dims, strategy, spec.activation_checkpointing, compile=spec.compile, float8=spec.float8)
 
 
-def check_model(model: nn.Module, layout: Layout, spec) -> None:
+def check_model(model: nn.Module, layout: Layout, spec, software: str) -> None:
     """What the model must have for the layout's cp and ep, and what its experts cannot run under
-    (HybridError, one line): checked before any mesh is built."""
+    (HybridError, one line): checked before any mesh is built. `software`: where the job runs
+    (GPUSpec.software of the planned cluster, Runtime.software of a rank)."""
     dims = layout.dims
     from ..model.profile import runs_grouped_experts
-    problem = layout.dp.family_obj.autocast_experts_problem(layout, spec, runs_grouped_experts(model))
+    problem = layout.dp.family_obj.autocast_experts_problem(layout, spec, runs_grouped_experts(model), software)
     if problem is not None:
         raise problem
     if dims.cp > 1:
@@ -137,7 +138,7 @@ def parallelize(model: nn.Module, layout: Layout, mesh, spec, runtime, options=N
     backend = family.runtime()
     family.check(layout)
     backend.check(layout.dp, mesh, spec, runtime)
-    check_model(model, layout, spec)
+    check_model(model, layout, spec, runtime.software)
     if layout.pipeline is not None and spec.precision == "fp16-mixed":
         raise HybridError("fp16-mixed loss scaling is not wired through pipeline schedules; use bf16-mixed or fp32 "
                           "with pp > 1")

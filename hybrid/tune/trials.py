@@ -76,6 +76,19 @@ def select(plan, top: int) -> list[int]:
     return [cands.index(c) for c in picked]
 
 
+def check_runnable(plan) -> None:
+    """HybridError, one line, where no candidate of the plan can run the job at all (each row not
+    applicable): the rows' reason, or each distinct one after the first layout that has it."""
+    if plan.chosen is not None or any(c.memory is not None for c in plan.candidates):
+        return
+    why = {}
+    for c in plan.candidates:
+        why.setdefault(c.reason.removeprefix("not applicable: "), c.label)
+    if len(why) == 1:
+        raise HybridError(f"no layout can run this job: {next(iter(why))}")
+    raise HybridError("no layout can run this job: " + "; ".join(f"{label}: {reason}" for reason, label in why.items()))
+
+
 def tokens_per_s_per_gpu(cand, seconds: float) -> float:
     """Measured tokens/s per GPU as the cost model counts them (a tp group and a pipeline share
     their micro-batches)."""
@@ -206,8 +219,7 @@ def tune(plan, make_model, optimizer, runtime, cluster, top: int = 3, steps: int
          max_grad_norm=None, progress=None, fit: bool = True, job: dict | None = None) -> TuneResult:
     """Run the trials (every rank calls this with the same plan) and choose the measured fastest.
     make_model() builds a fresh model for each trial; optimizer is a factory of params."""
-    if plan.chosen is None and not any(c.memory is not None for c in plan.candidates):
-        raise HybridError("no layout can run this job at all; see `hybrid plan` for why")
+    check_runnable(plan)
     side = _side_group() if runtime.world_size > 1 else None
     picked = [select(plan, top) if runtime.rank == 0 else None]
     if side is not None:

@@ -94,3 +94,50 @@ def test_checkpointing_policies_keep_what_the_formulas_say(mode, dtype):
     spec = TrainSpec(2, S, precision="fp32" if dtype == torch.float32 else "bf16", activation_checkpointing=mode)
     terms = activation_terms(cfg, spec, autocast=False)
     assert measured == pytest.approx(terms.per_layer * terms.layers, rel=0.02)
+
+
+def head_saved_bytes(model, norm, b: int, dtype, autocast: bool) -> int:
+    """Bytes of distinct non-parameter storages alive from the final norm's forward to the loss: what the
+    norm, the head and the loss save for backward, and the logits the output holds (the traced driver,
+    hybrid/measure/driver.py, keeps the output until the loss's backward is done)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params and t.dtype.is_floating_point:      # labels' int copies aside
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    pre = norm.register_forward_pre_hook(lambda *_: hooks.__enter__())
+    vocab = model.config.vocab if isinstance(model.config, DecoderConfig) else model.config.vocab_size
+    ids = torch.randint(0, vocab, (b, S))
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(input_ids=ids, labels=ids)
+    finally:
+        hooks.__exit__(None, None, None)
+        pre.remove()
+    seen[out.logits.untyped_storage().data_ptr()] = out.logits.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("regime", sorted(REGIMES))
+@pytest.mark.parametrize("impl", ["ours-llama", "ours-gpt2", "hf-llama", "hf-gpt2"])
+def test_head_formula_matches_autograd(regime, impl):
+    """The final norm, the head and the eager loss (loss_terms' head_forward) against what autograd saves and
+    the output holds: the norm as a block's pre-norm keeps it (its input, statistics, normalised value and
+    the output the head keeps; under autocast in fp32, the head keeping its bf16 cast), the logits and the
+    log-softmax's fp32 output."""
+    from hybrid.estimation.memory.activations import loss_terms
+    from hybrid.model.decoder import prepare_for_training
+    dtype, autocast, precision = REGIMES[regime]
+    style = "gpt2" if "gpt2" in impl else "llama"
+    cfg = DecoderConfig(style, 300, 64, 1, 4, 176, 128, kv_heads=2 if style == "llama" else None, gelu="new")
+    model = (build_hf if impl.startswith("hf") else build_decoder)(cfg, device="cpu", dtype=dtype)
+    prepare_for_training(model)
+    norm = model.model.norm if impl == "hf-llama" else model.transformer.ln_f if impl == "hf-gpt2" else model.norm
+    measured = head_saved_bytes(model, norm, 3, dtype, autocast) - head_saved_bytes(model, norm, 1, dtype, autocast)
+    expected = loss_terms(cfg, TrainSpec(1, S, precision=precision), autocast)[0] * 2
+    assert measured == pytest.approx(expected, rel=0.01)

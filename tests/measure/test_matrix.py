@@ -116,20 +116,18 @@ TINY_MOE = ("llama", 512, 32, 2, 4, 48, 64)
 @pytest.mark.fakepg
 def test_ddp_under_autocast_refuses_grouped_experts_alike_in_the_estimate_the_trace_the_plan_and_auto_wrap():
     """transformers' grouped_mm experts under DDP's autocast (fp32 weights, bf16-mixed): the analytic
-    row is n/a with the trace's and the runtime's line (Family.autocast_experts_problem); fsdp prices
-    it; a module built with eager experts is not refused."""
+    row is n/a with the trace's and the runtime's line (Family.autocast_experts_problem), the line of the
+    cluster planned (H100s from this CPU); fsdp prices it; a module built with eager experts is not refused."""
     import dataclasses
 
-    from hybrid.model.presets import DecoderConfig
-    from hybrid.model.profile import build_profile, profile_decoder
-    from hybrid.model.sources import ModelSource, _decoder_builder
+    from hybrid.model.profile import build_profile
     from hybrid.planning.planner import plan
-    cfg = DecoderConfig(*TINY_MOE, kv_heads=2, hf_model_type="qwen3_moe", experts=4, top_k=2, moe_ffn=48,
-                        qk_norm="head", head_size=32)
-    src = ModelSource(profile_decoder(cfg, "tiny-qwen3-moe"), _decoder_builder(cfg), None, cfg)
+    src = _tiny_qwen3_moe()
     spec = TrainSpec(2, 64, precision="bf16-mixed")
     layout = Layout.of(CAT["ddp"], TWO, spec)
-    with pytest.raises(Exception, match="grouped_mm experts take bf16 inputs only") as by_estimate:
+    with pytest.raises(Exception, match=r"grouped_mm experts \(not on autocast's list\) multiply in fp32.*on CUDA "
+                                        "torch._grouped_mm takes fp32 but runs its grouped kernel on bf16 only") \
+            as by_estimate:
         estimate(layout, src.profile, spec, TWO)
     with pytest.raises(Exception, match="grouped_mm") as by_trace:
         traced_estimate(src, CAT["ddp"], spec, TWO, fast=False)
@@ -144,6 +142,49 @@ def test_ddp_under_autocast_refuses_grouped_experts_alike_in_the_estimate_the_tr
     eager = build_profile(model.__class__(dataclasses.replace(model.config, experts_implementation="eager")))
     assert not eager.grouped_experts
     assert estimate(layout, eager, spec, TWO).total > 0      # the eager loop runs under autocast
+
+
+def _tiny_qwen3_moe():
+    from hybrid.model.presets import DecoderConfig
+    from hybrid.model.profile import profile_decoder
+    from hybrid.model.sources import ModelSource, _decoder_builder
+    cfg = DecoderConfig(*TINY_MOE, kv_heads=2, hf_model_type="qwen3_moe", experts=4, top_k=2, moe_ffn=48,
+                        qk_norm="head", head_size=32)
+    return ModelSource(profile_decoder(cfg, "tiny-qwen3-moe"), _decoder_builder(cfg), None, cfg)
+
+
+@pytest.mark.torch
+def test_the_grouped_experts_line_is_true_on_cpu_ranks():
+    """On CPU ranks (a CPU cluster, Runtime.software 'CPU') the estimate and the runtime's model check refuse
+    with the CPU line, and what it says holds here: torch._grouped_mm takes fp32 on CPU (one mm per expert),
+    while the fake-tensor kernel the trace runs takes bf16 only."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hybrid.config.cluster import cpu_spec
+    from hybrid.runtime.mesh import Runtime
+    from hybrid.runtime.parallelize import check_model
+    src = _tiny_qwen3_moe()
+    spec = TrainSpec(2, 64, precision="bf16-mixed")
+    cpus = Cluster(nodes=1, gpus_per_node=2, gpu=cpu_spec(2))
+    layout = Layout.of(CAT["ddp"], cpus, spec)
+    with pytest.raises(Exception, match="on CPU torch._grouped_mm takes fp32, one matmul per expert") as by_estimate:
+        estimate(layout, src.profile, spec, cpus)
+    on_cpu = Runtime(torch.device("cpu"), "gloo", 2, 0, 2)
+    assert on_cpu.software == "CPU"
+    with pytest.raises(Exception) as by_runtime:
+        check_model(src.build(device="meta")[0], layout, spec, on_cpu.software)
+    assert str(by_runtime.value) == str(by_estimate.value)
+    with pytest.raises(Exception, match="on CUDA torch._grouped_mm"):
+        estimate(Layout.of(CAT["ddp"], TWO, spec), src.profile, spec, TWO)          # the GPUs planned: their line
+    tokens, experts, k, n = 8, 4, 32, 48
+    a, w = torch.randn(tokens, k), torch.randn(experts, k, n)
+    offs = torch.tensor([2, 4, 6, 8], dtype=torch.int32)
+    out = torch._grouped_mm(a, w, offs=offs)                   # fp32 taken on CPU
+    assert out.dtype == torch.float32
+    assert torch.allclose(out[2:4], a[2:4] @ w[1], atol=1e-5)
+    with FakeTensorMode() as fake, pytest.raises(Exception, match="BF16"):
+        torch._grouped_mm(fake.from_tensor(a), fake.from_tensor(w), offs=fake.from_tensor(offs))
 
 
 @pytest.fixture(scope="module")

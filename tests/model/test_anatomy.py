@@ -1,7 +1,7 @@
 """The anatomy read from the module: for tiny instances of the decoders people train now
 (transformers' own classes, CPU, fp32, one process), the parameter count equals transformers',
 model FLOPs equal torch's FlopCounterMode over a forward and backward, and the activations are
-within 10% of torch's MemTracker at the peak of a training step (phi-3: 11%, see docs/limitations.md).
+within 10% of torch's MemTracker at the peak of a training step (phi-3 is 5% under on CPU: docs/limitations.md).
 Full-size published configs give the model cards' total and active counts."""
 import pytest
 
@@ -107,10 +107,15 @@ def test_model_flops_count_the_window():
 
 
 def two_adamw_steps(model):
-    """torch's MemTracker over two AdamW training steps of `model`; its module statistics are the
-    second step's (its global peak spans both)."""
+    """torch's MemTracker over two AdamW training steps of `model` as the estimate prices them (the
+    traced driver, hybrid/measure/driver.py, and auto_wrap): no KV cache (prepare_for_training), and the
+    forward's output, logits included, held until the loss's backward is done. Its module statistics are
+    the second step's (its global peak spans both)."""
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
+
+    from hybrid.model.decoder import prepare_for_training
+    prepare_for_training(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     ids = torch.randint(0, 300, (B, S))
     tracker = MemTracker()
@@ -118,7 +123,9 @@ def two_adamw_steps(model):
     with tracker:
         for _ in range(2):
             tracker.reset_mod_stats()
-            model(input_ids=ids, labels=ids).loss.backward()
+            out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+            del out
             opt.step()
             opt.zero_grad()
     return tracker
@@ -141,7 +148,7 @@ def test_activations_are_what_memtracker_sees(mt):
     d = profile_module(model).decoder
     attention = "eager" if mt == "gpt_oss" else "sdpa"
     t = activation_terms(d, TrainSpec(B, S, precision="fp32", attention=attention), autocast=False)
-    assert t.layers * t.per_layer + t.head_forward == pytest.approx(peak["act"], rel=0.115 if mt == "phi3" else 0.10)
+    assert t.layers * t.per_layer + t.head_forward == pytest.approx(peak["act"], rel=0.10)
 
 
 @pytest.mark.torch
@@ -224,11 +231,9 @@ def test_checkpointed_activations_are_what_memtracker_sees(mt, mode):
 
     from hybrid.config.spec import TrainSpec
     from hybrid.estimation.memory.activations import activation_terms
-    from hybrid.model.decoder import prepare_for_training
     from hybrid.model.profile import find_blocks, profile_module
     from hybrid.runtime.activation_checkpoint import apply_activation_checkpointing
     model = tiny(mt)
-    prepare_for_training(model)        # a KV cache would be filled again by the recomputation
     blocks = find_blocks(model)[1]
     assert apply_activation_checkpointing(model, mode) == len(blocks)
     tracker = two_adamw_steps(model)

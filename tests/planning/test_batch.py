@@ -232,6 +232,8 @@ HELD = [
     "plan llama2-7b --nodes 2 --gpus-per-node 8 --seq-len 2048 --gradient-accumulation 4 --strategy hsdp",
     "plan llama3.1-8b --nodes 1 --gpus-per-node 8 --seq-len 32768",                # cp searched
     "plan llama3-8b --nodes 1 --gpus-per-node 8 --seq-len 2048 --global-batch 64",
+    "plan mixtral-8x7b --nodes 8 --gpus-per-node 8 --seq-len 4096",                 # MoE: ep searched
+    "plan qwen3-30b-a3b --nodes 2 --gpus-per-node 8 --seq-len 4096 --global-batch 64",
 ]
 
 
@@ -240,7 +242,8 @@ HELD = [
 @pytest.mark.slow
 def test_every_row_of_a_plan_trains_the_global_batch_its_header_states(capsys, command):
     """tokens/s per GPU x step time x GPUs = global batch x sequence for every row, with or without
-    --global-batch (without it: micro-batch x accumulation x the world, each layout at its own shape)."""
+    --global-batch (without it: micro-batch x accumulation x the world, each layout at its own shape): dense,
+    pp, tp, cp and MoE plans (ep searched)."""
     import shlex
     assert main(shlex.split(command) + ["--all"]) == 0
     table = capsys.readouterr().out
@@ -252,6 +255,8 @@ def test_every_row_of_a_plan_trains_the_global_batch_its_header_states(capsys, c
     rows = [r for r in doc["strategies"] if r.get("step_time_s") is not None]
     assert len(rows) > 3 and len({r["parallel"]["dp_replicate"] * r["parallel"]["dp_shard"] for r in rows}) > 1 \
         or "--strategy" in command
+    if "mixtral" in command or "a3b" in command:          # the MoE plans hold it for their ep > 1 rows too
+        assert any(r["parallel"].get("ep", 1) > 1 for r in rows)
     for r in rows:
         work = r["tokens_per_s_per_gpu"] * r["step_time_s"] * world
         assert work == pytest.approx(gb * seq, rel=0.01), (r["name"], r["parallel"], r.get("batch"))

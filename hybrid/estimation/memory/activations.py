@@ -550,8 +550,9 @@ def activation_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> Activ
         per_layer = (k * kept + (d.layers - k) * full) / d.layers
         recompute = full
     head_fwd, head_bwd = loss_terms(d, spec, autocast or adapters_autocast)
-    if lora:      # a frozen final norm and head keep nothing of their inputs (the loss still keeps its own)
-        frozen_norm = (2 * F32 * d.hidden if d.style == "llama" else c * d.hidden) * T
+    if lora:      # a frozen final norm and head keep only what the norm's input gradient needs
+        fp32_norm = autocast or adapters_autocast
+        frozen_norm = (final_norm(d, c, fp32_norm) - frozen_final_norm(d, c, fp32_norm)) * T
         head_fwd, head_bwd = head_fwd - frozen_norm, head_bwd - frozen_norm
     cache = 0
     if adapters_autocast:                                     # bf16 copies of the fp32 adapters
@@ -569,6 +570,27 @@ def activation_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> Activ
 
 LOSS_CHUNKS = 8
 """Token chunks of the chunked loss: torchtune's CEWithChunkedOutputLoss num_output_chunks default."""
+
+
+def final_norm(d: DecoderConfig, c: int, autocast: bool) -> float:
+    """Bytes per token the final norm keeps: as a block's pre-norm (_norm, its kind read from the last
+    block), its output kept by the head's projection; under autocast it runs in fp32 (its input is the
+    fp32 residual stream) and the head keeps its bf16 cast of the output instead
+    (tests/estimation/test_activations.py test_head_formula_matches_autograd)."""
+    kind = d.stack[-1].norm if d.stack else ("rms" if d.style == "llama" else "layer")
+    if autocast:
+        return _norm(kind, d.hidden, F32, pre=False) + 2 * d.hidden
+    return _norm(kind, d.hidden, c, pre=True)
+
+
+def frozen_final_norm(d: DecoderConfig, c: int, autocast: bool) -> float:
+    """Bytes per token a frozen final norm (LoRA) keeps with a frozen head: its input and statistics, which
+    its input's gradient reads; no normalised value or output, which only the frozen weights' gradients
+    would (measured with saved-tensor hooks: Llama's RMSNorm its fp32 input and rsqrt in every regime)."""
+    kind = d.stack[-1].norm if d.stack else ("rms" if d.style == "llama" else "layer")
+    if kind == "layer":
+        return (F32 if autocast else c) * d.hidden + 2 * F32
+    return F32 * d.hidden + F32
 
 
 def loss_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool, vocab_parallel: bool = False) -> tuple[int, int]:
@@ -591,7 +613,7 @@ def loss_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool, vocab_parallel
     c = spec.bytes.compute
     T = spec.micro_batch * spec.seq_len
     V, h = d.vocab, d.hidden
-    norm = (2 * F32 * h if d.style == "llama" else c * h) * T     # the final norm
+    norm = final_norm(d, c, autocast) * T
     logit = 2 if autocast else c
     if spec.loss == "eager" and vocab_parallel:
         return int(norm + (logit + F32) * V * T), int(norm + (logit + 4 * F32) * V * T)

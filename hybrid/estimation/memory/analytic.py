@@ -60,7 +60,8 @@ def estimate(layout: Layout | Strategy, profile: ModelProfile, spec: TrainSpec, 
     layout = as_layout(layout, cluster, spec)
     spec = layout.train_spec(spec)
     layout.check(profile)
-    problem = layout.dp.family_obj.autocast_experts_problem(layout, spec, profile.grouped_experts)
+    problem = layout.dp.family_obj.autocast_experts_problem(layout, spec, profile.grouped_experts,
+                                                            cluster.gpu.software)
     if problem is not None:
         raise problem
     sh = shares(profile, layout, spec, rank)

@@ -50,12 +50,13 @@ def check(strategy, mesh, spec, runtime) -> None:
     """Nothing beyond the family's layout rules (Family.check)."""
 
 
-def check_grouped_experts(module, spec, layout) -> None:
+def check_grouped_experts(module, spec, layout, software: str) -> None:
     """transformers' grouped_mm experts under a wrap that runs mixed precision under autocast over fp32
     weights (torch DDP's) cannot run: the family's rule (Family.autocast_experts_problem), asked of the
-    module (profile.runs_grouped_experts), as the estimate asks it of the profile."""
+    module (profile.runs_grouped_experts), as the estimate asks it of the profile; `software`: where the
+    job runs (GPUSpec.software)."""
     from ...model.profile import runs_grouped_experts
-    problem = layout.dp.family_obj.autocast_experts_problem(layout, spec, runs_grouped_experts(module))
+    problem = layout.dp.family_obj.autocast_experts_problem(layout, spec, runs_grouped_experts(module), software)
     if problem is not None:
         raise problem
 
@@ -174,7 +175,7 @@ def traced_apply(strategy, model, optimizer_factory, mesh, spec, runtime, option
                             options)
 
     from ..parallelize import layout_of_mesh
-    check_grouped_experts(model, spec, layout_of_mesh(strategy, mesh, spec))
+    check_grouped_experts(model, spec, layout_of_mesh(strategy, mesh, spec), runtime.software)
     apply_activation_checkpointing(model, spec.activation_checkpointing)
     ddp = _EmulatedDDP(model, strategy)
     engine = DDPEngine(model, ddp, optimizer_factory([p for p in model.parameters() if p.requires_grad]),
