@@ -120,10 +120,11 @@ def attention_none(at, spec, c: int) -> float:
     output and its norm's, kv_a's whole output and its norm's, kv_b's whole output (the keys' nope
     part and the values are views of it), the queries and keys after rotary. SDPA's kernel keeps its
     output and logsumexp, the float mask it is given (b, 1, s, s; per layer), and where the queries
-    are a concatenation (Attention.rope_cat) the o projection reads a copy of the output. Eager
-    attention keeps the softmax's output and what the matmul after it reads: the fp32 probabilities
-    and their cast (a softmax with sinks: over s + 1 logits in the compute dtype, the copy without
-    the sink column and the max's indices), and its output for the o projection."""
+    are a concatenation (Attention.rope_cat) and a flash kernel runs, the o projection reads a copy
+    of the output. Eager attention keeps the softmax's output and what the matmul after it reads:
+    the fp32 probabilities and their cast (a softmax with sinks: over s + 1 logits in the compute
+    dtype, the copy without the sink column and the max's indices), and its output for the o
+    projection."""
     a, d, v, s = at.heads, at.head_dim, at.v_dim, spec.seq_len
     eager = _eager(at, spec)
     if at.kind == "mla":
@@ -141,8 +142,11 @@ def attention_none(at, spec, c: int) -> float:
     if eager:
         probs = c * a * (2 * s + 1) + I64 * a if at.sinks else (F32 + (c if c < F32 else 0)) * a * s
         return out + probs + c * a * v
+    # flash kernels (CUDA's, as torch's meta registration allocates it, and CPU's) lay their output out
+    # like q; CUDA's efficient kernel, which takes masks and unequal head dims, as (b, s, heads, d)
+    flash = not at.masked(s) and d == v <= 256
     mask = c * s if at.masked(s) else 0
-    return out + kernel(at, spec, c) + (c * a * v if at.rope_cat else 0) + mask
+    return out + kernel(at, spec, c) + (c * a * v if at.rope_cat and flash else 0) + mask
 
 
 def mlp_none(mlp, hidden: int, c: int) -> tuple[float, float]:
