@@ -42,6 +42,7 @@ def test_head_and_loss_bytes_equal_the_tracker(kind):
     """Bytes the head and loss keep after forward, and the rise over them in backward (less the
     two gradients the families count), against the dispatcher's live-tensor record; T = 128 is
     LOSS_CHUNKS x 16 tokens. Eager keeps its logits (the model's output holds them)."""
+    from hybrid.estimation.memory.activations import final_norm
     from hybrid.measure.tracker import MemoryTracker
     cfg = dataclasses.replace(TINY, vocab=1000, hidden=32)
     b, s, V, h = 2, 64, cfg.vocab, cfg.hidden
@@ -63,7 +64,7 @@ def test_head_and_loss_bytes_equal_the_tracker(kind):
         loss.backward()
         rise = tracker.peak - before - kept
     fwd, bwd = loss_terms(cfg, TrainSpec(micro_batch=b, seq_len=s, precision="fp32", loss=kind), autocast=False)
-    norm = 2 * 4 * h * T                            # the final norm's, not run here
+    norm = final_norm(cfg, 4, autocast=False) * T    # the final norm's, not run here
     labels = 8 * T + 64                             # the int64 shifted labels and the scalars
     assert 0 <= kept - (fwd - norm) <= labels
     grads = 4 * (T * h + V * h) if kind == "chunked" else 0     # alive at the chunked peak (accumulating)
