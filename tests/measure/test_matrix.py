@@ -9,10 +9,11 @@ Measured here (analytic vs traced bytes at the peak), 2026-12 on this tree:
   tp 2 cells (fsdp, ddp through FSDP2): within 3% (ddp tp 2 full checkpointing: -1.1%) since the loss-time
   head terms price torch's loss_parallel as it allocates (torch/distributed/tensor/parallel/loss.py);
   they were 10-18% over.
-  pp 2 (1f1b, 2 micro-batches, fsdp and ddp): within 0.4% without checkpointing; +2.7% on pp rank 0 with
-  full checkpointing (the first stage: embedding + one block), +0.8% on rank 1. The rank-0 excess is in
-  activations + temporaries (98,304 B) and shrinks at 4 micro-batches (+0.3%): it is where every micro-batch
-  is in the warm-up (m = pp); its cause in the analytic moment is not yet found.
+  pp 2 (1f1b, 2 micro-batches, fsdp and ddp): within 0.8% on each rank. Rank 0 with full checkpointing was
+  +2.7%: its block's backward was priced with the down projection's input still saved (autograd frees it
+  once that matmul's backward has run, before the f-wide gradients exist: activations.mlp_backward_transient)
+  and without each in-flight micro-batch's stage output (PipelineStage keeps it until its backward ends:
+  analytic.stage_output); what is left is the rotary cos/sin tables per micro-batch (-0.6%).
   ep 2 (fsdp, Mixtral / Qwen3-MoE from transformers, our MoE decoder): within 0.7%.
 Traced vs live on 2 gloo ranks (fp32, 2 x 64 tokens, 8 cells in one launch): tp 1 and tp 2 byte-equal
 (ddp transformers 8 B apart), cp 2 0.3-0.4% under, ep 2 0.4-0.5% under (the trace's dispatch balanced).

@@ -50,12 +50,18 @@ def mlp_backward_transient(d: DecoderConfig, spec: TrainSpec, autocast: bool) ->
     down projection, then the product's backward, whose input gradient is freed only after both
     factors' gradients exist): a gated MLP the gradients of the product, the activation's output
     and the up projection (three f-wide), a plain one those of the activation's output and input
-    (two f-wide); with the down projection's weight gradient, in the matmuls' dtype."""
+    (two f-wide); with the down projection's weight gradient, in the matmuls' dtype. Less the down
+    projection's input (f wide, saved by its matmul, or by its LoRA adapter's A where only the
+    adapter trains), which autograd frees once that projection's backward has run (a node releases its
+    saved tensors after it runs), before these exist: the traced pp 2 stage held it no longer
+    (tests/measure/test_matrix.py)."""
     c = 2 if autocast else spec.bytes.compute
     T = spec.micro_batch * spec.seq_len
     wide = 3 if d.style == "llama" else 2
     weight = 0 if spec.lora is not None else d.hidden * d.ffn      # a frozen down projection makes none
-    return c * (wide * d.ffn * T + weight)
+    from ...model.lora import closed_reads
+    saved = spec.lora is None or "product" in closed_reads(d, spec.lora)
+    return c * ((wide - saved) * d.ffn * T + weight)
 
 
 def _qk_norm(d: DecoderConfig, c: int) -> float:

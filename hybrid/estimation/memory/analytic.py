@@ -157,11 +157,18 @@ def step_moments(sh: Share, place, act: ActivationTerms,
         # a stage's first backward of the step holds every in-flight micro-batch's activations and
         # no gradient yet; its later ones hold as many (fewer once the forwards run out:
         # layout/pipeline.in_flight_later) beside the gradients the earlier ones accumulated
-        # (the last stage's other in-flight micro-batches keep their head's saved tensors too)
+        # (the last stage's other in-flight micro-batches keep their head's saved tensors too), and
+        # each micro-batch its stage's output until its backward ends (stage_output)
+        out = stage_output(sh)
         for name in ("loss", "blocks"):
-            first = dict(moments[name], grads=0, activations=acts + act.head_forward * (st.in_flight - 1))
+            # the last stage's output is the logits: in head_forward for the others, in head_backward
+            # for the micro-batch whose loss backward runs
+            mine = 0 if st.last and name == "loss" else out
+            others = 0 if st.last else out
+            first = dict(moments[name], grads=0, activations=acts + (act.head_forward + others) * (st.in_flight - 1)
+                         + mine)
             later = dict(moments[name], activations=act.per_layer * st.later_layers
-                         + act.head_forward * max(st.later - 1, 0))
+                         + (act.head_forward + others) * max(st.later - 1, 0) + mine)
             moments[name] = max(first, later, key=lambda parts: sum(parts.values()))
     ends = [act.recompute + unit_grads] if st is not None else []     # a stage's backward ends in its first block
     full = whole_embedding_gradient(sh)
@@ -178,8 +185,9 @@ def step_moments(sh: Share, place, act: ActivationTerms,
         # ... while its other in-flight micro-batches keep their activations (1F1B: in-flight - 1
         # of them), with every gradient (and, under FSDP, every block's parameters gathered since
         # that backward) present
-        moments["grads"]["activations"] = (act.per_layer * (st.in_flight_layers - st.blocks)
-                                           + act.head_forward * (st.in_flight - 1))
+        out = stage_output(sh)
+        moments["grads"]["activations"] = (act.per_layer * (st.in_flight_layers - st.blocks) + out
+                                           + (act.head_forward + (0 if st.last else out)) * (st.in_flight - 1))
     recv = receive_buffers(sh)
     for parts in moments.values():
         parts["buffers"] += recv
@@ -208,6 +216,18 @@ def dequantized_weight(profile: ModelProfile, spec: TrainSpec) -> int:
     mats = [o * i for o, i in base_linears(d)]
     share = profile.quantized_params / (d.layers * sum(mats))       # a tensor-parallel rank's share
     return int(spec.bytes.compute * max(mats) * share)
+
+
+def stage_output(sh: Share) -> int:
+    """Bytes of one micro-batch's stage output, which torch.distributed.pipelining keeps from its forward
+    to the end of its backward (PipelineStage.fwd_cache, then backward_one_chunk's local `stage_output`
+    while the backward runs): b x s x h in the compute dtype (a tp rank's sequence-parallel share), on
+    the last stage the logits (the compute dtype; vocab-sharded under tp). 0 without stages."""
+    st, spec = sh.stage, sh.spec
+    if st is None:
+        return 0
+    width = sh.whole.decoder.vocab if st.last else st.boundary_elements
+    return int(spec.bytes.compute * spec.tokens * width / sh.tp)
 
 
 def receive_buffers(sh: Share) -> int:
