@@ -115,12 +115,13 @@ class FSDPFamily(Family):
             # until then only the accumulated unsharded gradients exist, then only the shards
             acc = P * rb
             place.grads_step = place.grads_end - acc
-            place.grads_start = place.grads_end = acc
+            place.grads_start = place.grads_end = place.accumulated = acc
         if spec.gradient_accumulation > 1 and stage is None:
             # no-sync keeps every unsharded gradient in the reduce dtype over the window
             # (docs/estimation.md, FSDP2 gradient accumulation)
             place.grads_start += P * rb
             place.grads_end += P * rb
+            place.accumulated = P * rb
             place.notes.append(f"gradient accumulation: unsharded {('bf16' if rb == 2 else 'fp32')} gradients are kept "
                              "between micro-batches (reduce-scatter once per window)")
         if stage is not None:

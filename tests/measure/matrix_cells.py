@@ -9,7 +9,8 @@ from hybrid.estimation.memory.analytic import estimate
 from hybrid.families.catalogue import load_catalogue
 from hybrid.layout.layout import Layout
 from hybrid.layout.pipeline import stage_cluster
-from hybrid.measure.traced import traced_estimate, traced_stage_estimate
+from hybrid.measure.stages import traced_stage_estimate
+from hybrid.measure.traced import traced_estimate
 from hybrid.model.presets import DecoderConfig
 from hybrid.planning.stages import staged
 

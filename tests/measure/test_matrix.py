@@ -81,7 +81,7 @@ def test_a_pipeline_cell_that_cannot_run_is_refused_alike_by_the_estimate_the_st
     """zero2 at pp 2 (DeepSpeed's own pipeline engine is not driven here): the stage trace asks the family
     before it traces; it traced the stage (7,575,088 bytes) while the estimate and the plan refused it."""
     from hybrid.layout.pipeline import StageSplit, stage_cluster
-    from hybrid.measure.traced import traced_stage_estimate
+    from hybrid.measure.stages import traced_stage_estimate
     from hybrid.planning.planner import plan
     spec = TrainSpec(2, 256, gradient_accumulation=2)
     layout = Layout.of(CAT["zero2"], TWO, spec, pp=2, schedule="1f1b")
