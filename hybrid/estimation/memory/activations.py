@@ -140,6 +140,29 @@ def _layer_selective(d: DecoderConfig, c: int, autocast: bool) -> float:
     return block_input + linears + mm * q + F32 * a       # + attention output and logsumexp
 
 
+def _selective_unrebuilt(d: DecoderConfig, c: int, autocast: bool) -> float:
+    """Bytes per token of a llama block's no-checkpointing tensors (_layer_full) that are not alive
+    beside its recomputation at its backward under the selective policy: those the policy saved and
+    backward reads, so not rebuilt (v, the attention output and its logsumexp, gate and up); and the
+    saved matmul outputs only the recomputation reads (q, k, the o projection's), which it takes from
+    the policy's cache (torch.utils.checkpoint's _CachedTorchDispatchMode pops them) and nothing keeps
+    after. The down projection's output stays cached: the recomputation stops before it (early stop).
+    Measured on the traced pp 2 stage of tiny-llama (tests/measure/test_matrix.py)."""
+    h, kv, f, a, q = d.hidden, d.kv_dim, d.ffn, d.heads, d.q_dim
+    mm = 2 if autocast else c
+    return mm * (kv + q + 2 * f) + F32 * a + mm * (q + kv + h)
+
+
+def _op_unrebuilt(d: DecoderConfig, c: int, autocast: bool) -> float:
+    """_selective_unrebuilt under the per-op policy (_layer_op): saved and read by backward, so not
+    rebuilt, v, the attention output, its logsumexp and gate; saved and read only by the recomputation,
+    q (popped from the policy's cache, then freed). The down projection's output stays cached (early
+    stop). Measured on the traced pp 2 stage of tiny-llama (tests/measure/test_matrix.py)."""
+    kv, f, a, q = d.kv_dim, d.ffn, d.heads, d.q_dim
+    mm = 2 if autocast else c
+    return mm * (kv + q + f) + F32 * a + mm * q
+
+
 def _layer_op(d: DecoderConfig, c: int, autocast: bool) -> float:
     """Bytes per token under torchtitan's per-op policy: the block input, the outputs of the 1st,
     3rd, 5th... aten.mm of the block (llama: q, v, gate, down; gpt2's biased linears run addmm,
@@ -543,10 +566,12 @@ def activation_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> Activ
         recompute = full
     elif ckpt == "selective":
         per_layer = _layer_selective(d, c, autocast) * T
-        recompute = full - per_layer
+        recompute = (full - _selective_unrebuilt(d, c, autocast) * T if d.style == "llama" and not d.moe
+                     else full - per_layer)
     elif ckpt == "op":
         per_layer = _layer_op(d, c, autocast) * T
-        recompute = full - per_layer
+        recompute = (full - _op_unrebuilt(d, c, autocast) * T if d.style == "llama" and not d.moe
+                     else full - per_layer)
     else:                                   # layer:N: the blocks' average
         k = checkpointed_blocks(d.layers, layer_every(ckpt))
         kept = (F32 if autocast else c) * d.hidden * T
