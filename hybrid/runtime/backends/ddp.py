@@ -126,11 +126,17 @@ def engine(strategy, model, runner, optimizer_factory, mesh, spec, runtime, opti
 class _EmulatedDDP(torch.nn.Module):
     """DDP's memory behaviour without its C++ reducer, which reads tensor data and so cannot run
     on fake tensors: the same gradient buckets, allocated at wrap time, with each gradient a view
-    into them (gradient_as_bucket_view) or a separate copy; the all-reduce itself costs no memory."""
+    into them (gradient_as_bucket_view) or a separate copy; the all-reduce itself costs no memory.
+    Inside an accumulation window (no_sync) the reducer is not called: autograd's own gradient tensors
+    accumulate beside the buckets until the window's last backward, whose hooks copy each into its
+    bucket view and make the view the gradient (Reducer::mark_variable_ready_dense); measured live on
+    2 gloo ranks (tests/measure/test_matrix.py)."""
 
     def __init__(self, module, strategy):
         super().__init__()
         self.module, self.view = module, strategy.config.gradient_as_bucket_view
+        self.require_backward_grad_sync = True
+        """DDP's flag (DDPEngine.set_sync): False inside a window."""
         params = [p for p in module.parameters() if p.requires_grad]
         cap = strategy.config.bucket_bytes
         self.buckets, self.slots, bucket, size = [], [], [], 0
@@ -149,10 +155,22 @@ class _EmulatedDDP(torch.nn.Module):
         offset = 0
         for p in bucket:
             self.slots.append((p, flat, offset))
+            if self.view:
+                p.register_post_accumulate_grad_hook(self._into_bucket(flat, offset))
             offset += p.numel()
 
+    def _into_bucket(self, flat, offset: int):
+        """The reducer's hook in a synchronising backward: a gradient autograd accumulated on its own is
+        copied into its bucket view, which becomes the gradient."""
+        def hook(p):
+            if self.require_backward_grad_sync and p.grad is not None and p.grad._base is not flat:
+                view = flat[offset:offset + p.numel()].view_as(p)
+                view.copy_(p.grad)
+                p.grad = view
+        return hook
+
     def attach_grads(self):
-        if self.view:                            # the reducer hands autograd bucket views as .grad
+        if self.view and self.require_backward_grad_sync:     # the reducer hands autograd bucket views as .grad
             for p, flat, off in self.slots:
                 if p.grad is None:
                     p.grad = flat[off:off + p.numel()].view_as(p).zero_()
