@@ -37,6 +37,8 @@ class StageShare:
     later: int = 0
     """Micro-batches in flight at the rank's later backwards, beside the gradients the earlier
     ones accumulated (layout/pipeline.in_flight_later)."""
+    virtual: int = 1
+    """Local stages (chunks) of the rank: 2 under interleaved."""
     pending_sends: int = 0
     """Input gradients of earlier backwards still held at a later backward by the schedule's send ops:
     torch's Schedule1F1B keeps a backward's send ops in a variable it rebinds after the next backward
@@ -85,6 +87,7 @@ def stage_of(profile: ModelProfile, pipeline, rank: int) -> StageShare:
                       pipeline.in_flight_layers(rank), pipeline.in_flight(rank),
                       profile.decoder.hidden if profile.decoder else 0,
                       sum((i != 0) + (i != pipeline.stages - 1) for i in stages), pipeline.later(rank),
+                      pipeline.virtual,
                       int(pipeline.schedule == "1f1b" and 0 not in stages and pipeline.micro_batches > 1))
 
 

@@ -168,16 +168,19 @@ def step_moments(sh: Share, place, act: ActivationTerms,
         # each micro-batch its stage's output until its backward ends (stage_output)
         out = stage_output(sh)
         sent = st.pending_sends * boundary(sh)       # the schedule's earlier input gradients not yet released
+        # what each other in-flight micro-batch keeps beside its blocks: on the last stage its head (logits,
+        # log-softmax, norm), on another its output; interleaved, a rank holding the last stage runs the
+        # others on its earlier chunk (a last-stage chunk-micro-batch's backward follows its forward in
+        # torch's order), so they keep that chunk's output
+        held = boundary(sh) if st.virtual > 1 or not st.last else act.head_forward
         for name in ("loss", "blocks"):
-            # the last stage's output is the logits: in head_forward for the others, in head_backward
-            # for the micro-batch whose loss backward runs
+            # the last stage's output is the logits: in head_backward for the micro-batch whose loss
+            # backward runs
             mine = 0 if st.last and name == "loss" else out
-            others = 0 if st.last else out
-            first = dict(moments[name], grads=0, activations=acts + (act.head_forward + others) * (st.in_flight - 1)
-                         + mine)
+            first = dict(moments[name], grads=0, activations=acts + held * (st.in_flight - 1) + mine)
             # ... and an earlier backward's whole embedding gradient (a stage differentiates it last)
             later = dict(moments[name], grads=moments[name]["grads"] + extra, activations=act.per_layer
-                         * st.later_layers + (act.head_forward + others) * max(st.later - 1, 0) + mine + sent)
+                         * st.later_layers + held * max(st.later - 1, 0) + mine + sent)
             # one micro-batch a step has no later backward (no gradient accumulated before it)
             moments[name] = max([first, later] if st.later else [first], key=lambda parts: sum(parts.values()))
         if not st.last and sh.tp > 1:
@@ -198,9 +201,8 @@ def step_moments(sh: Share, place, act: ActivationTerms,
         # ... while its other in-flight micro-batches keep their activations (1F1B: in-flight - 1
         # of them), with every gradient (and, under FSDP, every block's parameters gathered since
         # that backward) present
-        out = stage_output(sh)
-        moments["grads"]["activations"] = (act.per_layer * (st.in_flight_layers - st.blocks) + out
-                                           + (act.head_forward + (0 if st.last else out)) * (st.in_flight - 1))
+        moments["grads"]["activations"] = (act.per_layer * (st.in_flight_layers - st.blocks) + stage_output(sh)
+                                           + held * (st.in_flight - 1))
     recv = receive_buffers(sh)
     for parts in moments.values():
         parts["buffers"] += recv
