@@ -3,8 +3,8 @@
 A fake process group of the job's world size, FakeTensorMode (shapes and dtypes only), the real
 wrapping (FSDP2 on the job's 1D/2D mesh with its mixed precision and checkpointing; DDP's buckets
 emulated because its C++ reducer reads data; DeepSpeed as its FSDP2 equivalent plus its own state
-layout), and two real training steps on a batch of the job's shape. The peak of live tensors and
-what it is made of come from measure/tracker.py.
+layout), the optimizer's state primed, and a real training step (the job's accumulation window) on a
+batch of the job's shape. The peak of live tensors and what it is made of come from measure/tracker.py.
 """
 from __future__ import annotations
 
