@@ -32,7 +32,7 @@ def fsdp_memtracker_peak(src, strategy, spec, cluster, shard, keep_output=False)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from hybrid.model.decoder import prepare_for_training
-    from hybrid.measure.traced import _real_mesh_arithmetic, _unpacked_batches, make_batch, optimizer_factory
+    from hybrid.measure.traced import _real_mesh_arithmetic, unpacked_batches, make_batch, optimizer_factory
     from hybrid.runtime.mesh import Runtime, build_mesh
     from hybrid.layout.dims import ParallelDims
 
@@ -41,7 +41,7 @@ def fsdp_memtracker_peak(src, strategy, spec, cluster, shard, keep_output=False)
     try:
         runtime = Runtime(torch.device("cpu"), "fake", world, 0, cluster.gpus_per_node)
         mesh = build_mesh(ParallelDims(dp_replicate=world // shard, dp_shard=shard), runtime, cluster.gpus_per_node)
-        with FakeTensorMode(allow_non_fake_inputs=True), _unpacked_batches(), _real_mesh_arithmetic():
+        with FakeTensorMode(allow_non_fake_inputs=True), unpacked_batches(), _real_mesh_arithmetic():
             model, _ = src.build(device="cpu", attention=spec.attention, prefer_hf=True)
             prepare_for_training(model)
             engine = strategy.family_obj.runtime().traced_apply(strategy, model, optimizer_factory(spec), mesh,

@@ -7,7 +7,7 @@ The traced side cuts the stage from our decoder on fake tensors, wraps it as the
 (FSDP2 over the stage's ranks, tensor parallelism with sequence parallelism inside the node) on a
 fake process group of the whole world, and runs the rank's micro-batches in the schedule's order
 through torch.distributed.pipelining's own PipelineStage backward and step-end reduction
-(hybrid/measure/traced.py: traced_stage_estimate). Each rank is traced in a fresh process.
+(hybrid/measure/stages.py: traced_stage_estimate). Each rank is traced in a fresh process.
 
 Cells: llama3-70b at pp 4 x tp 8 on 16 x 8 h100-80gb, seq 8192, 8 micro-batches (1f1b), fsdp with
 full and selective checkpointing; llama2-7b at pp 2 on 2 x 8, seq 4096, 4 micro-batches, fsdp.
@@ -30,7 +30,7 @@ def one_rank(cell, rank, queue):
     from hybrid.config.cluster import Cluster
     from hybrid.layout.layout import Layout
     from hybrid.estimation.memory.analytic import estimate
-    from hybrid.measure.traced import traced_stage_estimate
+    from hybrid.measure.stages import traced_stage_estimate
     from hybrid.layout.pipeline import stage_cluster
     from hybrid.planning.stages import stage_split
     from hybrid.model.sources import resolve_model

@@ -73,8 +73,8 @@ def _job(args):
         raise HybridError(f"--method {args.method} runs the model without adapters; --lora-rank is estimated by "
                           "--method analytic (docs/finetuning.md), or pass a PEFT model to hybrid.plan")
     if args.compile and args.method == "traced":
-        raise HybridError("--method traced runs the blocks eagerly; a compiled job's blocks keep what AOTAutograd's "
-                          "partitioner saves, which --method analytic counts (hybrid/measure/compiled.py)")
+        from ..measure.traced import UNTRACED          # the trace's own refusal, before anything runs
+        raise HybridError(UNTRACED["compile"])
     return src, cluster, spec
 
 

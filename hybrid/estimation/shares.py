@@ -37,6 +37,13 @@ class StageShare:
     later: int = 0
     """Micro-batches in flight at the rank's later backwards, beside the gradients the earlier
     ones accumulated (layout/pipeline.in_flight_later)."""
+    virtual: int = 1
+    """Local stages (chunks) of the rank: 2 under interleaved."""
+    pending_sends: int = 0
+    """Input gradients of earlier backwards still held at a later backward by the schedule's send ops:
+    torch's Schedule1F1B keeps a backward's send ops in a variable it rebinds after the next backward
+    (1; measured live on 2 gloo ranks), GPipe's are released once sent (0); 0 on the first stage, which
+    sends none, and for interleaved (torch's runtime schedule, not traced)."""
 
     @property
     def later_layers(self) -> int:
@@ -79,7 +86,9 @@ def stage_of(profile: ModelProfile, pipeline, rank: int) -> StageShare:
     return StageShare(rank, pipeline.pp, blocks, 0 in stages, pipeline.stages - 1 in stages,
                       pipeline.in_flight_layers(rank), pipeline.in_flight(rank),
                       profile.decoder.hidden if profile.decoder else 0,
-                      sum((i != 0) + (i != pipeline.stages - 1) for i in stages), pipeline.later(rank))
+                      sum((i != 0) + (i != pipeline.stages - 1) for i in stages), pipeline.later(rank),
+                      pipeline.virtual,
+                      int(pipeline.schedule == "1f1b" and 0 not in stages and pipeline.micro_batches > 1))
 
 
 @dataclass(frozen=True)
@@ -200,6 +209,8 @@ def share_activations(sh: Share, act: ActivationTerms, autocast: bool, notes: li
     parallelism (estimation/memory/cp.py); a pipeline rank's in-flight micro-batches' for its blocks.
     Returns (the terms, notes)."""
     from .memory.cp import with_gathered_kv
+    from .memory.activations import checkpointed_blocks
+    from ..config.spec import layer_every
     spec, tp, cp = sh.spec, sh.tp, sh.cp
     if tp > 1 and not (sh.sequence_parallel and sh.loss_parallel):
         raise HybridError(f"tensor parallel {tp} without sequence parallelism or the vocab-parallel loss is not "
@@ -208,7 +219,17 @@ def share_activations(sh: Share, act: ActivationTerms, autocast: bool, notes: li
         # the attention and MLP inputs are all-gathered, and the column-wise matmuls keep them
         # whole: in every stored block, or only in the recomputed one under full checkpointing
         gathered = 2 * spec.bytes.compute * sh.whole.decoder.hidden * spec.tokens * (1 - 1 / tp)
-        stored, redone = (0, gathered) if spec.activation_checkpointing == "full" else (gathered, 0)
+        # without checkpointing the two gathered inputs are kept, under full they are recomputed; the
+        # selective and per-op policies recompute them too (the all-gather is not in their saved set) but
+        # keep matmul outputs, whole for the row-wise o and down projections before their reduce-scatter:
+        # selective both (o's is popped by the recomputation), per-op down's (traced: pp 2 x tp 2,
+        # tests/measure/test_matrix.py)
+        stored, redone = {"none": (gathered, 0), "selective": (gathered, gathered / 2),
+                          "op": (gathered / 2, gathered)}.get(spec.activation_checkpointing, (0, gathered))
+        every = layer_every(spec.activation_checkpointing)
+        if every is not None:        # layer:N: kept by the blocks it leaves whole (per_layer is their mean)
+            layers = sh.profile.decoder.layers
+            stored, redone = gathered * (layers - checkpointed_blocks(layers, every)) / layers, gathered
         # a read stack's attention: the mask each rank keeps whole, k and v views where a rank holds one kv head
         from .memory.activations import read_tp_terms
         whole, again = read_tp_terms(sh.profile.decoder, spec, autocast, tp)

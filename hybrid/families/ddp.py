@@ -91,6 +91,11 @@ class DDPFamily(Family):
                      autocast=spec.precision in ("bf16-mixed", "fp16-mixed"), grads_end=grads)
         if s.config.gradient_as_bucket_view:
             place.grads_start = grads          # grads are views into buckets allocated at DDP init
+            if spec.gradient_accumulation > 1:
+                # ... but inside a window (no_sync) autograd's own gradients accumulate beside the buckets
+                # until the last backward copies them in (runtime/backends/ddp._EmulatedDDP, measured live)
+                place.grads_start += grads
+                place.notes.append("gradient accumulation: DDP's no_sync gradients are kept beside its buckets")
         else:
             if spec.gradient_accumulation > 1:
                 place.grads_start = grads      # .grad accumulates across the window (no_sync)

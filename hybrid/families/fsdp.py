@@ -115,19 +115,22 @@ class FSDPFamily(Family):
             # until then only the accumulated unsharded gradients exist, then only the shards
             acc = P * rb
             place.grads_step = place.grads_end - acc
-            place.grads_start = place.grads_end = acc
+            place.grads_start = place.grads_end = place.accumulated = acc
         if spec.gradient_accumulation > 1 and stage is None:
             # no-sync keeps every unsharded gradient in the reduce dtype over the window
             # (docs/estimation.md, FSDP2 gradient accumulation)
             place.grads_start += P * rb
             place.grads_end += P * rb
+            place.accumulated = P * rb
             place.notes.append(f"gradient accumulation: unsharded {('bf16' if rb == 2 else 'fp32')} gradients are kept "
                              "between micro-batches (reduce-scatter once per window)")
         if stage is not None:
-            # ... and with set_reshard_after_backward(False): a block's parameters stay gathered
-            # from its backward until its next forward reshards them; all the blocks' at the end
-            # of a backward (the stage root's are resharded: traced)
-            place.buffers_end = gathered_all
+            # ... and with set_reshard_after_backward(False): a unit's parameters stay gathered from
+            # its backward until its next forward reshards them: every block's, and the stage root's
+            # (gathered by its pre-backward hook as each backward starts), at the end of a backward,
+            # with on the last stage the head's unsharded gradient, which waits for the root's
+            # post-backward at the end of the backward (traced: tests/measure/test_matrix.py)
+            place.buffers_end = gathered_all + c * (root + head * root_frac * stage.last)
             place.notes.append("pipeline stage: FSDP keeps the stage's parameters gathered after their backward "
                              "until the step's reduce-scatter (torch.distributed.pipelining)")
         return Placement.of(place)

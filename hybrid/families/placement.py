@@ -21,6 +21,8 @@ class Placement:
     grads_start: float = 0      # gradients that exist when backward starts (persistent buffers)
     grads_end: float = 0
     grads_step: float = 0       # extra gradient copies made for the step (DeepSpeed fp32 partition)
+    accumulated: float = 0      # of grads_start / grads_end: unsharded gradients FSDP2 accumulates in its
+                                #     own buffers (no-sync windows, pipeline stages)
     buffers_start: float = 0    # communication buffers at the loss backward
     regathered: float = 0       # ... of which gathered in the root's pre-backward, after a loss computed
                                 #     outside the model's forward (context parallelism) has run backward

@@ -41,6 +41,11 @@ HF_TP_STYLES = (("model.embed_tokens", "rowwise: vocab-sharded, replicated outpu
 """A transformers decoder under tp (runtime/backends/tp.py _hf_plan): the model's own
 base_model_tp_plan for the projections, sequence parallelism and the vocab-parallel loss."""
 
+HF_STAGE_TP_STYLES = (("model.embed_tokens", "rowwise: vocab-sharded, sequence-sharded output"),
+                      *HF_TP_STYLES[2:])
+"""... cut into pipeline stages (runtime/stages.HFDecoderStage, which takes its positions from the token
+ids): the embedding's output is this rank's sequence shard, as our decoder's."""
+
 
 @dataclass(frozen=True)
 class AppliedPlan:
@@ -116,7 +121,8 @@ def _applied_plan(layout, implementation: str, precision: str) -> AppliedPlan:
         if implementation == "module":
             raise HybridError("tensor parallelism has a plan for hybrid's decoders and transformers decoders with a "
                               "base_model_tp_plan, not for this module: use tp=1")
-        tp_styles, sp = (OUR_TP_STYLES if implementation == "hybrid" else HF_TP_STYLES), True
+        hf = HF_STAGE_TP_STYLES if staged else HF_TP_STYLES
+        tp_styles, sp = (OUR_TP_STYLES if implementation == "hybrid" else hf), True
     pipe = layout.pipeline
     stages = tuple(tuple(pipe.rank_stages(r)) for r in range(pipe.pp)) if pipe is not None else ()
     return AppliedPlan(

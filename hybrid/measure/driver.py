@@ -72,24 +72,32 @@ def prime_optimizer(engine: Engine, tracker: MemoryTracker) -> None:
     engine.zero_grad()
 
 
-def tracked_steps(engine: Engine, batch, tracker: MemoryTracker, steps: int = 2, on_step=None) -> None:
+def tracked_steps(engine: Engine, batch, tracker: MemoryTracker, steps: int = 2, on_step=None,
+                  accumulation: int = 1) -> None:
     """Phases: forward (the blocks: activations), head (final norm, logits, loss: temporaries),
     loss (its backward), blocks (the blocks' backward), step. Two steps by default: optimizer
-    states appear during the first step, so the second one holds the steady-state peak."""
+    states appear during the first step, so the second one holds the steady-state peak. Each step
+    is the job's accumulation window, as the training loop runs it (runtime/wrapped.py):
+    `accumulation` micro-batches, gradients reduced across ranks only in the last one's backward."""
     blocks = find_blocks(engine.model)[1]
     hooks = _mark_blocks(tracker, blocks) if blocks else []
     try:
         for i in range(steps):
-            tracker.phase = "forward"
-            if engine.cp is not None:          # whole sequences in, this rank's chunks run
-                out = engine.cp.forward(engine, (batch,), {})
-            else:
-                out = call_with_batch(engine.forward, (batch,), {})
-            loss = out.loss if hasattr(out, "loss") else out
-            tracker.phase = "loss"
-            engine.backward(loss)
-            del out, loss
-            relabel(tracker, engine)           # gradients exist now
+            for k in range(accumulation):
+                sync = k == accumulation - 1
+                engine.set_sync(sync)
+                tracker.phase = "forward"
+                if engine.cp is not None:          # whole sequences in, this rank's chunks run
+                    out = engine.cp.forward(engine, (batch,), {})
+                else:
+                    out = call_with_batch(engine.forward, (batch,), {})
+                loss = out.loss if hasattr(out, "loss") else out
+                tracker.phase = "loss"
+                engine.backward(loss, accumulation, sync=sync)
+                del out, loss
+                relabel(tracker, engine)           # gradients exist now
+                if not sync and engine.owns_accumulation:
+                    engine.step(False)             # DeepSpeed counts its micro-batches itself
             tracker.phase = "step"
             engine.step()
             relabel(tracker, engine)           # optimizer state exists now
@@ -99,3 +107,14 @@ def tracked_steps(engine: Engine, batch, tracker: MemoryTracker, steps: int = 2,
     finally:
         for h in hooks:
             h.remove()
+
+
+def tracked_schedule_steps(engine, ids, tracker: MemoryTracker, steps: int = 2) -> None:
+    """A pipeline's steps under the tracker (runtime/backends/pipeline.PipelineEngine.train_step: the
+    schedule runs every micro-batch's forward and backward, then the optimizer step): `ids` is the
+    window's micro-batches of token ids, its own labels. The schedule interleaves the phases, so they
+    are not labelled: only the peak and what the engine names (relabel) are read."""
+    for _ in range(steps):
+        tracker.phase = "forward"
+        engine.train_step(ids, ids, None, None)
+        relabel(tracker, engine)

@@ -27,6 +27,9 @@ class Measured:
     """torch.cuda.max_memory_allocated() of that rank (None on CPU)."""
     implementation: str
     seconds: float
+    ranks: tuple[int, ...] = ()
+    """Every rank's live-tensor peak, in rank order (with stages, rank r of a pp 2 job on 2 ranks is pipeline
+    rank r)."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,9 @@ class Job:
     ep: int = 1
     steps: int = 2
     prefer_hf: bool = True
+    pipeline: object = None
+    """The stage split (hybrid.layout.pipeline.StageSplit) of a job with pp > 1: its stages run under
+    torch.distributed.pipelining's schedule (runtime/backends/pipeline.py); None without stages."""
 
     @classmethod
     def of(cls, source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cluster, **kw) -> "Job":
@@ -61,24 +67,38 @@ class Job:
                            self.decoder_cfg)
 
 
+def job_layout(job: Job):
+    """The Layout a job runs: its strategy at its degrees, the spec's checkpointing, compile and float8,
+    its stage split when staged."""
+    from ..layout.dims import ParallelDims
+    from ..layout.layout import Layout
+    from ..layout.pipeline import stage_cluster
+    pipe, spec = job.pipeline, job.spec
+    pp = 1 if pipe is None else pipe.pp
+    stage = stage_cluster(job.cluster, pp)
+    n = job.strategy.shard_size(stage, job.shard_size, job.tp, job.cp)
+    dims = ParallelDims(dp_replicate=stage.world_size // job.tp // job.cp // n, dp_shard=n, cp=job.cp, tp=job.tp,
+                        pp=pp, ep=job.ep)
+    return Layout(dims, job.strategy, spec.activation_checkpointing, None if pipe is None else pipe.schedule, pipe,
+                  spec.compile, spec.float8)
+
+
 def _measure_one(job: Job, runtime):
     """One job on this rank's real tensors: the mesh of its degrees, the layout applied by the one
-    order (runtime/parallelize.py, as traced_estimate applies it on fake tensors), `steps` steps."""
+    order (runtime/parallelize.py, as traced_estimate applies it on fake tensors), `steps` steps (with
+    stages, `steps` schedule steps of the job's micro-batches: PipelineEngine.train_step)."""
     import torch
 
-    from ..layout.dims import ParallelDims
     from ..model.decoder import prepare_for_training
-    from ..runtime.backends import apply
     from ..runtime.mesh import build_mesh
-    from .driver import tracked_steps
+    from ..runtime.parallelize import apply_layout
+    from .driver import tracked_steps, tracked_schedule_steps
     from .traced import make_batch, optimizer_factory
     from .tracker import MemoryTracker
 
     source, spec, cluster = job.source(), job.spec, job.cluster
-    n = job.strategy.shard_size(cluster, job.shard_size, job.tp, job.cp)
-    dims = ParallelDims(dp_replicate=cluster.world_size // job.tp // job.cp // n, dp_shard=n, cp=job.cp, tp=job.tp,
-                        ep=job.ep)
-    mesh = build_mesh(dims, runtime, cluster.gpus_per_node, cluster.domain)
+    layout = job_layout(job)
+    mesh = build_mesh(layout.dims, runtime, cluster.gpus_per_node, cluster.domain)
     torch.manual_seed(runtime.rank)
     dtype = torch.bfloat16 if spec.precision == "bf16" else None
     tracker = MemoryTracker()
@@ -86,15 +106,21 @@ def _measure_one(job: Job, runtime):
         model, impl = source.build(device=runtime.device, attention=spec.attention, prefer_hf=job.prefer_hf,
                                    dtype=dtype)
         prepare_for_training(model)
-        engine = apply(job.strategy, model, optimizer_factory(spec), mesh, spec, runtime)
+        engine = apply_layout(model, layout, optimizer_factory(spec), mesh, spec, runtime)
         tracker.relabel(list(model.parameters()), "params")
         tracker.reset_peak()
         if runtime.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        batch = make_batch(model, spec, source.profile.decoder.vocab if source.profile.decoder else None)
-        batch = {k: v.to(runtime.device) if hasattr(v, "to") else v for k, v in batch.items()}
-        tracked_steps(engine, batch, tracker, job.steps)
+        vocab = source.profile.decoder.vocab if source.profile.decoder else None
+        if hasattr(engine, "train_step"):     # a pipeline's engine: the window's micro-batches in one schedule step
+            ids = torch.randint(0, vocab, (spec.micro_batch * spec.gradient_accumulation, spec.seq_len),
+                                device=runtime.device)
+            tracked_schedule_steps(engine, ids, tracker, job.steps)
+        else:
+            batch = make_batch(model, spec, vocab)
+            batch = {k: v.to(runtime.device) if hasattr(v, "to") else v for k, v in batch.items()}
+            tracked_steps(engine, batch, tracker, job.steps, accumulation=spec.gradient_accumulation)
     cuda_peak = torch.cuda.max_memory_allocated() if runtime.device.type == "cuda" else None
     del engine, model
     return tracker.peak_breakdown(), tracker.peak_phase, cuda_peak, impl
@@ -120,16 +146,19 @@ def check_runnable(source: ModelSource, cluster: Cluster) -> None:
                           f"--gpus-per-node 2, or --method traced for the full-size job")
 
 
-def check_host_memory(source, strategy, spec, cluster, shard_size, tp: int = 1, cp: int = 1, ep: int = 1) -> None:
-    """CPU ranks share this machine's memory: refuse up front a run the kernel would OOM-kill."""
+def check_host_memory(source, strategy, spec, cluster, shard_size, tp: int = 1, cp: int = 1, ep: int = 1,
+                      layout=None) -> None:
+    """CPU ranks share this machine's memory: refuse up front a run the kernel would OOM-kill (`layout`:
+    the job's, with its stages; else the strategy's at these degrees)."""
     if cluster.gpu.is_cuda:
         return
     from ..config.cluster import available_host_bytes
     from ..units import fmt_bytes
     from ..layout.layout import Layout
-    from ..estimation.memory.analytic import estimate
-    need = estimate(Layout.of(strategy, cluster, spec, shard_size=shard_size, tp=tp, cp=cp, ep=ep), source.profile,
-                    spec, cluster).total
+    from ..estimation.memory.stages import rank_estimates
+    layout = layout or Layout.of(strategy, cluster, spec, shard_size=shard_size, tp=tp, cp=cp, ep=ep)
+    ranks, busiest = rank_estimates(layout, source.profile, spec, cluster)
+    need = ranks[busiest].total
     need *= cluster.world_size
     have = available_host_bytes()
     if need > 0.9 * have:
@@ -162,12 +191,14 @@ def measured_estimates(jobs: list[Job]) -> list[Measured]:
         source = job.source()
         check_runnable(source, cluster)
         check_job(source.profile, job.spec)
-        check_host_memory(source, job.strategy, job.spec, cluster, job.shard_size, job.tp, job.cp, job.ep)
+        check_host_memory(source, job.strategy, job.spec, cluster, job.shard_size, job.tp, job.cp, job.ep,
+                          job_layout(job))
     start = time.perf_counter()
     per_rank = run_ranks(cluster.world_size, _rank_main, list(jobs), local_world=cluster.gpus_per_node)
     seconds = (time.perf_counter() - start) / len(jobs)
     out = []
     for i in range(len(jobs)):
         parts, phase, cuda_peak, impl = max((r[i] for r in per_rank), key=lambda r: sum(r[0].values()))
-        out.append(Measured(MemoryBreakdown.from_tensors(parts, cluster, phase=phase), cuda_peak, impl, seconds))
+        out.append(Measured(MemoryBreakdown.from_tensors(parts, cluster, phase=phase), cuda_peak, impl, seconds,
+                            tuple(sum(r[i][0].values()) for r in per_rank)))
     return out

@@ -3,8 +3,8 @@
 A fake process group of the job's world size, FakeTensorMode (shapes and dtypes only), the real
 wrapping (FSDP2 on the job's 1D/2D mesh with its mixed precision and checkpointing; DDP's buckets
 emulated because its C++ reducer reads data; DeepSpeed as its FSDP2 equivalent plus its own state
-layout), and two real training steps on a batch of the job's shape. The peak of live tensors and
-what it is made of come from measure/tracker.py.
+layout), the optimizer's state primed, and a real training step (the job's accumulation window) on a
+batch of the job's shape. The peak of live tensors and what it is made of come from measure/tracker.py.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from ..families.catalogue import Strategy
 from ..config.cluster import Cluster
 from ..errors import HybridError
 from ..layout.layout import Layout
-from ..layout.dims import ParallelDims
 from ..model.sources import ModelSource
 from ..estimation.shares import tp_share
 from ..config.spec import TrainSpec
@@ -104,10 +103,51 @@ def _real_mesh_arithmetic():
         DeviceMesh._concatenate = original
 
 
+def end_fake_group() -> None:
+    """Destroy a trace's fake process group, and DTensor's caches with it: its sharding propagation and
+    redistribution plans are cached by their specs, whose meshes compare equal across traces (the same
+    ranks and names) while their process groups are the destroyed ones, so the next trace of a different
+    rank would reach a group that no longer exists ('Could not resolve the process group')."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, _redistribute, debug
+
+    dist.destroy_process_group()
+    clear = getattr(debug, "_clear_sharding_prop_cache", None)      # Python's and the C++ fast path's
+    if clear is not None:
+        clear()
+    else:
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    for name in ("_gen_transform_infos", "clear_redistribute_planner_cache"):
+        fn = getattr(_redistribute, name, None)
+        if fn is not None:
+            getattr(fn, "cache_clear", fn)()
+
+
 def check_traceable(source: ModelSource) -> None:
     if source.build is None:
         raise HybridError(f"{source.profile.name} is a bare parameter count: there is nothing to trace. "
                           "Use --method analytic, or give a preset / config.json / factory")
+
+
+UNTRACED = {
+    "compile": "--method traced runs the blocks eagerly (torch.compile falls back to eager under the trace's dispatch "
+               "mode); a compiled job's blocks keep what AOTAutograd's partitioner saves, which --method analytic "
+               "counts (hybrid/measure/compiled.py)",
+    "lora": "--method traced runs the model without adapters; --lora-rank is estimated by --method analytic "
+            "(docs/finetuning.md), or pass a PEFT model to hybrid.plan"}
+"""Job options a trace cannot run as the job runs them, and the line it refuses them with."""
+
+
+def refuse_first(layout: Layout, profile, spec: TrainSpec, cluster: Cluster, rank: int = 0) -> None:
+    """Before anything is built: what the estimate refuses (NotApplicable, the line the plan's row and
+    auto_wrap give: the family's rules, the device, what is not modelled), then the job options the
+    trace cannot run (UNTRACED), each one line."""
+    from ..estimation.memory.analytic import estimate
+    estimate(layout, profile, spec, cluster, rank)
+    if spec.compile:
+        raise HybridError(UNTRACED["compile"])
+    if spec.lora is not None:
+        raise HybridError(UNTRACED["lora"])
 
 
 FAST_BLOCKS = (3, 4)
@@ -117,14 +157,22 @@ middle block: the first and last blocks of a phase differ from the others (FSDP2
 block has no earlier reduce-scatter in flight, its last nothing to prefetch)."""
 
 
-def traced_program(strategy: Strategy) -> tuple:
-    """What `strategy` runs when traced, as a value: two strategies with equal values run the same
-    program on fake tensors (the backend's traced_proxy: DeepSpeed as its FSDP2 equivalent, host
-    offload accounted after the trace), whatever their names; the rest of the job (the rank's model,
-    batch, shard group and degrees) is TraceCache's key beside it."""
+def traced_program(strategy: Strategy, layout: Layout | None = None) -> tuple:
+    """What `strategy` runs when traced (in `layout`, its degrees), as a value: two strategies with equal
+    values run the same program on fake tensors (the backend's traced_proxy: DeepSpeed as its FSDP2
+    equivalent, host offload accounted after the trace; then the wrap the layout applies,
+    Family.priced_strategy: ddp over tensor-parallel groups or a pipeline stage replicates through
+    FSDP2), whatever their names; the rest of the job (the rank's model, batch, shard group and degrees)
+    is TraceCache's key beside it. The preset's shard rule is not part of it: the trace runs the group
+    size it resolves to (hsdp on one node is fsdp's program)."""
+    from dataclasses import replace
+
+    from ..layout.applied import applied_plan
     proxy = getattr(strategy.family_obj.runtime(), "traced_proxy", None)
     s = proxy(strategy) if proxy is not None else strategy
-    return s.family, s.shard, s.config
+    if layout is not None:
+        s = s.family_obj.priced_strategy(s, applied_plan(replace(layout, dp=s)))
+    return s.family, s.config
 
 
 class TraceCache:
@@ -155,14 +203,14 @@ class TraceCache:
 
 def _cached_trace(cache: TraceCache | None, source: ModelSource, strategy: Strategy, spec: TrainSpec,
                   cluster: Cluster, n: int, prefer_hf: bool, steps: int, tp: int, prime: bool = False, cp: int = 1,
-                  ep: int = 1):
-    """_trace, through `cache` when one is given."""
+                  ep: int = 1, layout: Layout | None = None):
+    """_trace, through `cache` when one is given (`layout`: the job's, for the program it runs)."""
     def make():
         return _trace(source, strategy, spec, cluster, n, prefer_hf, steps, tp, prime=prime, cp=cp, ep=ep)
     if cache is None:
         return make()
     layers = source.decoder_cfg.layers if source.decoder_cfg is not None else None
-    key = (traced_program(strategy), source.profile.name, source.profile.params, layers, spec, cluster, n,
+    key = (traced_program(strategy, layout), source.profile.name, source.profile.params, layers, spec, cluster, n,
            prefer_hf, steps, tp, prime, cp, ep)
     return cache.get(key, make)
 
@@ -182,7 +230,10 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
     (TraceCache): traces of the same program already run for another candidate are reused. `beyond`
     (bytes, the GPU's capacity): where the states the rank must hold at its optimizer step
     (states_floor), with the CUDA context and the allocator's least floor, exceed it, the job cannot
-    fit whatever the trace would add, and nothing is traced: the memory is that floor (traced False)."""
+    fit whatever the trace would add, and nothing is traced: the memory is that floor (traced False).
+    Of `steps` steps the first only makes the optimizer's state, so it is primed (driver.prime_optimizer)
+    and steps - 1 are run: the same peak, byte for byte on every traced cell of tests/measure/test_matrix.py,
+    in 70% of the time."""
     import torch.distributed as dist
 
     check_traceable(source)
@@ -194,9 +245,8 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
     problem = strategy.family_obj.ep_problem(strategy, ep)
     if problem is not None:
         raise problem
-    dims = ParallelDims(dp_shard=n, cp=cp, tp=tp, ep=ep)
-    strategy.family_obj.check(Layout(dims, strategy))
-    placement_of(strategy, source.profile, spec, cluster, n * cp)   # NotApplicable, before tracing
+    job = Layout.of(strategy, cluster, spec, shard_size=shard_size, tp=tp, cp=cp, ep=ep)
+    refuse_first(job, source.profile, spec, cluster)
     start = time.perf_counter()
     if beyond is not None:
         floor = states_floor(source, strategy, spec, cluster, n, prefer_hf, tp, cp, ep, cache)
@@ -219,6 +269,7 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
     alike = not spec.activation_checkpointing.startswith("layer:")
     if fast and alike and layers > FAST_BLOCKS[-1]:
         runs = [_cached_trace(cache, source.with_layers(k), strategy, spec, cluster, n, prefer_hf, 1, tp, prime=True,
+                              layout=job,
                               cp=cp, ep=ep) for k in FAST_BLOCKS]
         note = f"traced with {' and '.join(map(str, FAST_BLOCKS))} blocks, extrapolated to {layers}"
         replaced = strategy.family_obj.traced_replaces(strategy)
@@ -234,7 +285,8 @@ def traced_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cl
             memory = MemoryBreakdown.from_tensors(parts, cluster, cpu=int(place.cpu), phase=phase,
                                                   notes=(note, strategy.family_obj.traced_note(strategy)))
             return Traced(memory, runs[0][1], time.perf_counter() - start)
-    tracker, impl = _cached_trace(cache, source, strategy, spec, cluster, n, prefer_hf, steps, tp, cp=cp, ep=ep)
+    tracker, impl = _cached_trace(cache, source, strategy, spec, cluster, n, prefer_hf, max(steps - 1, 1), tp,
+                                  prime=steps > 1, cp=cp, ep=ep, layout=job)
     memory = _account(tracker, strategy, source, spec, cluster, n, tp)
     return Traced(memory, impl, time.perf_counter() - start)
 
@@ -328,15 +380,18 @@ def extrapolated_moments(moments: list[dict], blocks: tuple[int, int], layers: i
 def replaced_layout(place, replaced: frozenset):
     """layout(phase, progress) -> {category: bytes}: the real strategy's state (its Placement `place`)
     at each moment of the step, for the categories `replaced` that the traced proxy holds otherwise
-    (tracker.peak_replacing)."""
+    (tracker.peak_replacing). Where the proxy's buffers are kept (host offload: FSDP2 is the proxy),
+    the unsharded gradients FSDP2 accumulates are among them, so the state's gradients go without them."""
+    kept = 0 if "buffers" in replaced else place.accumulated
+
     def layout(phase: str, progress: float) -> dict:
         if phase == "step":
             out = dict(grads=place.grads_end + place.grads_step, buffers=place.buffers_step)
         elif phase == "blocks":          # gradients arrive block by block
-            out = dict(grads=place.grads_start + progress * (place.grads_end - place.grads_start),
+            out = dict(grads=place.grads_start - kept + progress * (place.grads_end - place.grads_start),
                        buffers=place.buffers_mid)
         else:                            # forward, head, loss
-            out = dict(grads=place.grads_start, buffers=place.buffers_start)
+            out = dict(grads=place.grads_start - kept, buffers=place.buffers_start)
         out.update(params=place.params, optimizer=place.optimizer)
         return {k: v for k, v in out.items() if k in replaced}
     return layout
@@ -475,9 +530,9 @@ def _trace(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cl
                 batch = make_batch(model, spec, source.profile.decoder.vocab if source.profile.decoder else None)
                 if prime:
                     prime_optimizer(engine, tracker)
-                tracked_steps(engine, batch, tracker, steps)
+                tracked_steps(engine, batch, tracker, steps, accumulation=spec.gradient_accumulation)
     finally:
-        dist.destroy_process_group()
+        end_fake_group()
     return tracker, impl
 
 
@@ -496,124 +551,6 @@ def _account(tracker, strategy: Strategy, source: ModelSource, spec: TrainSpec, 
     else:
         parts, phase = tracker.peak_breakdown(), tracker.peak_phase
     return MemoryBreakdown.from_tensors(parts, cluster, cpu=int(cpu), phase=phase, notes=tuple(notes))
-
-
-def traced_stage_estimate(source: ModelSource, strategy: Strategy, spec: TrainSpec, cluster: Cluster,
-                          shard_size: int | None, tp: int, layout, pp_rank: int, steps: int = 2) -> Traced:
-    """One pipeline rank of the real job on fake tensors: its stage cut from the model and
-    wrapped as the runtime wraps it (runtime/backends/pipeline.py: the family's wrap_stage over the
-    stage's ranks of a fake process group of the whole world), its micro-batches run in the
-    schedule's order (pipeline.rank_actions) with the backward and the step-end reduction of
-    torch.distributed.pipelining's own PipelineStage, the received activations and gradients in
-    per-micro-batch receive buffers as that library allocates them. gpipe and 1f1b."""
-    import torch
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.pipelining import PipelineStage
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from ..model.decoder import prepare_for_training
-    from ..runtime.backends.fsdp import gathered_params
-    from ..runtime.backends.base import optimizer_tensors
-    from ..runtime.mesh import TRACED, Runtime, build_mesh
-    from ..model.decoder import causal_lm_loss
-    from ..runtime.stages import pipeline_stage
-    from ..layout.dims import ParallelDims
-    from ..layout.pipeline import rank_actions, stage_cluster
-    from ..runtime.parallelize import layout_of_mesh, parallelize_piece
-    from ..estimation.shares import stage_of, stage_share
-    from .tracker import MemoryTracker
-
-    check_traceable(source)
-    if dist.is_initialized():
-        raise HybridError("a traced estimate starts its own fake process group; run it outside a "
-                          "distributed job (e.g. from the CLI)")
-    if layout.virtual != 1:
-        raise HybridError("a traced pipeline estimate runs gpipe and 1f1b; use --method analytic for interleaved")
-    stage_cl = stage_cluster(cluster, layout.pp)
-    n = strategy.shard_size(stage_cl, shard_size, tp)
-    dims = ParallelDims(dp_replicate=stage_cl.world_size // tp // n, dp_shard=n, tp=tp, pp=layout.pp)
-    strategy.family_obj.check(Layout(dims, strategy, schedule=layout.schedule))   # the estimate's refusal, first
-    placement_of(strategy, stage_share(source.profile, layout, pp_rank), spec, stage_cl, n,        # NotApplicable
-                 stage_of(source.profile, layout, pp_rank))                                        # first
-    d = source.profile.decoder
-    m, world = layout.micro_batches, cluster.world_size
-    start = time.perf_counter()
-    dist.init_process_group(TRACED, store=FakeStore(), rank=pp_rank * (world // layout.pp), world_size=world)
-    try:
-        runtime = Runtime(torch.device("cpu"), TRACED, world, dist.get_rank(), cluster.gpus_per_node,
-                          stands_for=cluster.gpu.software)
-        mesh = build_mesh(dims, runtime, cluster.gpus_per_node, cluster.domain)
-        dtype = torch.bfloat16 if spec.precision == "bf16" else None
-        index = layout.rank_stages(pp_rank)[0]
-        first, last = index == 0, index == layout.stages - 1
-        with FakeTensorMode(allow_non_fake_inputs=True), unpacked_batches(), _real_mesh_arithmetic():
-            # the whole model on fake tensors, outside the tracker: only what the stage's wrapping
-            # allocates (its sharded parameters) and the steps count
-            model, impl = source.build(device="cpu", attention=spec.attention, prefer_hf=False, dtype=dtype)
-            prepare_for_training(model)
-            lo, hi = layout.stage_range(index)
-            chunk = pipeline_stage(model, lo, hi, first, last)
-            del model
-            tracker = MemoryTracker()
-            with tracker:
-                chunk, tp_state, _ = parallelize_piece(chunk, layout_of_mesh(strategy, mesh, spec), mesh, spec, runtime,
-                                                       staged=True)
-                tp_context = tp_state.context if tp_state is not None else contextlib.nullcontext
-                stage = PipelineStage(chunk, index, layout.stages, torch.device("cpu"), group=mesh["pp"].get_group())
-                optimizer = optimizer_factory(spec)([p for p in chunk.parameters() if p.requires_grad])
-                tracker.relabel(list(chunk.parameters()), "params")
-                tracker.reset_peak()
-                act = spec.bytes.compute
-                low = {2: torch.bfloat16, 4: torch.float32}[act]
-                boundary = (spec.micro_batch, spec.seq_len // tp, d.hidden)      # a tp rank's sequence shard
-                recv = [torch.empty(boundary, dtype=low) for _ in range(m)] if not first else []
-                grads_in = [torch.empty(boundary, dtype=low) for _ in range(m)] if not last else []
-                tracker.relabel(recv + grads_in, "buffers")
-                ids = torch.randint(0, d.vocab, (spec.micro_batch, spec.seq_len))
-                for _ in range(steps):
-                    live = {}
-                    for kind, mb in rank_actions(layout.schedule, layout.pp, m, pp_rank):
-                        if kind == "F":
-                            tracker.phase = "forward"
-                            x = ids if first else recv[mb].detach().requires_grad_(True)
-                            with tp_context():
-                                # the stage's output (the logits on the last stage) stays in
-                                # PipelineStage.fwd_cache until the micro-batch's backward
-                                kept = out = chunk(x)
-                                if last:
-                                    tracker.phase = "loss"
-                                    out = causal_lm_loss(out, ids)
-                            live[mb] = (x, out, kept)
-                        else:
-                            tracker.phase = "blocks"
-                            x, out, kept = live.pop(mb)
-                            with tp_context():
-                                stage.backward_maybe_with_nosync(
-                                    "full", {"stage_output": out, "output_grads": None if last else grads_in[mb],
-                                             "input_values": [] if first else [x]}, last_backward=mb == m - 1)
-                            del x, out, kept
-                    stage.perform_reduce_grad(m)
-                    params = list(chunk.parameters())
-                    tracker.relabel([p.grad for p in params if p.grad is not None], "grads")
-                    tracker.phase = "step"
-                    optimizer.step()
-                    tracker.relabel(optimizer_tensors(optimizer, params), "optimizer")
-                    tracker.relabel(gathered_params(chunk), "buffers")
-                    optimizer.zero_grad(set_to_none=True)
-    finally:
-        dist.destroy_process_group()
-    memory = MemoryBreakdown.from_tensors(tracker.peak_breakdown(), cluster, phase=tracker.peak_phase)
-    return Traced(memory, impl, time.perf_counter() - start)
-
-
-def traced_stage_in_process(ref: str, strategy_name: str, strategies_dir, spec: TrainSpec, cluster: Cluster,
-                            shard_size, tp: int, layout, rank: int) -> Traced:
-    """traced_stage_estimate from picklable arguments (for a fresh process per rank)."""
-    from ..families.catalogue import load_catalogue
-    from ..model.sources import resolve_model
-    return traced_stage_estimate(resolve_model(ref), load_catalogue(tuple(strategies_dir or ())).get(strategy_name),
-                                 spec, cluster, shard_size, tp, layout, rank)
 
 
 IMPLEMENTATIONS = {"transformers": "the transformers model", "hybrid": "hybrid's own implementation",

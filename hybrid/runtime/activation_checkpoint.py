@@ -2,13 +2,36 @@
 selective-checkpoint policy: matmuls saved, the rest recomputed), per-op, or every N-th block."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import torch
 import torch.nn as nn
 
 from ..errors import HybridError
 from ..model.profile import find_blocks
+
+
+_EXPERTS = threading.local()
+
+
+@contextlib.contextmanager
+def routed_experts():
+    """Around routed experts that run as plain matmuls (runtime/backends/ep.py: each local expert's two
+    linears): the selective and per-op policies recompute them, as they do the grouped matmuls experts
+    run without expert parallelism, and do not count them; kept, they would be every routed pair's
+    gate/up and down outputs per layer (Mixtral 8x7B at 4K tokens, ep 8: 21 GiB a rank)."""
+    depth = getattr(_EXPERTS, "depth", 0)
+    _EXPERTS.depth = depth + 1
+    try:
+        yield
+    finally:
+        _EXPERTS.depth = depth
+
+
+def _in_experts() -> bool:
+    return getattr(_EXPERTS, "depth", 0) > 0
 
 
 def _selective_policy():
@@ -20,7 +43,8 @@ def _selective_policy():
     save = {getattr(aten, n).default for n in names if hasattr(aten, n)}
 
     def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+        keep = op in save and not _in_experts()
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
     return policy
 
 
@@ -37,6 +61,8 @@ def _op_context():
     counts = {"forward": 0, "recompute": 0}
 
     def policy(ctx, op, *args, **kwargs):
+        if _in_experts():
+            return CheckpointPolicy.PREFER_RECOMPUTE
         if op is aten.mm.default:
             key = "recompute" if ctx.is_recompute else "forward"
             counts[key] += 1

@@ -36,10 +36,11 @@ def materialize(model: nn.Module, device) -> None:
 
 
 def move(module: nn.Module, device, dtype=None) -> None:
-    """module.to(device, dtype), unless every tensor is there already: a no-op .to() still swaps
-    each tensor (torch 2.13 Module._apply), which fails on the fake tensors a traced run's tracker holds."""
-    tensors = [*module.parameters(), *module.buffers()]
-    if all(t.device == torch.device(device) and (dtype is None or not t.is_floating_point() or t.dtype == dtype)
-           for t in tensors):
+    """module.to(device, dtype), unless every tensor is on the device and every floating parameter in
+    `dtype` already (buffers such as rotary frequencies may stay fp32, as FSDP's place leaves them): a
+    no-op .to() still swaps each tensor (torch 2.13 Module._apply), which fails on the fake tensors a
+    traced run's tracker holds."""
+    there = all(t.device == torch.device(device) for t in [*module.parameters(), *module.buffers()])
+    if there and (dtype is None or all(p.dtype == dtype for p in module.parameters() if p.is_floating_point())):
         return
     module.to(device=device, dtype=dtype)

@@ -51,9 +51,11 @@ def implementation_of(model: nn.Module) -> str:
     """Which code a module is (hybrid.layout.applied.IMPLEMENTATIONS): hybrid's decoder (or a
     pipeline stage of it), a transformers decoder, or another module."""
     from ..model.decoder import Decoder
-    from .stages import DecoderStage
+    from .stages import DecoderStage, HFDecoderStage
     if isinstance(model, (Decoder, DecoderStage)):
         return "hybrid"
+    if isinstance(model, HFDecoderStage):
+        return "transformers"
     try:
         from transformers import PreTrainedModel
     except ImportError:

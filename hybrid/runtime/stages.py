@@ -55,9 +55,12 @@ class HFDecoderStage(nn.Module):
 
     def __init__(self, model, lo: int, hi: int, first: bool, last: bool):
         super().__init__()
+        from ..model.tp_plan import HFPlan
         inner = model.model
         self.config, self.first, self.last = model.config, first, last
         self._no_split_modules = list(getattr(model, "_no_split_modules", None) or [type(inner.layers[0]).__name__])
+        self.hf_plan = HFPlan.of(model)
+        """What the whole model says about splitting it (a stage holds only some of its parts)."""
         self.model = nn.Module()
         if first:
             self.model.embed_tokens = inner.embed_tokens
@@ -65,11 +68,17 @@ class HFDecoderStage(nn.Module):
         self.model.rotary_emb = inner.rotary_emb
         if last:
             self.model.norm, self.lm_head = inner.norm, model.lm_head
+        self.tp_mesh = None
+        """Set by tensor parallelism: past the first stage's embedding the residual stream (across the
+        stage boundary too) is this rank's sequence shard, as sequence parallelism keeps it."""
 
     def forward(self, x):
+        s = x.shape[1]                          # the first stage's token ids: the whole sequence
         if self.first:
             x = self.model.embed_tokens(x)
-        pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        elif self.tp_mesh is not None:          # this rank's sequence shard of the residual stream
+            s *= self.tp_mesh.size()
+        pos = torch.arange(s, device=x.device).unsqueeze(0)
         rope = self.model.rotary_emb(x, pos)
         for layer in self.model.layers.values():
             out = layer(x, attention_mask=None, position_ids=pos, position_embeddings=rope)

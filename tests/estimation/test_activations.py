@@ -141,3 +141,4 @@ def test_head_formula_matches_autograd(regime, impl):
     measured = head_saved_bytes(model, norm, 3, dtype, autocast) - head_saved_bytes(model, norm, 1, dtype, autocast)
     expected = loss_terms(cfg, TrainSpec(1, S, precision=precision), autocast)[0] * 2
     assert measured == pytest.approx(expected, rel=0.01)
+

@@ -120,8 +120,8 @@ def test_pp2_by_dp2_and_pp2_by_tp2_on_four_ranks_sequence_shards_cross_the_stage
     launched = run_ranks(4, four_rank_cases, None, local_world=4)
     check([r["pp_dp"] for r in launched], PP2_DP2_RUNS, 2)
     res = [r["pp_tp"] for r in launched]
-    assert res[0]["tiny/pp2xtp2"]["layout"] == "pp 2 x tp 2"
-    check(res, [("tiny",)], 1)
+    assert res[0]["tiny/pp2xtp2"]["layout"] == res[0]["hf/pp2xtp2"]["layout"] == "pp 2 x tp 2"
+    check(res, [("tiny",), ("hf",)], 1)
 
 
 def run_and_save(path, pp, strategy, ga, steps_before, steps_after, load=False, model="tiny", schedule=None):
@@ -220,12 +220,17 @@ def test_in_flight_micro_batches_match_saved_tensor_hooks(schedule):
 
 
 def train_pp_tp(_):
+    """pp 2 x tp 2 on our decoder and on transformers' llama (its stages under the model's own tp plan:
+    runtime/backends/tp.py _hf_plan)."""
     from hybrid import auto_wrap
-    w = auto_wrap(tiny(), optimizer=adamw, scheduler=warmup, strategy="fsdp", pp=2, tp=2, schedule="1f1b",
-                  gradient_accumulation=GA, max_grad_norm=CLIP, precision="fp32", micro_batch=MB, seq_len=SEQ,
-                  verbose=False)
-    losses = [w.train_step(ids) for ids in batches(1)]
-    return {"tiny/pp2xtp2": {"state": w.state_dict(), "losses": losses, "layout": w.parallel.describe()}}
+    out = {}
+    for name in ("tiny", "hf"):
+        w = auto_wrap(MODELS[name](), optimizer=adamw, scheduler=warmup, strategy="fsdp", pp=2, tp=2, schedule="1f1b",
+                      gradient_accumulation=GA, max_grad_norm=CLIP, precision="fp32", micro_batch=MB, seq_len=SEQ,
+                      verbose=False)
+        losses = [w.train_step(ids) for ids in batches(1)]
+        out[f"{name}/pp2xtp2"] = {"state": w.state_dict(), "losses": losses, "layout": w.parallel.describe()}
+    return out
 
 
 def test_interleaved_checkpoint_resumes_under_fsdp(tmp_path):

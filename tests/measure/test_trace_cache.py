@@ -26,13 +26,19 @@ def test_programs_group_as_the_trace_runs_them():
     assert traced_program(CAT["fsdp"]) == next(iter(reshard))
     assert traced_program(CAT["fsdp-grad-op"]) == next(iter(no_reshard))
     assert traced_program(CAT["ddp"]) != traced_program(CAT["fsdp"])
-    assert traced_program(CAT["hsdp"]) != traced_program(CAT["fsdp"])       # shard node, not world
+    # the shard rule is not the program: the group size it resolves to is in the cache's key
+    assert traced_program(CAT["hsdp"]) == traced_program(CAT["fsdp"])
+    # ddp over tensor-parallel groups or a pipeline stage replicates through FSDP2 kept gathered: fsdp-grad-op's
+    tp2, pp2 = (Layout.of(CAT["fsdp"], CLUSTER, tp=2), Layout.of(CAT["fsdp"], CLUSTER, pp=2, schedule="1f1b"))
+    assert traced_program(CAT["ddp"], tp2) == traced_program(CAT["fsdp-grad-op"], tp2) != traced_program(CAT["ddp"])
+    assert traced_program(CAT["ddp"], pp2) == traced_program(CAT["fsdp-grad-op"], pp2)
 
 
 @pytest.mark.parametrize("names,spec,hits", [
     (("zero1", "zero2", "zero2-offload"), TrainSpec(2, 64), 4),                           # 3 and 4 blocks
     (("zero3", "zero3-hpz", "fsdp-offload"), TrainSpec(1, 64, activation_checkpointing="full"), 4),
     (("fsdp", "fsdp-grad-op", "fsdp"), TrainSpec(1, 64), 2),
+    (("fsdp", "hsdp"), TrainSpec(1, 64), 2),                          # hsdp on one node: fsdp's group
 ])
 @pytest.mark.fakepg
 def test_shared_traces_give_each_candidate_its_own_bytes(names, spec, hits):
@@ -44,7 +50,7 @@ def test_shared_traces_give_each_candidate_its_own_bytes(names, spec, hits):
     alone = [traced_estimate(src, CAT[n], spec, CLUSTER).memory for n in names]
     assert shared == alone
     assert cache.hits == hits
-    assert len({m.tensors for m in alone}) > 1 or names[0] == names[-1]    # the candidates do differ
+    assert len({m.tensors for m in alone}) > 1 or names[0] == names[-1] or "hsdp" in names   # the candidates differ
 
 
 @pytest.mark.fakepg

@@ -50,12 +50,18 @@ def mlp_backward_transient(d: DecoderConfig, spec: TrainSpec, autocast: bool) ->
     down projection, then the product's backward, whose input gradient is freed only after both
     factors' gradients exist): a gated MLP the gradients of the product, the activation's output
     and the up projection (three f-wide), a plain one those of the activation's output and input
-    (two f-wide); with the down projection's weight gradient, in the matmuls' dtype."""
+    (two f-wide); with the down projection's weight gradient, in the matmuls' dtype. Less the down
+    projection's input (f wide, saved by its matmul, or by its LoRA adapter's A where only the
+    adapter trains), which autograd frees once that projection's backward has run (a node releases its
+    saved tensors after it runs), before these exist: the traced pp 2 stage held it no longer
+    (tests/measure/test_matrix.py)."""
     c = 2 if autocast else spec.bytes.compute
     T = spec.micro_batch * spec.seq_len
     wide = 3 if d.style == "llama" else 2
     weight = 0 if spec.lora is not None else d.hidden * d.ffn      # a frozen down projection makes none
-    return c * (wide * d.ffn * T + weight)
+    from ...model.lora import closed_reads
+    saved = spec.lora is None or "product" in closed_reads(d, spec.lora)
+    return c * ((wide - saved) * d.ffn * T + weight)
 
 
 def _qk_norm(d: DecoderConfig, c: int) -> float:
@@ -132,6 +138,29 @@ def _layer_selective(d: DecoderConfig, c: int, autocast: bool) -> float:
     mlp = d.experts if d.moe else ((2 * f + h) if d.style == "llama" else (f + h))
     linears = mm * (q + 2 * kv + h) + mm * mlp
     return block_input + linears + mm * q + F32 * a       # + attention output and logsumexp
+
+
+def _selective_unrebuilt(d: DecoderConfig, c: int, autocast: bool) -> float:
+    """Bytes per token of a llama block's no-checkpointing tensors (_layer_full) that are not alive
+    beside its recomputation at its backward under the selective policy: those the policy saved and
+    backward reads, so not rebuilt (v, the attention output and its logsumexp, gate and up); and the
+    saved matmul outputs only the recomputation reads (q, k, the o projection's), which it takes from
+    the policy's cache (torch.utils.checkpoint's _CachedTorchDispatchMode pops them) and nothing keeps
+    after. The down projection's output stays cached: the recomputation stops before it (early stop).
+    Measured on the traced pp 2 stage of tiny-llama (tests/measure/test_matrix.py)."""
+    h, kv, f, a, q = d.hidden, d.kv_dim, d.ffn, d.heads, d.q_dim
+    mm = 2 if autocast else c
+    return mm * (kv + q + 2 * f) + F32 * a + mm * (q + kv + h)
+
+
+def _op_unrebuilt(d: DecoderConfig, c: int, autocast: bool) -> float:
+    """_selective_unrebuilt under the per-op policy (_layer_op): saved and read by backward, so not
+    rebuilt, v, the attention output, its logsumexp and gate; saved and read only by the recomputation,
+    q (popped from the policy's cache, then freed). The down projection's output stays cached (early
+    stop). Measured on the traced pp 2 stage of tiny-llama (tests/measure/test_matrix.py)."""
+    kv, f, a, q = d.kv_dim, d.ffn, d.heads, d.q_dim
+    mm = 2 if autocast else c
+    return mm * (kv + q + f) + F32 * a + mm * q
 
 
 def _layer_op(d: DecoderConfig, c: int, autocast: bool) -> float:
@@ -540,10 +569,12 @@ def activation_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> Activ
         recompute = full
     elif ckpt == "selective":
         per_layer = _layer_selective(d, c, autocast) * T
-        recompute = full - per_layer
+        recompute = (full - _selective_unrebuilt(d, c, autocast) * T if d.style == "llama" and not d.moe
+                     else full - per_layer)
     elif ckpt == "op":
         per_layer = _layer_op(d, c, autocast) * T
-        recompute = full - per_layer
+        recompute = (full - _op_unrebuilt(d, c, autocast) * T if d.style == "llama" and not d.moe
+                     else full - per_layer)
     else:                                   # layer:N: the blocks' average
         k = checkpointed_blocks(d.layers, layer_every(ckpt))
         kept = (F32 if autocast else c) * d.hidden * T

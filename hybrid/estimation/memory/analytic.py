@@ -154,33 +154,56 @@ def step_moments(sh: Share, place, act: ActivationTerms,
             moments["blocks"] = end
     if sh.loss_outside_forward:     # the root's parameters are gathered again after the loss backward
         moments["loss"]["buffers"] -= place.regathered
-    if st is not None:
+    full = whole_embedding_gradient(sh)
+    # where FSDP accumulates unsharded gradients (a window, a pipeline stage), the whole embedding
+    # gradient's reduce-dtype copy is whole too and stays until the step (grads count only the shard's)
+    extra = full * reduce_bytes(spec) * (1 - 1 / sh.tp) if spec.gradient_accumulation > 1 or st is not None else 0
+    if st is None:
+        for name in ("loss", "blocks"):
+            moments[name]["grads"] += extra
+    else:
         # a stage's first backward of the step holds every in-flight micro-batch's activations and
         # no gradient yet; its later ones hold as many (fewer once the forwards run out:
         # layout/pipeline.in_flight_later) beside the gradients the earlier ones accumulated
-        # (the last stage's other in-flight micro-batches keep their head's saved tensors too)
+        # (the last stage's other in-flight micro-batches keep their head's saved tensors too), and
+        # each micro-batch its stage's output until its backward ends (stage_output)
+        out = stage_output(sh)
+        sent = st.pending_sends * boundary(sh)       # the schedule's earlier input gradients not yet released
+        # what each other in-flight micro-batch keeps beside its blocks: on the last stage its head (logits,
+        # log-softmax, norm), on another its output; interleaved, a rank holding the last stage runs the
+        # others on its earlier chunk (a last-stage chunk-micro-batch's backward follows its forward in
+        # torch's order), so they keep that chunk's output
+        held = boundary(sh) if st.virtual > 1 or not st.last else act.head_forward
         for name in ("loss", "blocks"):
-            first = dict(moments[name], grads=0, activations=acts + act.head_forward * (st.in_flight - 1))
-            later = dict(moments[name], activations=act.per_layer * st.later_layers
-                         + act.head_forward * max(st.later - 1, 0))
-            moments[name] = max(first, later, key=lambda parts: sum(parts.values()))
+            # the last stage's output is the logits: in head_backward for the micro-batch whose loss
+            # backward runs
+            mine = 0 if st.last and name == "loss" else out
+            first = dict(moments[name], grads=0, activations=acts + held * (st.in_flight - 1) + mine)
+            # ... and an earlier backward's whole embedding gradient (a stage differentiates it last)
+            later = dict(moments[name], grads=moments[name]["grads"] + extra, activations=act.per_layer
+                         * st.later_layers + held * max(st.later - 1, 0) + mine + sent)
+            # one micro-batch a step has no later backward (no gradient accumulated before it)
+            moments[name] = max([first, later] if st.later else [first], key=lambda parts: sum(parts.values()))
+        if not st.last and sh.tp > 1:
+            # a stage without the head can peak at its last warm-up forward's end: every in-flight micro-batch's
+            # activations, its gathered units, and the row-wise down projection's whole output waiting for its
+            # reduce-scatter (with its chunk-cat copy, the shard and its wait), beside the attention's residual
+            # sum and the MLP norm's output, which the block holds while its MLP runs (a tp rank's shards:
+            # the traced pp 2 x tp 2 first stage)
+            whole = spec.bytes.compute * spec.tokens * st.boundary_elements
+            moments["forward"] = dict(grads=0, activations=acts + out * st.in_flight,
+                                      temporaries=whole * (2 + 4 / sh.tp), buffers=place.buffers_start)
+    moments["grads"]["grads"] += extra
     ends = [act.recompute + unit_grads] if st is not None else []     # a stage's backward ends in its first block
-    full = whole_embedding_gradient(sh)
     if full:
-        # where FSDP accumulates unsharded gradients, its reduce-dtype copy is whole too and stays
-        # until the step (grads count only the shard's)
         ends.append(full * spec.bytes.compute)
-        if spec.gradient_accumulation > 1 or st is not None:
-            extra = full * reduce_bytes(spec) * (1 - 1 / sh.tp)
-            for name in ("loss", "blocks", "grads"):
-                moments[name]["grads"] += extra
     moments["grads"]["temporaries"] += max(ends, default=0)
     if st is not None:
         # ... while its other in-flight micro-batches keep their activations (1F1B: in-flight - 1
         # of them), with every gradient (and, under FSDP, every block's parameters gathered since
         # that backward) present
-        moments["grads"]["activations"] = (act.per_layer * (st.in_flight_layers - st.blocks)
-                                           + act.head_forward * (st.in_flight - 1))
+        moments["grads"]["activations"] = (act.per_layer * (st.in_flight_layers - st.blocks) + stage_output(sh)
+                                           + held * (st.in_flight - 1))
     recv = receive_buffers(sh)
     for parts in moments.values():
         parts["buffers"] += recv
@@ -209,6 +232,24 @@ def dequantized_weight(profile: ModelProfile, spec: TrainSpec) -> int:
     mats = [o * i for o, i in base_linears(d)]
     share = profile.quantized_params / (d.layers * sum(mats))       # a tensor-parallel rank's share
     return int(spec.bytes.compute * max(mats) * share)
+
+
+def stage_output(sh: Share) -> int:
+    """Bytes of one micro-batch's stage output, which torch.distributed.pipelining keeps from its forward
+    to the end of its backward (PipelineStage.fwd_cache, then backward_one_chunk's local `stage_output`
+    while the backward runs): b x s x h in the compute dtype (a tp rank's sequence-parallel share), on
+    the last stage the logits (the compute dtype; vocab-sharded under tp). 0 without stages."""
+    st, spec = sh.stage, sh.spec
+    if st is None:
+        return 0
+    width = sh.whole.decoder.vocab if st.last else st.boundary_elements
+    return int(spec.bytes.compute * spec.tokens * width / sh.tp)
+
+
+def boundary(sh: Share) -> int:
+    """Bytes of one micro-batch's activation (or its gradient) at a stage boundary: b x s x h in the
+    compute dtype, a tp rank's sequence-parallel share."""
+    return int(sh.spec.bytes.compute * sh.spec.tokens * sh.stage.boundary_elements / sh.tp)
 
 
 def receive_buffers(sh: Share) -> int:

@@ -247,9 +247,3 @@ def _parse(args, kwargs):
                           "labels=...) or w({'input_ids': ..., 'labels': ...}), (batch, seq) token ids"
                           + (f"; got extra arguments {extra}" if extra else ""))
     return ids, labels
-
-
-def apply_context_parallel(model: nn.Module, cp_mesh, spec) -> ContextParallel:
-    """Prepare `model`'s attention for the cp group; the batch is cut per call (ContextParallel)."""
-    check_context_parallel(model, cp_mesh.size(), spec.seq_len)
-    return ContextParallel(model, cp_mesh)

@@ -10,7 +10,6 @@ from ...errors import HybridError
 from ..mesh import replica_group
 from .base import Engine, LoopOptions, carry_plain_outputs, compute_dtype, make_scaler, shardable_blocks, to_cpu_state
 from ..materialize import materialize, move
-from ..activation_checkpoint import apply_activation_checkpointing
 
 
 class DDPEngine(Engine):
@@ -103,6 +102,8 @@ def wrap(strategy, module, layout, mesh, spec, runtime, options=None, staged: bo
         if unpack is not None:
             module.register_forward_hook(unpack)
         return module
+    if runtime.traced:        # DDP's C++ reducer reads data: its buckets emulated on fake tensors
+        return _EmulatedDDP(module, strategy)
     unpack = carry_plain_outputs(module)
     ddp = DDP(module, device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
               process_group=replica_group(mesh), bucket_cap_mb=strategy.config.bucket_cap_mb,
@@ -114,7 +115,7 @@ def wrap(strategy, module, layout, mesh, spec, runtime, options=None, staged: bo
 
 
 def engine(strategy, model, runner, optimizer_factory, mesh, spec, runtime, options=None) -> Engine:
-    if isinstance(runner, DDP):
+    if isinstance(runner, (DDP, _EmulatedDDP)):
         optimizer = optimizer_factory([p for p in runner.parameters() if p.requires_grad])
         return DDPEngine(model, runner, optimizer, compute_dtype(spec), runtime.device.type,
                          make_scaler(spec, runtime.device.type, sharded=False))
@@ -126,11 +127,17 @@ def engine(strategy, model, runner, optimizer_factory, mesh, spec, runtime, opti
 class _EmulatedDDP(torch.nn.Module):
     """DDP's memory behaviour without its C++ reducer, which reads tensor data and so cannot run
     on fake tensors: the same gradient buckets, allocated at wrap time, with each gradient a view
-    into them (gradient_as_bucket_view) or a separate copy; the all-reduce itself costs no memory."""
+    into them (gradient_as_bucket_view) or a separate copy; the all-reduce itself costs no memory.
+    Inside an accumulation window (no_sync) the reducer is not called: autograd's own gradient tensors
+    accumulate beside the buckets until the window's last backward, whose hooks copy each into its
+    bucket view and make the view the gradient (Reducer::mark_variable_ready_dense); measured live on
+    2 gloo ranks (tests/measure/test_matrix.py)."""
 
     def __init__(self, module, strategy):
         super().__init__()
         self.module, self.view = module, strategy.config.gradient_as_bucket_view
+        self.require_backward_grad_sync = True
+        """DDP's flag (DDPEngine.set_sync): False inside a window."""
         params = [p for p in module.parameters() if p.requires_grad]
         cap = strategy.config.bucket_bytes
         self.buckets, self.slots, bucket, size = [], [], [], 0
@@ -149,10 +156,22 @@ class _EmulatedDDP(torch.nn.Module):
         offset = 0
         for p in bucket:
             self.slots.append((p, flat, offset))
+            if self.view:
+                p.register_post_accumulate_grad_hook(self._into_bucket(flat, offset))
             offset += p.numel()
 
+    def _into_bucket(self, flat, offset: int):
+        """The reducer's hook in a synchronising backward: a gradient autograd accumulated on its own is
+        copied into its bucket view, which becomes the gradient."""
+        def hook(p):
+            if self.require_backward_grad_sync and p.grad is not None and p.grad._base is not flat:
+                view = flat[offset:offset + p.numel()].view_as(p)
+                view.copy_(p.grad)
+                p.grad = view
+        return hook
+
     def attach_grads(self):
-        if self.view:                            # the reducer hands autograd bucket views as .grad
+        if self.view and self.require_backward_grad_sync:     # the reducer hands autograd bucket views as .grad
             for p, flat, off in self.slots:
                 if p.grad is None:
                     p.grad = flat[off:off + p.numel()].view_as(p).zero_()
@@ -162,24 +181,10 @@ class _EmulatedDDP(torch.nn.Module):
         return self.module(*args, **kwargs)
 
 
-def traced_apply(strategy, model, optimizer_factory, mesh, spec, runtime, options=None) -> DDPEngine:
-    """DDP's step on fake tensors (_EmulatedDDP: its bucketed gradient buffer), with checkpointing
-    and, over a cp mesh dimension, context parallelism's sequence split (runtime/backends/cp.py).
-    Over tensor-parallel groups replication runs through FSDP2 (wrap), which runs on fake tensors
-    as it is: the whole order (hybrid/runtime/parallelize.py), as the job runs it."""
-    from .cp import apply_context_parallel
-    from ..mesh import dim_size
-    if dim_size(mesh, "tp") > 1:
-        from ..parallelize import apply_layout, layout_of_mesh
-        return apply_layout(model, layout_of_mesh(strategy, mesh, spec), optimizer_factory, mesh, spec, runtime,
-                            options)
-
-    from ..parallelize import layout_of_mesh
-    check_grouped_experts(model, spec, layout_of_mesh(strategy, mesh, spec), runtime.software)
-    apply_activation_checkpointing(model, spec.activation_checkpointing)
-    ddp = _EmulatedDDP(model, strategy)
-    engine = DDPEngine(model, ddp, optimizer_factory([p for p in model.parameters() if p.requires_grad]),
-                       compute_dtype(spec), runtime.device.type)
-    if dim_size(mesh, "cp") > 1:
-        engine.cp = apply_context_parallel(model, mesh["cp"], spec)
-    return engine
+def traced_apply(strategy, model, optimizer_factory, mesh, spec, runtime, options=None) -> Engine:
+    """The whole order (hybrid/runtime/parallelize.py) on fake tensors, as the job runs it: the loss,
+    tensor and context parallelism, checkpointing and compile as parallelize applies them; DDP's own
+    wrap as _EmulatedDDP (wrap, on a traced rank: its reducer reads tensor data), replication over
+    tensor-parallel groups through FSDP2, which runs on fake tensors as it is."""
+    from ..parallelize import apply_layout, layout_of_mesh
+    return apply_layout(model, layout_of_mesh(strategy, mesh, spec), optimizer_factory, mesh, spec, runtime, options)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ...errors import HybridError
+from ..activation_checkpoint import routed_experts
 from ..mesh import traced_group
 
 
@@ -181,7 +182,8 @@ class _ExpertParallelForward:
             local = torch.repeat_interleave(torch.arange(n, device=got.device).repeat(ep), got.reshape(-1))
             perm = torch.argsort(local, stable=True)
         rows = _AllToAll.apply(hidden_states[token], recv, send, group)
-        out = self._run(rows[perm], sizes)
+        with routed_experts():                  # recomputed under selective checkpointing, as grouped matmuls are
+            out = self._run(rows[perm], sizes)
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(perm.numel(), device=perm.device)
         back = _AllToAll.apply(out[inverse], send, recv, group)        # this rank's rows, by expert

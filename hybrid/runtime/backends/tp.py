@@ -73,18 +73,22 @@ def hf_plan_problem(model) -> str | None:
     return HFPlan.of(model).problem()
 
 
-def _hf_plan(model):
+def _hf_plan(model, first: bool = True, last: bool = True, stage: bool = False):
     """A transformers decoder with sequence parallelism and a vocab-parallel loss, the layout our
     decoders run (the model's own base_model_tp_plan says which projections are column- and
     row-wise): the embedding is vocab-sharded with a replicated output, since the model reads the
     sequence length from it for positions and masks; the residual stream is sequence-sharded from
     the first layer's input to the final norm; norms run sequence-parallel (q/k norms on this
     rank's heads, their weights' gradients all-reduced); the head is column-wise with vocab-sharded
-    logits for torch's loss_parallel."""
+    logits for torch's loss_parallel. A pipeline stage (runtime/stages.HFDecoderStage; first/last:
+    whether it holds the embedding / the final norm and head) places what it holds, its layers under
+    their model indices; it takes its positions from the token ids, so its embedding's output is this
+    rank's sequence shard (reduce-scattered, as our decoder's), which it passes on across the stage
+    boundary: no replicated copy to convert (tests/measure/test_matrix.py, 4 ranks)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel)
-    problem = hf_plan_problem(model)
+    problem = (model.hf_plan.problem() if hasattr(model, "hf_plan") else hf_plan_problem(model))
     if problem:
         raise HybridError(problem)
     prefix = getattr(model, "base_model_prefix", "model")
@@ -92,12 +96,17 @@ def _hf_plan(model):
     base = model.config.base_model_tp_plan
     styles = {"colwise": ColwiseParallel, "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1)),
               "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=2, use_local_output=True)}
-    plan = {f"{prefix}.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            f"{prefix}.norm": SequenceParallel(use_local_output=True),
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
-    for i, layer in enumerate(inner.layers):
+    plan = {}
+    if first:
+        plan[f"{prefix}.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(),
+                                                         output_layouts=Shard(1) if stage else Replicate())
+    if last:
+        plan[f"{prefix}.norm"] = SequenceParallel(use_local_output=True)
+        plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    layers = inner.layers.items() if isinstance(inner.layers, nn.ModuleDict) else enumerate(inner.layers)
+    for n, (i, layer) in enumerate(layers):
         b = f"{prefix}.layers.{i}"
-        if i == 0:      # the replicated embedding output becomes this rank's sequence shard
+        if n == 0 and first and not stage:      # the replicated embedding output becomes this rank's sequence shard
             plan[b] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                          use_local_output=True)
         for name, child in layer.named_children():
@@ -136,8 +145,18 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
                           "prices); use a plan with sequence_parallel on, or tp=1")
 
     from ...model.decoder import Decoder
-    from ..stages import DecoderStage
+    from ..stages import DecoderStage, HFDecoderStage
     tp = tp_mesh.size()
+    if isinstance(model, HFDecoderStage):
+        # a pipeline stage of a transformers decoder: the whole model's plan and heads decide (a stage
+        # holds only some of its parts), its layers, embedding and head placed as the whole model's
+        problem = model.hf_plan.problem(tp)
+        if problem:
+            raise HybridError(problem)
+        plan, loss_parallel = _hf_plan(model, model.first, model.last, stage=True)
+        parallelize_module(model, tp_mesh, plan)
+        model.tp_mesh = tp_mesh
+        return TensorParallel(tp, loss_parallel and model.last)
     if isinstance(model, DecoderStage):
         # a pipeline stage of our decoder: its blocks (and embedding / head); the residual stream
         # crosses the stage boundary as this rank's sequence shard, a plain tensor
