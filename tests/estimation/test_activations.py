@@ -142,3 +142,28 @@ def test_head_formula_matches_autograd(regime, impl):
     expected = loss_terms(cfg, TrainSpec(1, S, precision=precision), autocast)[0] * 2
     assert measured == pytest.approx(expected, rel=0.01)
 
+
+@pytest.mark.parametrize("mode", ["none", "full", "selective", "op", "layer:2"])
+def test_autocast_weight_copies_are_what_kept_matmuls_save(mode):
+    """Under autocast over fp32 weights (DDP's bf16-mixed) a matmul saves the bf16 copy of its weight, which
+    then outlives autocast's cache: the LM head's and every uncheckpointed block's; a checkpointed block's
+    copies are made again when it is recomputed (ActivationTerms.autocast_cache)."""
+    from hybrid.estimation.memory.activations import activation_terms
+    from hybrid.runtime.activation_checkpoint import apply_activation_checkpointing
+    cfg = DecoderConfig("llama", 300, 64, 4, 4, 176, 128, kv_heads=2)
+    model = build_decoder(cfg, device="cpu")
+    apply_activation_checkpointing(model, mode)
+    shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+    copies = {}
+
+    def pack(t):
+        if t.dtype == torch.bfloat16 and (tuple(t.shape) in shapes or tuple(t.shape[::-1]) in shapes):
+            copies[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, cfg.vocab, (2, S))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids, labels=ids)
+    terms = activation_terms(cfg, TrainSpec(2, S, precision="bf16-mixed", activation_checkpointing=mode),
+                             autocast=True)
+    assert sum(copies.values()) == terms.autocast_cache

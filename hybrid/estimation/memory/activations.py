@@ -590,8 +590,15 @@ def activation_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> Activ
         from ...model.lora import adapter_params
         cache = 2 * adapter_params(d, spec.lora)
     if autocast:
-        # every matmul weight (an MoE block's router; its experts run outside autocast's list)
-        cache = 2 * (d.block_matmul_params + d.vocab * d.hidden)           # every matmul weight + LM head
+        # the bf16 copy of every matmul weight (an MoE block's router; its experts run outside autocast's
+        # list) that a kept matmul saves: the LM head's, and an uncheckpointed block's. A checkpointed block
+        # keeps none (they are made again with it, and autocast's cache is emptied when forward leaves it),
+        # so the block being recomputed holds its own (measured with the tracker at the loss's backward)
+        blocks = d.layers - (0 if ckpt == "none" else checkpointed_blocks(d.layers, layer_every(ckpt))
+                             if ckpt.startswith("layer:") else d.layers)
+        cache = 2 * (d.block_matmul_params * blocks / d.layers + d.vocab * d.hidden)
+        if blocks < d.layers:
+            recompute += 2 * d.block_matmul_params / d.layers
     modelled = not (d.stack or d.moe or getattr(spec, "compile", False) or (d.style == "gpt2" and d.gelu == "new"))
     transient = mlp_backward_transient(d, spec, autocast or adapters_autocast) if modelled else 0
     return ActivationTerms(per_layer=int(per_layer), recompute=int(recompute), head_forward=int(head_fwd),
