@@ -99,21 +99,18 @@ def test_the_slices_cover_every_choice_auto_wrap_takes():
     assert all(untraced in {sl.name for sl in SLICES} for untraced in UNTRACED)
 
 
-@pytest.fixture(scope="module")
-def live():
-    return dict(zip(LIVE, live_pairs()))
-
-
 @pytest.mark.gloo
-@pytest.mark.parametrize("cell", LIVE, ids=lambda c: c.label.replace(" ", "-"))
-def test_traced_within_1_percent_of_the_live_tensors_on_gloo_ranks(live, cell):
+def test_traced_within_1_percent_of_the_live_tensors_on_gloo_ranks():
     """The trace against the same job on 2 real CPU ranks (measure/measured.py: the tracker on real
     tensors, the layout applied by the same parallelize, a pipeline through torch's schedule); fp32,
-    2 x 64 tokens; every cell in one launch, each pipeline rank against its own. The cells outside the
-    bound (matrix_cells.OUTSIDE) are measured by benchmarks/matrix_accuracy.py."""
-    ref, got = live[cell]
-    for rank, (r, g) in enumerate(zip(ref, got)):
-        assert r == pytest.approx(g, rel=0.01), (rank, r, g)
+    2 x 64 tokens; every cell in one launch, each pipeline rank against its own. One test, so that one
+    pytest-xdist worker runs the launch (a module fixture would run it once per worker); every cell is
+    checked and every failure listed. The cells outside the bound (matrix_cells.OUTSIDE) are measured by
+    benchmarks/matrix_accuracy.py."""
+    bad = [f"{cell.label} rank {rank}: traced {r:,} B, live {g:,} B ({(r - g) / g:+.2%})"
+           for cell, (ref, got) in zip(LIVE, live_pairs()) for rank, (r, g) in enumerate(zip(ref, got))
+           if abs(r - g) > 0.01 * g]
+    assert not bad, bad
 
 
 TINY_MOE = ("llama", 512, 32, 2, 4, 48, 64)
