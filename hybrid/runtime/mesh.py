@@ -5,9 +5,11 @@ every shape is validated before any collective is called.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +63,29 @@ def traced_group(group) -> bool:
     no values (routing counts, masks and the like are planned, not computed)."""
     import torch.distributed as dist
     return dist.get_backend(group) == TRACED
+
+
+RELEASE_S = 1.0
+"""The longest `released` waits for gloo's worker thread (microseconds in practice)."""
+
+
+@contextlib.contextmanager
+def released(group, *tensors: torch.Tensor):
+    """Around one synchronous collective of `group` over `tensors`: on gloo, wait after it until the
+    backend's worker thread has dropped its references to them. ProcessGroupGloo's worker marks a
+    work complete, which returns the caller's wait, and only then releases the work and its tensors
+    (runLoop): measured on 2 ranks, a quarter of the calls returned with the tensors still held. A
+    temporary the caller drops would then be freed at a moment set by thread timing, and a rank's
+    memory peak would move between runs (the live cross-check cells, tests/measure). Bounded by
+    RELEASE_S; other backends return at once."""
+    if dist.get_backend(group) != "gloo":
+        yield
+        return
+    before = [(t, t._use_count()) for t in tensors]
+    yield
+    deadline = time.monotonic() + RELEASE_S
+    while any(t._use_count() > n for t, n in before) and time.monotonic() < deadline:
+        time.sleep(0)
 
 
 def free_port() -> int:

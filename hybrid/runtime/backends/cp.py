@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...errors import HybridError
-from ..mesh import traced_group
+from ..mesh import released, traced_group
 from ...estimation.memory.cp import rank_chunks, rank_positions
 
 IGNORE = -100
@@ -53,8 +53,9 @@ class _GatherSequence(torch.autograd.Function):
         ctx.group = group
         n, rank = dist.get_world_size(group), dist.get_rank(group)
         ctx.n, ctx.rank = n, rank
-        parts = [torch.empty_like(x) for _ in range(n)]
-        dist.all_gather(parts, x.contiguous(), group=group)
+        parts, x = [torch.empty_like(x) for _ in range(n)], x.contiguous()
+        with released(group, x, *parts):
+            dist.all_gather(parts, x, group=group)
         return torch.cat(parts, dim=2)
 
     @staticmethod
@@ -64,7 +65,8 @@ class _GatherSequence(torch.autograd.Function):
             out = torch.empty_like(grad.chunk(ctx.n, dim=2)[0])
             dist.reduce_scatter(out, [g.contiguous() for g in grad.chunk(ctx.n, dim=2)], group=ctx.group)
             return out, None
-        dist.all_reduce(grad, group=ctx.group)
+        with released(ctx.group, grad):
+            dist.all_reduce(grad, group=ctx.group)
         return grad.chunk(ctx.n, dim=2)[ctx.rank].contiguous(), None
 
 

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from ...errors import HybridError
 from ..activation_checkpoint import routed_experts
-from ..mesh import traced_group
+from ..mesh import released, traced_group
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
@@ -132,15 +132,17 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, out_splits, in_splits, group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        out, x = x.new_empty((sum(out_splits),) + tuple(x.shape[1:])), x.contiguous()
+        with released(group, out, x):
+            dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
-        back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        back, grad = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:])), grad.contiguous()
+        with released(ctx.group, back, grad):
+            dist.all_to_all_single(back, grad, in_splits, out_splits, group=ctx.group)
         return back, None, None, None
 
 
@@ -175,7 +177,8 @@ class _ExpertParallelForward:
         else:
             counts = torch.bincount(chosen, minlength=m.num_experts)
             got = torch.empty_like(counts)
-            dist.all_to_all_single(got, counts, group=group)   # [source rank, my local expert]
+            with released(group, got, counts):
+                dist.all_to_all_single(got, counts, group=group)   # [source rank, my local expert]
             got = got.view(ep, n)
             send, recv, sizes = counts.view(ep, n).sum(1).tolist(), got.sum(1).tolist(), got.sum(0).tolist()
             # regroup the received rows (by source rank, then local expert) by local expert
