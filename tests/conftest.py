@@ -194,3 +194,19 @@ def pytest_collection_modifyitems(config, items):
     if wrong:
         raise pytest.UsageError("every test needs exactly one tier marker (" + ", ".join(TIERS) + "):\n  "
                                 + "\n  ".join(wrong))
+    if getattr(config.option, "numprocesses", None):
+        items[:] = heavy_modules_first(items)
+
+
+HEAVY_MARKERS = ("gloo", "slow")
+"""A test module holding a test with one of these (ranks launched, or over ~5 s) is heavy."""
+
+
+def heavy_modules_first(items: list) -> list:
+    """Spread over workers, the heavy modules run first, each module's tests together (its fixtures are made
+    once): pytest-xdist's worksteal hands each worker a contiguous part of the list and lets an idle worker take
+    the end of a busy one's, so light tests left for the end keep both cores busy to the last test rather than
+    one worker finishing a minute-long test alone."""
+    heavy = {item.module.__name__ for item in items if getattr(item, "module", None) is not None
+             and any(m.name in HEAVY_MARKERS for m in item.iter_markers())}
+    return sorted(items, key=lambda item: getattr(getattr(item, "module", None), "__name__", "") not in heavy)

@@ -35,6 +35,10 @@ def apply_compile(model: nn.Module, spec) -> int:
     return len(blocks)
 
 
+SKIP_SIDE_EFFECTS = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+"""dynamo's flag compile_block sets (torch 2.13 has it; torch >= 2.6 is supported, so it is looked up)."""
+
+
 def compile_block(block: nn.Module, **kwargs) -> None:
     """Compile one block in place (fullgraph; `kwargs` to torch.compile: a backend, dynamic), with
     dynamo's skip_fwd_side_effects_in_bwd_under_checkpoint on while it traces the block. A
@@ -48,8 +52,11 @@ def compile_block(block: nn.Module, **kwargs) -> None:
     block.compile(fullgraph=True, **kwargs)
     compiled = block._compiled_call_impl           # nn.Module.compile's: what __call__ runs
 
+    if not hasattr(torch._dynamo.config, SKIP_SIDE_EFFECTS):   # a torch before the flag: nothing to set
+        return
+
     @functools.wraps(compiled)
     def call(*args, **kw):
-        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        with torch._dynamo.config.patch(**{SKIP_SIDE_EFFECTS: True}):
             return compiled(*args, **kw)
     block._compiled_call_impl = call

@@ -43,9 +43,9 @@ class Runtime:
         """The accelerator software this rank's job runs on, in GPUSpec.software's words (CUDA, ROCm, CPU)."""
         if self.stands_for:
             return self.stands_for
-        if self.device.type != "cuda":
-            return "CPU"
-        return "ROCm" if torch.version.hip else "CUDA"
+        if self.device.type == "cuda":
+            return "ROCm" if torch.version.hip else "CUDA"
+        return "CPU" if self.device.type == "cpu" else self.device.type
 
     @property
     def traced(self) -> bool:

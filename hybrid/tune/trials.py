@@ -86,7 +86,9 @@ def check_runnable(plan) -> None:
         why.setdefault(c.reason.removeprefix("not applicable: "), c.label)
     if len(why) == 1:
         raise HybridError(f"no layout can run this job: {next(iter(why))}")
-    raise HybridError("no layout can run this job: " + "; ".join(f"{label}: {reason}" for reason, label in why.items()))
+    # a reason that names its layout already is not prefixed with it again
+    raise HybridError("no layout can run this job: " + "; ".join(
+        reason if reason.startswith(label) else f"{label}: {reason}" for reason, label in why.items()))
 
 
 def tokens_per_s_per_gpu(cand, seconds: float) -> float:

@@ -203,5 +203,4 @@ def test_released_returns_once_gloos_worker_has_dropped_the_tensors():
     runLoop), so a temporary's free, and a rank's peak, moved with thread timing (a live cp cell 2% over
     its trace on a loaded machine); after mesh.released none is held."""
     before, after = zip(*run_ranks(2, _held_after_collectives))
-    assert sum(before) > 0, "gloo released every collective's tensors before returning: released is moot"
-    assert after == (0, 0)
+    assert after == (0, 0), f"held after released: {after} of 300 (without it: {before})"

@@ -14,7 +14,7 @@ JOB = ["tune", "tiny-llama", "--nodes", "1", "--gpus-per-node", "2", "--seq-len"
      "no layout can run this job: zero2-offload offloads GPU memory to the host, which needs CUDA; CPU ranks run in "
      "host memory already (use the same strategy without offload)"),
     (["--strategies", "zero2-offload,zero3-offload"],
-     "no layout can run this job: zero2-offload: zero2-offload offloads GPU memory to the host, which needs CUDA"),
+     "no layout can run this job: zero2-offload offloads GPU memory to the host, which needs CUDA"),
     (["--gpu", "h100-80gb"], "tune measures the accelerators it runs on (cpu), not --gpu h100-80gb"),
 ])
 def test_tune_refuses_a_job_no_rank_can_run_in_the_plans_line_before_any_rank_starts(monkeypatch, capsys, flags,

@@ -52,7 +52,7 @@ def matmuls(layer, hidden: int) -> list[Matmul]:
     if at.kind == "mla":
         nope = at.head_dim - at.rope_dim
         q = [Matmul(at.q_lora, bias), Matmul(at.q_width)] if at.q_lora else [Matmul(at.q_width, bias)]
-        out = q + [Matmul(at.kv_lora + at.rope_dim), Matmul(at.heads * (nope + at.v_dim))]
+        out = q + [Matmul(at.kv_lora + at.rope_dim, bias), Matmul(at.heads * (nope + at.v_dim))]
     elif at.fused_qkv:
         out = [Matmul(at.q_width + 2 * at.kv_width, bias)]
     else:
