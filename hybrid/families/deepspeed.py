@@ -38,6 +38,67 @@ def persistent_params(p, threshold: int) -> int:
 
 
 
+def over_bucket(p, bucket: int) -> int:
+    """Elements of the largest block parameter over the reduce bucket (0 where none is): ZeRO-1/2 reduce such a
+    gradient on its own (extra_large_param_to_reduce) once the next one arrives."""
+    d = p.decoder
+    shapes = d.block_matrices() if d is not None else [(p.largest_param,)]
+    largest = max((math.prod(m) for m in shapes), default=0)
+    return largest if largest > bucket else 0
+
+
+def recomputed(spec, blocks: int) -> list[bool]:
+    """Per block, whether backward reruns its forward (activation checkpointing: full, selective and op
+    checkpoint every block, layer:N blocks 0, N, 2N...; runtime/activation_checkpoint.py)."""
+    from ..config.spec import layer_every
+    mode = spec.activation_checkpointing
+    every = layer_every(mode)
+    return [mode != "none" and (every is None or i % every == 0) for i in range(blocks)]
+
+
+def stage3_gathered(p, s, spec, persist: int, prefetch: int) -> tuple[float, float]:
+    """(at the forward/backward turn, at the start of the blocks' backward) the elements ZeRO-3 holds gathered,
+    persistent ones aside (they are whole parameters). DeepSpeed's PartitionedParameterCoordinator, once its
+    trace of the step's module order is complete (from the second step), releases a module's parameters after
+    its forward only if the modules that follow, up to their next use, hold max_reuse_distance elements or more
+    (__params_to_release), and after its backward when nothing follows that uses them. A block's next use is its
+    own backward (with checkpointing, its recomputed forward): between them the later blocks forward, backward,
+    and forward again where they are recomputed (2 or 3 B each), the head and final norm both ways (2 H), and
+    its own block (B: with checkpointing the rest of its forward and its recomputed forward up to the module,
+    B less the module; without, the rest of its forward and of its backward before the module, 0 to 2 B). So
+    the last blocks within the distance stay gathered into backward, with the head, and the input embedding
+    where the whole step is within it (a tied one is the head's); each is released after its backward.
+    max_live_parameters caps only the prefetch: up to prefetch_bucket_size elements not yet gathered are
+    fetched ahead (_fetch_sub_module_impl)."""
+    L, B, d, R = p.num_blocks, p.block_params, p.decoder, s.config.max_reuse_distance
+    live = s.config.max_live_parameters
+    if not L or d is None:                      # no blocks read: the largest layer and R / 2 around the turn
+        largest = p.largest_layer_params or p.largest_param
+        kept = min(p.params, largest + R / 2)
+        return kept + min(prefetch, p.params - kept), min(p.params, kept + prefetch)
+    block = B - (persistent_params(p, persist) - d.hidden) / L      # a block's gathered elements: norms persist
+    head = d.vocab * d.hidden                   # lm_head's weight (the token embedding where tied)
+    others = p.params - L * B - d.hidden - head      # position embeddings, and the token embedding if untied
+    rerun = recomputed(spec, L)
+    between, kept = 2 * (head + d.hidden), 0    # from the last block on: what lies between its uses
+    for i in reversed(range(L)):
+        if between + B >= R:
+            break
+        kept, between = kept + 1, between + (2 + rerun[i]) * B
+    step = 2 * (head + d.hidden) + sum(2 + r for r in rerun) * B
+    first = step < R                            # the input embeddings: from their forward to their backward
+    tied = d.tied and step - 2 * (head + d.hidden) - L * B < R      # a tied head: its backward to the embedding's
+
+    def ahead(held: float, rest: float) -> float:
+        return min(prefetch, rest, max(live - held, 0))
+
+    at_turn = head + kept * block + others * first
+    in_backward = max(kept, 1) * block + others * first + head * tied
+    rest = (L - max(kept, 1)) * block + others * (not first) + head * (d.tied and not tied)
+    return (at_turn + ahead(at_turn, (L - kept) * block + others * (not first)),
+            in_backward + ahead(in_backward, rest))
+
+
 def ds_config(strategy, spec, hidden: int | None, world_size: int, gpus_per_node: int,
               cuda: bool = True, gradient_accumulation: int = 1, max_grad_norm: float | None = None) -> dict:
     """Bucket sizes left unset in the catalogue follow HF Trainer's 'auto' rules (hidden^2,
@@ -214,6 +275,12 @@ class DeepSpeedFamily(Family):
                 place.grads_start = P * c if s.config.stage == 1 else P * FP32 / n
             # the IPG reduce bucket; updated partitions are all-gathered in place into the flat params
             place.buffers_start = place.buffers_mid = place.buffers_end = c * reduce_bucket
+            if s.config.stage == 2:
+                # stage_1_and_2.py copy_grads_in_partition allocates the rank's whole partition at the first
+                # gradient reduced into it, and a gradient over the bucket (extra_large_param_to_reduce) waits
+                # as it is for the next one before it is reduced
+                place.grads_early = True
+                place.buffers_mid += c * over_bucket(p, reduce_bucket)
         else:
             small = persistent_params(p, persist)
             place.params = param_bytes(p, spec, c) / n + c * small * (1 - 1 / n)
@@ -223,13 +290,9 @@ class DeepSpeedFamily(Family):
             fp32_grad = FP32 * min(SUB_GROUP_SIZE, P / n)
             scratch = min(SUB_GROUP_SIZE * FP32, step_scratch_bytes(p, spec, FP32)[0] / n)
             largest = p.largest_layer_params or p.largest_param
-            unit = p.block_params if p.num_blocks else largest
-            # Gathered params stay gathered while they are reused within max_reuse_distance fetches:
-            # at the forward/backward turn the last blocks (fetched again after 2 x the params in
-            # between) and the head are kept; everything is capped by max_live_parameters.
-            kept = min(p.params, s.config.max_live_parameters, largest + s.config.max_reuse_distance / 2 + prefetch)
-            place.buffers_start = c * (kept + reduce_bucket)
-            place.buffers_mid = c * (min(s.config.max_live_parameters, kept + unit) + reduce_bucket)
+            turn, backward = stage3_gathered(p, s, spec, persist, prefetch)
+            place.buffers_start = c * (turn + reduce_bucket)
+            place.buffers_mid = c * (backward + reduce_bucket)
             place.buffers_end = c * (min(p.params, s.config.max_live_parameters, largest + prefetch) + reduce_bucket)
             hpz = s.config.hpz_size(cl)
             if hpz:

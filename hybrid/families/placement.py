@@ -23,6 +23,9 @@ class Placement:
     grads_step: float = 0       # extra gradient copies made for the step (DeepSpeed fp32 partition)
     accumulated: float = 0      # of grads_start / grads_end: unsharded gradients FSDP2 accumulates in its
                                 #     own buffers (no-sync windows, pipeline stages)
+    grads_early: bool = False   # grads_end is one buffer made whole at the first gradient reduced into it
+                                #     (ZeRO-2's grads_in_partition): the last rank's share, which backward
+                                #     reaches first, holds it through the blocks' backward beside grads_start
     buffers_start: float = 0    # communication buffers at the loss backward
     regathered: float = 0       # ... of which gathered in the root's pre-backward, after a loss computed
                                 #     outside the model's forward (context parallelism) has run backward

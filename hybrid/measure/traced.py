@@ -387,6 +387,8 @@ def replaced_layout(place, replaced: frozenset):
     def layout(phase: str, progress: float) -> dict:
         if phase == "step":
             out = dict(grads=place.grads_end + place.grads_step, buffers=place.buffers_step)
+        elif phase == "blocks" and place.grads_early:      # the gradient buffer made whole at its first reduction
+            out = dict(grads=place.grads_start - kept + place.grads_end, buffers=place.buffers_mid)
         elif phase == "blocks":          # gradients arrive block by block
             out = dict(grads=place.grads_start - kept + progress * (place.grads_end - place.grads_start),
                        buffers=place.buffers_mid)

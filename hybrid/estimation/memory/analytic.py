@@ -124,13 +124,15 @@ def step_moments(sh: Share, place, act: ActivationTerms,
     unit = unit * trained_fraction(profile, spec)         # frozen weights make no gradients
     unit_grads = (2 if place.autocast else spec.bytes.compute) * unit
     dequantized = dequantized_weight(profile, spec)
+    # a gradient buffer made whole at its first reduction exists through the blocks' backward (ZeRO-2)
+    in_backward = place.grads_start + (place.grads_end if place.grads_early else 0)
     moments = {
         "loss": dict(grads=place.grads_start, activations=acts,
                      temporaries=act.head_backward + act.autocast_cache, buffers=place.buffers_start),
         # the block being differentiated: recomputed activations and its weight gradients as
         # autograd makes them (compute dtype), before they are reduced or accumulated; with
         # experts as a unit of their own, the largest of its moments (estimation/memory/moe.py)
-        "blocks": max((dict(grads=place.grads_start, activations=acts,
+        "blocks": max((dict(grads=in_backward, activations=acts,
                             temporaries=(act.recompute - min(freed, act.recompute) + act.autocast_cache
                                          + max((2 if place.autocast else spec.bytes.compute) * u,
                                                act.backward_transient)
@@ -149,7 +151,7 @@ def step_moments(sh: Share, place, act: ActivationTerms,
         # while only this block's activations are left (with checkpointing its kept input was
         # the smaller of the two: fp32 gradient shards grow faster than block inputs shrink)
         done = (place.grads_end - place.grads_start) * (act.layers - 1) * profile.block_params / profile.params
-        end = dict(moments["blocks"], grads=place.grads_start + done, activations=act.per_layer)
+        end = dict(moments["blocks"], grads=max(place.grads_start + done, in_backward), activations=act.per_layer)
         if sum(end.values()) > sum(moments["blocks"].values()):
             moments["blocks"] = end
     if sh.loss_outside_forward:     # the root's parameters are gathered again after the loss backward
