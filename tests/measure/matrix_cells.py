@@ -33,17 +33,15 @@ BOTH = ("hybrid", "transformers")
 
 def _untraced() -> dict:
     from hybrid.measure.traced import UNTRACED as TRACE
-    return {"interleaved": "a traced pipeline estimate runs gpipe and 1f1b; use --method analytic for interleaved",
-            "compile": TRACE["compile"], "float8": TRACE["compile"], "LoRA": TRACE["lora"]}
+    return {"compile": TRACE["compile"], "float8": TRACE["compile"], "LoRA": TRACE["lora"]}
 
 
 UNTRACED = _untraced()
 """Slices whose cells the trace cannot run as the runtime runs them, and the line it refuses them with
-(each stated in the benchmark's output and the README's table, not skipped silently): interleaved runs
-two stages per rank, the trace one; torch.compile falls back to eager under the trace's dispatch mode
-(the compiled blocks' memory is read from their graph: measure/compiled.py, tests/runtime/test_compile.py),
-and float8 runs behind compile; the trace builds no LoRA adapters (tests/estimation/test_lora.py holds
-the LoRA terms to PEFT models' saved tensors)."""
+(each stated in the benchmark's output and the README's table, not skipped silently): torch.compile falls
+back to eager under the trace's dispatch mode (the compiled blocks' memory is read from their graph:
+measure/compiled.py, tests/runtime/test_compile.py), and float8 runs behind compile; the trace builds no
+LoRA adapters (tests/estimation/test_lora.py holds the LoRA terms to PEFT models' saved tensors)."""
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 1 x 2 and 1 x 4 clusters, on our decoder and the transformers one, at every pipeline rank. Each cell's analytic
 estimate is within 3% of its trace (the real parallelize on fake tensors; a pipeline rank's stage through
 torch's PipelineStage), or, where the plan refuses the layout, the estimate, the trace and auto_wrap refuse it
-with the plan row's line; a slice the trace cannot run (interleaved, compile, float8, LoRA) has its cells
+with the plan row's line; a slice the trace cannot run (compile, float8, LoRA) has its cells
 refused by the trace with the reason (matrix_cells.UNTRACED). The trace is held to the live tensors of the same
 job on 2 gloo ranks (LIVE, one launch). benchmarks/matrix_accuracy.py prints every cell's gaps.
 
