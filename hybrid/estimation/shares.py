@@ -12,6 +12,7 @@ from .memory.activations import ActivationTerms
 from ..model.profile import ModelProfile
 from ..config.spec import TrainSpec
 from ..layout.applied import AppliedPlan, applied_plan
+from ..layout.program import backward_moments
 
 
 @dataclass(frozen=True)
@@ -43,12 +44,61 @@ class StageShare:
     """Input gradients of earlier backwards still held at a later backward by the schedule's send ops:
     torch's Schedule1F1B keeps a backward's send ops in a variable it rebinds after the next backward
     (1; measured live on 2 gloo ranks), GPipe's are released once sent (0); 0 on the first stage, which
-    sends none, and for interleaved (torch's runtime schedule, not traced)."""
+    sends none, and for interleaved (priced by `backwards`)."""
+    backwards: tuple = ()
+    """Interleaved: each backward of the rank's step as torch's runtime schedule runs it
+    (BackwardShare, from layout/program.backward_moments); () for the single-stage schedules."""
 
     @property
     def later_layers(self) -> int:
         """Block activations held at the rank's later backwards (counted as in_flight_layers)."""
         return self.later * self.in_flight_layers // max(self.in_flight, 1)
+
+
+@dataclass(frozen=True)
+class BackwardShare:
+    """One backward of an interleaved rank's step (layout/program.Backward) as the estimate prices it."""
+
+    last: bool
+    """The backward of the last stage (its loss backward first)."""
+    live: int
+    """Chunk-micro-batches whose activations are held, this one's included."""
+    grads: float
+    """Fraction of the rank's parameters whose gradients exist unreduced: those of the stages a backward
+    of which ran before in the step and whose reduction has not."""
+    reduced: float
+    """Fraction of the rank's parameters whose gradients the schedule has reduced (their stage's last
+    backward ran: _PipelineScheduleRuntime's REDUCE_GRAD)."""
+    embedding: bool
+    """The first stage's backward ran before (its whole embedding gradient exists)."""
+    sends: int
+    """Boundary tensors held only by the schedule's send works."""
+
+
+def _stages_params(profile: ModelProfile, pipeline, stages) -> int:
+    """Parameters of the given stages: their blocks, the embedding with the first, the final norm
+    and head with the last (a tied head a second copy there)."""
+    d = profile.decoder
+    stages = list(stages)
+    first, last = 0 in stages, pipeline.stages - 1 in stages
+    embed = d.vocab * d.hidden + (d.max_positions * d.hidden if d.style == "gpt2" else 0)
+    head = d.vocab * d.hidden
+    norm = max(profile.root_params - embed - (0 if d.tied else head), 0)
+    root = (embed if first else 0) + ((norm + head) if last else 0)
+    held = d.pick([i for s in stages for i in range(*pipeline.stage_range(s))], head=last)
+    blocks = sum(pipeline.blocks[s] for s in stages)
+    return (held.params - held.root_params if d.stack else blocks * profile.block_params) + root
+
+
+def _backwards(profile: ModelProfile, pipeline, rank: int) -> tuple:
+    """The interleaved rank's backwards (layout/program.backward_moments) priced: () otherwise."""
+    if pipeline.schedule != "interleaved" or profile.decoder is None:
+        return ()
+    whole = _stages_params(profile, pipeline, pipeline.rank_stages(rank))
+    def frac(stages) -> float:
+        return _stages_params(profile, pipeline, stages) / whole if stages else 0.0
+    return tuple(BackwardShare(b.stage == pipeline.stages - 1, b.live, frac(b.done - b.reduced), frac(b.reduced),
+                               0 in b.done, b.sends) for b in backward_moments(pipeline, rank))
 
 
 def stage_share(profile: ModelProfile, pipeline, rank: int) -> ModelProfile:
@@ -88,7 +138,8 @@ def stage_of(profile: ModelProfile, pipeline, rank: int) -> StageShare:
                       profile.decoder.hidden if profile.decoder else 0,
                       sum((i != 0) + (i != pipeline.stages - 1) for i in stages), pipeline.later(rank),
                       pipeline.virtual,
-                      int(pipeline.schedule == "1f1b" and 0 not in stages and pipeline.micro_batches > 1))
+                      int(pipeline.schedule == "1f1b" and 0 not in stages and pipeline.micro_batches > 1),
+                      _backwards(profile, pipeline, rank))
 
 
 @dataclass(frozen=True)

@@ -52,22 +52,48 @@ def in_flight_later(schedule: str, pp: int, m: int, rank: int, virtual: int = 1)
     return held if held < total else total - 1
 
 
-def rank_actions(schedule: str, pp: int, m: int, rank: int) -> list[tuple[str, int]]:
-    """The order rank `rank` runs its micro-batches' forward ("F") and backward ("B") in, for the
-    single-chunk schedules (the order torch's ScheduleGPipe and Schedule1F1B follow)."""
+def rank_actions(schedule: str, pp: int, m: int, rank: int, virtual: int = 1) -> list[tuple[str, int, int]]:
+    """The order rank `rank` runs its forwards ("F") and backwards ("B") in: (kind, stage, micro-batch),
+    the stage a global stage index (rank + k * pp for its k-th chunk). gpipe and 1f1b as torch's
+    ScheduleGPipe and Schedule1F1B run them; interleaved as ScheduleInterleaved1F1B orders them
+    (_calculate_single_rank_operations: a warm-up of forwards, then a forward and a backward per step,
+    then the remaining backwards; the chunk of each advancing every microbatches_per_round steps,
+    forwards from the first chunk, backwards from the last)."""
     if schedule == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+        return [("F", rank, i) for i in range(m)] + [("B", rank, i) for i in range(m)]
+    if schedule == "interleaved":
+        return _interleaved_actions(pp, m, rank, virtual)
     if schedule != "1f1b":
-        raise HybridError(f"rank_actions covers gpipe and 1f1b, not {schedule!r}")
+        raise HybridError(f"unknown pipeline schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
     warmup = min(pp - 1 - rank, m)
-    out = [("F", i) for i in range(warmup)]
+    out = [("F", rank, i) for i in range(warmup)]
     f, b = warmup, 0
     while b < m:
         if f < m:
-            out.append(("F", f))
+            out.append(("F", rank, f))
             f += 1
-        out.append(("B", b))
+        out.append(("B", rank, b))
         b += 1
+    return out
+
+
+def _interleaved_actions(pp: int, m: int, rank: int, virtual: int) -> list[tuple[str, int, int]]:
+    """ScheduleInterleaved1F1B's compute actions of one rank (torch's _get_warmup_ops and
+    _get_1f1b_rank_ops without their idle slots)."""
+    per_round = m // max(1, m // pp)                   # torch's microbatches_per_round
+    total = m * virtual
+    warmup = min((virtual - 1) * per_round + 2 * (pp - 1 - rank), total)
+    forward, backward = [0] * virtual, [0] * virtual
+    out = []
+    for op in range(total + warmup):               # warm-up, steady and cool-down steps
+        if op < total:                                 # warm-up and steady steps: a forward
+            k = (op // per_round) % virtual
+            out.append(("F", k * pp + rank, forward[k]))
+            forward[k] += 1
+        if op >= warmup:                               # steady and cool-down steps: a backward
+            k = virtual - 1 - ((op - warmup) // per_round) % virtual
+            out.append(("B", k * pp + rank, backward[k]))
+            backward[k] += 1
     return out
 
 

@@ -5,6 +5,7 @@ CUDA: the same, plus torch.cuda.max_memory_allocated as the independent referenc
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -127,10 +128,31 @@ def _measure_one(job: Job, runtime):
 
 
 def _rank_main(jobs: list[Job]):
-    """Every job in turn on this rank (one launch, one process group): [result per job]."""
+    """Every job in turn on this rank (one launch, one process group): [result per job], each job measured
+    as it runs alone (_as_alone)."""
     from ..runtime.mesh import init_distributed
     runtime = init_distributed()
-    return [_measure_one(job, runtime) for job in jobs]
+    out = []
+    for job in jobs:
+        with _as_alone():
+            out.append(_measure_one(job, runtime))
+    return out
+
+
+@contextlib.contextmanager
+def _as_alone():
+    """A job of a launch with the process-wide functions it found, restored after it: DeepSpeed's ZeRO-3
+    engine replaces torch.nn.functional.linear with its LinearFunctionForZeroStage3 for the whole process
+    ("This will persist unless manually reset": deepspeed/runtime/zero/partition_parameters.py
+    _enable_mem_efficient_linear), which saves other tensors than torch's linear, so a job measured after a
+    ZeRO-3 job in the same launch ran another program (measured: a pipeline's first stage under selective
+    checkpointing 32,768 B, one boundary tensor, under the same job run alone)."""
+    import torch.nn.functional as F
+    linear = F.linear
+    try:
+        yield
+    finally:
+        F.linear = linear
 
 
 def check_runnable(source: ModelSource, cluster: Cluster) -> None:

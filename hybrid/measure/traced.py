@@ -561,7 +561,7 @@ IMPLEMENTATIONS = {"transformers": "the transformers model", "hybrid": "hybrid's
 
 
 def traced_runs(layout) -> bool:
-    """Whether the trace runs this layout: pipeline stages only under a family that runs them, and
-    not the interleaved schedule (two chunks per rank: traced_stage_estimate runs one)."""
-    return layout.schedule != "interleaved" and not any(x.dim == "pp" for x in layout.dp.family_obj.problems(layout))
+    """Whether the trace runs this layout: pipeline stages only under a family that runs them (every
+    schedule: traced_stage_estimate runs each local stage of a rank, interleaved's two included)."""
+    return not any(x.dim == "pp" for x in layout.dp.family_obj.problems(layout))
 

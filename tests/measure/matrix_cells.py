@@ -33,17 +33,15 @@ BOTH = ("hybrid", "transformers")
 
 def _untraced() -> dict:
     from hybrid.measure.traced import UNTRACED as TRACE
-    return {"interleaved": "a traced pipeline estimate runs gpipe and 1f1b; use --method analytic for interleaved",
-            "compile": TRACE["compile"], "float8": TRACE["compile"], "LoRA": TRACE["lora"]}
+    return {"compile": TRACE["compile"], "float8": TRACE["compile"], "LoRA": TRACE["lora"]}
 
 
 UNTRACED = _untraced()
 """Slices whose cells the trace cannot run as the runtime runs them, and the line it refuses them with
-(each stated in the benchmark's output and the README's table, not skipped silently): interleaved runs
-two stages per rank, the trace one; torch.compile falls back to eager under the trace's dispatch mode
-(the compiled blocks' memory is read from their graph: measure/compiled.py, tests/runtime/test_compile.py),
-and float8 runs behind compile; the trace builds no LoRA adapters (tests/estimation/test_lora.py holds
-the LoRA terms to PEFT models' saved tensors)."""
+(each stated in the benchmark's output and the README's table, not skipped silently): torch.compile falls
+back to eager under the trace's dispatch mode (the compiled blocks' memory is read from their graph:
+measure/compiled.py, tests/runtime/test_compile.py), and float8 runs behind compile; the trace builds no
+LoRA adapters (tests/estimation/test_lora.py holds the LoRA terms to PEFT models' saved tensors)."""
 
 
 @dataclass(frozen=True)
@@ -333,36 +331,34 @@ LIVE = (
     Live("fsdp", ac="layer:1", accumulation=2), Live("ddp", ac="full", accumulation=2), Live("zero1"), Live("zero2"),
     Live("zero3"), Live("zero2", ac="full"), Live("zero3", ac="full"), Live("fsdp", schedule="1f1b"),
     Live("ddp", ac="full", schedule="1f1b"), Live("fsdp", schedule="gpipe", implementation="transformers"),
+    Live("fsdp", ac="selective", schedule="1f1b"), Live("fsdp", ac="full", schedule="gpipe"),
+    Live("fsdp", ac="selective", schedule="gpipe"), Live("fsdp", "tiny-llama-4", schedule="interleaved"),
+    Live("fsdp", "tiny-llama-4", ac="full", schedule="interleaved"),
 )
 """The live cells: every family that runs on CPU ranks (offload needs CUDA, float8 float8 tensor cores;
 compile compiles with inductor's C++ backend, minutes a cell, and the trace runs it eagerly; the LoRA
 terms are held to PEFT models in tests/estimation/test_lora.py), each checkpointing kind, tp, cp, ep,
-an accumulation window, 1f1b and gpipe, both implementations; ZeRO-2 and ZeRO-3 with full checkpointing
-(their gradient partition and the parameters stage 3 keeps gathered: families/deepspeed.py). One launch."""
+an accumulation window, every schedule (with checkpointing too), both implementations; ZeRO-2 and ZeRO-3
+with full checkpointing (their gradient partition and the parameters stage 3 keeps gathered:
+families/deepspeed.py). One launch."""
 
-OUTSIDE = (
-    Live("fsdp", ac="selective", schedule="1f1b"), Live("fsdp", ac="full", schedule="gpipe"),
-    Live("fsdp", ac="selective", schedule="gpipe"),
-    Live("fsdp", "tiny-llama-4", schedule="interleaved"),
-    Live("fsdp", "tiny-llama-4", ac="full", schedule="interleaved"),
-)
-"""Live cells outside the bound, measured and printed by benchmarks/matrix_accuracy.py (not yet explained):
-a pipeline with checkpointing, whose first stage's live peak moves by one
-boundary tensor between launches (2,675,792 or 2,708,564 B under 1f1b with selective checkpointing; the
-trace gives the higher) and under gpipe 1.3% above the trace with full; and interleaved, which the trace
-does not run (the analytic estimate 4-16% over at 2 micro-batches: torch's interleaved runtime schedule is
-modelled by Megatron-LM's in-flight count)."""
+OUTSIDE = ()
+"""Live cells outside the bound (measured and printed by benchmarks/matrix_accuracy.py): none. Outside before
+and live cells now: ZeRO-2 and ZeRO-3 with full checkpointing (the trace was 6.5% under and 4.0% over: the
+gradient partition ZeRO-2 makes whole at its first reduction, the parameters ZeRO-3's coordinator keeps
+gathered within max_reuse_distance), the pipeline cells with checkpointing and the interleaved ones (the
+trace runs torch's per-rank program, layout/program.py: its sends held, interleaved's two stages and FSDP
+actions; and a launch's jobs each run with the F.linear they found, measured._as_alone: a ZeRO-3 job before
+them had replaced it)."""
 
 
 def live_pairs(cells=LIVE) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """(the reference's bytes, the live bytes) for each cell, per pipeline rank with stages, else of the
-    traced rank and the busiest live rank; every live job in one launch
-    of 2 gloo ranks (measure/measured.measured_estimates). The reference is the trace of each rank (a
-    pipeline's: each rank's stage); interleaved, which the trace does not run, the analytic estimate of
-    each rank. The trace's expert dispatch is balanced (--moe-imbalance 1): a fresh model's live routing
-    nearly is (measured: the ep cells' live peak is 0.4% above the balanced trace, 4% under 1.25)."""
-    from hybrid.estimation.memory.stages import rank_estimates
-    from hybrid.measure.measured import Job, job_layout, measured_estimates
+    traced rank and the busiest live rank; every live job in one launch of 2 gloo ranks
+    (measure/measured.measured_estimates). The reference is the trace of each rank (a pipeline's: each
+    rank's stages). The trace's expert dispatch is balanced (--moe-imbalance 1): a fresh model's live
+    routing nearly is (measured: the ep cells' live peak is 0.4% above the balanced trace, 4% under 1.25)."""
+    from hybrid.measure.measured import Job, measured_estimates
     from hybrid.measure.stages import traced_stage_estimate
     from hybrid.measure.traced import traced_estimate
     jobs = [Job.of(c.source(), CAT[c.strategy], c.spec, TWO, tp=c.tp, cp=c.cp, ep=c.ep,
@@ -371,10 +367,7 @@ def live_pairs(cells=LIVE) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     out = []
     for c, job, m in zip(cells, jobs, live):
         hf = c.implementation == "transformers"
-        if c.schedule == "interleaved":
-            ranks, _ = rank_estimates(job_layout(job), c.source().profile, c.spec, TWO)
-            ref = tuple(r.tensors for r in ranks)
-        elif c.split is not None:
+        if c.split is not None:
             ref = tuple(traced_stage_estimate(c.source(), CAT[c.strategy], c.spec, TWO, None, 1, c.split, r,
                                               prefer_hf=hf).memory.tensors for r in range(2))
         else:

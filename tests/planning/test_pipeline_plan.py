@@ -21,7 +21,7 @@ def test_in_flight_is_the_schedules_peak(schedule):
     for pp, m in ((2, 4), (4, 8), (4, 4), (8, 16)):
         for rank in range(pp):
             live = peak = 0
-            for kind, _ in rank_actions(schedule, pp, m, rank):
+            for kind, _, _ in rank_actions(schedule, pp, m, rank):
                 live += 1 if kind == "F" else -1
                 peak = max(peak, live)
             assert peak == in_flight(schedule, pp, m, rank)

@@ -185,7 +185,12 @@ def step_moments(sh: Share, place, act: ActivationTerms,
             later = dict(moments[name], grads=moments[name]["grads"] + extra, activations=act.per_layer
                          * st.later_layers + held * max(st.later - 1, 0) + mine + sent)
             # one micro-batch a step has no later backward (no gradient accumulated before it)
-            moments[name] = max([first, later] if st.later else [first], key=lambda parts: sum(parts.values()))
+            options = [first, later] if st.later else [first]
+            if st.backwards:                # interleaved: each backward of the rank's program, as it holds
+                options = [_interleaved(moments[name], b, sh, act, name, extra, held, place.grads_end)
+                           for b in st.backwards
+                           if b.last or name != "loss" or not st.last]
+            moments[name] = max(options, key=lambda parts: sum(parts.values()))
         if not st.last and sh.tp > 1:
             # a stage without the head can peak at its last warm-up forward's end: every in-flight micro-batch's
             # activations, its gathered units, and the row-wise down projection's whole output waiting for its
@@ -210,6 +215,20 @@ def step_moments(sh: Share, place, act: ActivationTerms,
     for parts in moments.values():
         parts["buffers"] += recv
     return moments
+
+
+def _interleaved(parts: dict, b, sh: Share, act, name: str, extra: int, held: int, reduced: float) -> dict:
+    """A moment of one backward `b` (shares.BackwardShare) of an interleaved rank: the activations of its
+    live chunk-micro-batches, each other one's stage output, its own (the logits of a last-stage one, in
+    head_backward at its loss), the gradients of the stages whose backward ran before (as they accumulate,
+    or, once the schedule reduced them, as the step keeps them: `reduced`, the placement's grads_end; with
+    the first stage's, its whole embedding gradient) and the boundary tensors the schedule's sends still
+    hold (layout/program.backward_moments)."""
+    st = sh.stage
+    mine = 0 if b.last and name == "loss" else stage_output(sh) if b.last else boundary(sh)
+    acts = act.per_layer * st.in_flight_layers * b.live // max(st.in_flight, 1)
+    return dict(parts, grads=round(parts["grads"] * b.grads + reduced * b.reduced) + (extra if b.embedding else 0),
+                activations=acts + held * (b.live - 1) + mine + b.sends * boundary(sh))
 
 
 def trained_fraction(profile: ModelProfile, spec: TrainSpec) -> float:

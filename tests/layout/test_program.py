@@ -1,0 +1,32 @@
+"""layout/program.py against torch's own schedule: the order ScheduleInterleaved1F1B computes for every
+rank (its pipeline_order, built by torch from stages on a fake process group) is the order rank_actions
+gives and the trace runs."""
+import pytest
+
+pytestmark = pytest.mark.fakepg
+
+
+@pytest.mark.parametrize("pp,m", [(2, 2), (2, 4), (4, 4), (4, 8), (2, 6)])
+def test_interleaved_order_is_torchs(pp, m):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hybrid.layout.pipeline import StageSplit, rank_actions
+    from hybrid.layout.program import backward_moments
+    v = 2
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pp)
+    try:
+        stages = [PipelineStage(torch.nn.Linear(2, 2), k * pp, pp * v, torch.device("cpu")) for k in range(v)]
+        order = ScheduleInterleaved1F1B(stages, m).pipeline_order
+    finally:
+        dist.destroy_process_group()
+    split = StageSplit(pp, "interleaved", m, (1,) * (pp * v), v)
+    for rank in range(pp):
+        torch_order = [(a.computation_type.value, a.stage_index, a.microbatch_index) for a in order[rank]
+                       if a is not None]
+        assert rank_actions("interleaved", pp, m, rank, v) == torch_order, rank
+        # each backward holds its own chunk-micro-batch and every one forwarded and not yet differentiated
+        moments = backward_moments(split, rank)
+        assert len(moments) == m * v and moments[-1].live == 1 and moments[0].done == frozenset()
