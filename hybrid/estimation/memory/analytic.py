@@ -187,7 +187,10 @@ def step_moments(sh: Share, place, act: ActivationTerms,
             # one micro-batch a step has no later backward (no gradient accumulated before it)
             options = [first, later] if st.later else [first]
             if st.backwards:                # interleaved: each backward of the rank's program, as it holds
-                options = [_interleaved(moments[name], b, sh, act, name, extra, held, place.grads_end)
+                # a reduced stage's gradients are what the step keeps of them (its shards; none on the GPU
+                # under CPU offload): grads_end + grads_step, as the step moment counts them
+                options = [_interleaved(moments[name], b, sh, act, name, extra, held,
+                                        place.grads_end + place.grads_step)
                            for b in st.backwards
                            if b.last or name != "loss" or not st.last]
             moments[name] = max(options, key=lambda parts: sum(parts.values()))
@@ -221,7 +224,7 @@ def _interleaved(parts: dict, b, sh: Share, act, name: str, extra: int, held: in
     """A moment of one backward `b` (shares.BackwardShare) of an interleaved rank: the activations of its
     live chunk-micro-batches, each other one's stage output, its own (the logits of a last-stage one, in
     head_backward at its loss), the gradients of the stages whose backward ran before (as they accumulate,
-    or, once the schedule reduced them, as the step keeps them: `reduced`, the placement's grads_end; with
+    or, once the schedule reduced them, as the step keeps them: `reduced`, the placement's shards; with
     the first stage's, its whole embedding gradient) and the boundary tensors the schedule's sends still
     hold (layout/program.backward_moments)."""
     st = sh.stage
