@@ -115,7 +115,7 @@ def _measure_one(job: Job, runtime):
             torch.cuda.reset_peak_memory_stats()
         vocab = source.profile.decoder.vocab if source.profile.decoder else None
         if hasattr(engine, "train_step"):     # a pipeline's engine: the window's micro-batches in one schedule step
-            ids = torch.randint(0, vocab, (spec.micro_batch * spec.gradient_accumulation, spec.seq_len),
+            ids = torch.randint(0, vocab, (spec.micro_batch * job.pipeline.micro_batches, spec.seq_len),
                                 device=runtime.device)
             tracked_schedule_steps(engine, ids, tracker, job.steps)
         else:

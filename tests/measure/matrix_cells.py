@@ -235,7 +235,10 @@ def untraced_line(cell: Cell) -> str:
 
 def refusals(cell: Cell) -> dict[str, str]:
     """The line each of the estimate, the trace and auto_wrap gives for a refused cell (what each
-    raised; 'ran' where one did not refuse)."""
+    raised; 'ran' where one did not refuse). The three read one decision, as the issue asks: the
+    estimate's NotApplicable (families' check), which the trace raises first (traced.refuse_first) and
+    auto_wrap through the plan; what a refused cell holds is that no entry point runs it or says
+    another line, not three independent rules."""
     from hybrid.estimation.memory.analytic import estimate
     from hybrid.layout.pipeline import VIRTUAL, StageSplit, even_split, stage_cluster
     from hybrid.measure.stages import traced_stage_estimate

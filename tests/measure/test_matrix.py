@@ -6,18 +6,15 @@ with the plan row's line; a slice the trace cannot run (compile, float8, LoRA) h
 refused by the trace with the reason (matrix_cells.UNTRACED). The trace is held to the live tensors of the same
 job on 2 gloo ranks (LIVE, one launch). benchmarks/matrix_accuracy.py prints every cell's gaps.
 
-Measured here (2026-12 on this tree; benchmarks/results/matrix_accuracy.txt has every cell): analytic vs
-traced within 1.2% on 2 ranks (tp 1 and 2, pp 2 gpipe and 1f1b, accumulation windows, op and layer:1),
-2.7% with cp 2, 2.1% on 4 ranks (pp 2 x tp 2 the widest), 1.0% with ep 2; interleaved (tiny-llama-4, 2
-micro-batches) 2.4%, except fsdp-offload with checkpointing on pp rank 0 (+3.0% selective, +5.9% full: open,
-the estimate's accumulated stage-0 gradients at its last backward); traced vs live within 0.5%.
-What the cells exposed, each fixed at its cause with the cell as its test (git log -- tests/measure):
-traces that did not run the accumulation window, DDP's order, offload on a pipeline stage or transformers
-stages under tp; selective, per-op, layer:N and pipeline moments the estimate priced otherwise than torch
-runs them; ep's expert matmuls kept by selective checkpointing. Slice CPU time (2 cores, prime + 1 step
-traces, shared programs): 2 ranks 23 s, 4 ranks 33 s, accumulation 11 s, 4 ranks cp 2 14 s, interleaved
-14 s, cp 2 6 s, the rest under 4 s each; the live launch 43 s (23 cells; 34 s for the 18 before the pipeline
-cells with checkpointing and the interleaved ones joined it).
+The gaps of every cell are in benchmarks/results/matrix_accuracy.txt (and per slice in the README's Accuracy
+table), written by the benchmark rather than here, since they move with the estimate. What the cells exposed,
+each fixed at its cause with the cell as its test (git log -- tests/measure): traces that did not run the
+accumulation window, DDP's order, offload on a pipeline stage or transformers stages under tp; selective,
+per-op, layer:N and pipeline moments the estimate priced otherwise than torch runs them; ep's expert matmuls
+kept by selective checkpointing; ZeRO-2's gradient partition and ZeRO-3's reuse distance under
+checkpointing; interleaved ranks' two stages, sends and FSDP actions (layout/program.py); a ZeRO-3 job's
+F.linear left in place for the next job of a launch; gloo's worker thread freeing a collective's tensors
+late (runtime/mesh.released).
 """
 import pytest
 
