@@ -282,13 +282,26 @@ def stage_degrees(cluster, blocks: int, pp: int | None, cp: int, most: int) -> l
     return [p for p in tries if p == 1 or cp == 1]
 
 
+def interleaved_problem(pp: int, m: int) -> str | None:
+    """Why torch's ScheduleInterleaved1F1B cannot run m micro-batches on pp ranks (None where it can): it
+    runs them in rounds of m // (m // pp) and raises unless m is a multiple of the round count m // pp
+    (schedules.py, ScheduleInterleaved1F1B.__init__); below pp micro-batches its warm-up has too few."""
+    rounds = max(1, m // pp)
+    if m < pp:
+        return f"interleaved needs at least pp = {pp} micro-batches, not {m}"
+    if m % rounds:
+        return (f"interleaved runs {m} micro-batches in {rounds} rounds, which torch's ScheduleInterleaved1F1B "
+                f"refuses ({m} is not a multiple of {rounds}); use 1f1b, or a micro-batch count that is")
+    return None
+
+
 def schedules_for(pp: int, m: int, layers_per_rank: int) -> list[str]:
     """The schedules the planner tries: 1f1b where torch runs it (m >= pp), else gpipe (the same
     memory and bubble with m < pp); interleaved where each rank's blocks split into 2 chunks."""
     if pp == 1:
         return ["1f1b"]
     out = ["1f1b"] if m >= pp else ["gpipe"]
-    if layers_per_rank >= VIRTUAL and m >= pp and m % max(1, m // pp) == 0:
+    if layers_per_rank >= VIRTUAL and interleaved_problem(pp, m) is None:
         out.append("interleaved")
     return out
 

@@ -7,7 +7,7 @@ from ..config.spec import TrainSpec
 from ..estimation.memory.analytic import estimate
 from ..families.placement import NotApplicable
 from ..layout.layout import Layout
-from ..layout.pipeline import VIRTUAL, StageSplit, balanced_split, even_split, stage_cluster
+from ..layout.pipeline import VIRTUAL, StageSplit, balanced_split, even_split, interleaved_problem, stage_cluster
 from ..model.profile import ModelProfile
 
 
@@ -34,6 +34,8 @@ def stage_split(layout: Layout, profile: ModelProfile, spec: TrainSpec, stage_cl
     if schedule == "interleaved":
         if L < pp * VIRTUAL:
             raise NotApplicable(f"interleaved needs at least {pp * VIRTUAL} blocks for its {pp * VIRTUAL} chunks")
+        if interleaved_problem(pp, m):
+            raise NotApplicable(interleaved_problem(pp, m))
         return StageSplit(pp, schedule, m, even_split(L, pp * VIRTUAL), VIRTUAL)
     if L < pp:
         raise NotApplicable(f"{pp} stages need at least {pp} blocks; the model has {L}")

@@ -30,3 +30,33 @@ def test_interleaved_order_is_torchs(pp, m):
         # each backward holds its own chunk-micro-batch and every one forwarded and not yet differentiated
         moments = backward_moments(split, rank)
         assert len(moments) == m * v and moments[-1].live == 1 and moments[0].done == frozenset()
+
+
+@pytest.mark.parametrize("pp,m", [(2, 3), (4, 10), (4, 25), (4, 24), (8, 100)])
+def test_interleaved_micro_batch_counts_are_the_ones_torch_takes(pp, m):
+    """From pp micro-batches up, pipeline.interleaved_problem refuses exactly the counts torch's
+    ScheduleInterleaved1F1B refuses (a planned layout torch would refuse was a KeyError in the program:
+    hybrid plan llama3-8b --global-batch 100). Below pp it refuses what torch would build, as the planner runs
+    gpipe there in place of 1f1b (pipeline.schedules_for)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hybrid.layout.pipeline import StageSplit, interleaved_problem
+    from hybrid.layout.program import backward_moments
+    v = 2
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pp)
+    try:
+        stages = [PipelineStage(torch.nn.Linear(2, 2), k * pp, pp * v, torch.device("cpu")) for k in range(v)]
+        try:
+            ScheduleInterleaved1F1B(stages, m)
+            takes = True
+        except (ValueError, RuntimeError):
+            takes = False
+    finally:
+        dist.destroy_process_group()
+    assert (interleaved_problem(pp, m) is None) == takes, (pp, m, interleaved_problem(pp, m))
+    if takes:
+        for rank in range(pp):
+            assert len(backward_moments(StageSplit(pp, "interleaved", m, (1,) * (pp * v), v), rank)) == m * v
