@@ -9,12 +9,12 @@ job on 2 gloo ranks (LIVE, one launch). benchmarks/matrix_accuracy.py prints eve
 Measured here (2026-12 on this tree; benchmarks/results/matrix_accuracy.txt has every cell): analytic vs
 traced within 1.2% on 2 ranks (tp 1 and 2, pp 2 gpipe and 1f1b, accumulation windows, op and layer:1),
 2.7% with cp 2, 2.1% on 4 ranks (pp 2 x tp 2 the widest), 1.0% with ep 2; interleaved (tiny-llama-4, 2
-micro-batches) 2.4%, except fsdp-offload with checkpointing on pp rank 0 (+3.0% selective, +5.9% full: open,
-the estimate's accumulated stage-0 gradients at its last backward); traced vs live within 0.5%.
+micro-batches) 1.3%; traced vs live within 0.5%.
 What the cells exposed, each fixed at its cause with the cell as its test (git log -- tests/measure):
 traces that did not run the accumulation window, DDP's order, offload on a pipeline stage or transformers
 stages under tp; selective, per-op, layer:N and pipeline moments the estimate priced otherwise than torch
-runs them; ep's expert matmuls kept by selective checkpointing. Slice CPU time (2 cores, prime + 1 step
+runs them; ep's expert matmuls kept by selective checkpointing; a checkpointed stage's received input
+counted as a block input beside its receive buffer. Slice CPU time (2 cores, prime + 1 step
 traces, shared programs): 2 ranks 23 s, 4 ranks 33 s, accumulation 11 s, 4 ranks cp 2 14 s, interleaved
 14 s, cp 2 6 s, the rest under 4 s each; the live launch 43 s (23 cells; 34 s for the 18 before the pipeline
 cells with checkpointing and the interleaved ones joined it).
