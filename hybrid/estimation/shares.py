@@ -50,6 +50,14 @@ class StageShare:
     (BackwardShare, from layout/program.backward_moments); () for the single-stage schedules."""
 
     @property
+    def received(self) -> int:
+        """Of the micro-batches in flight at the rank's first backward, those of a stage that receives its
+        input (all of them but on the first stage; interleaved, as its first backward holds them)."""
+        if self.backwards:
+            return self.backwards[0].received
+        return 0 if self.first else self.in_flight
+
+    @property
     def later_layers(self) -> int:
         """Block activations held at the rank's later backwards (counted as in_flight_layers)."""
         return self.later * self.in_flight_layers // max(self.in_flight, 1)
@@ -73,6 +81,8 @@ class BackwardShare:
     """The first stage's backward ran before (its whole embedding gradient exists)."""
     sends: int
     """Boundary tensors held only by the schedule's send works."""
+    received: int = 0
+    """Of `live`, those of a stage that receives its input (layout/program.Backward.received)."""
 
 
 def _stages_params(profile: ModelProfile, pipeline, stages) -> int:
@@ -98,7 +108,7 @@ def _backwards(profile: ModelProfile, pipeline, rank: int) -> tuple:
     def frac(stages) -> float:
         return _stages_params(profile, pipeline, stages) / whole if stages else 0.0
     return tuple(BackwardShare(b.stage == pipeline.stages - 1, b.live, frac(b.done - b.reduced), frac(b.reduced),
-                               0 in b.done, b.sends) for b in backward_moments(pipeline, rank))
+                               0 in b.done, b.sends, b.received) for b in backward_moments(pipeline, rank))
 
 
 def stage_share(profile: ModelProfile, pipeline, rank: int) -> ModelProfile:
@@ -294,7 +304,8 @@ def share_activations(sh: Share, act: ActivationTerms, autocast: bool, notes: li
         head_in = gathered / 2
         act = replace(act, per_layer=int(act.per_layer / tp + stored), recompute=int(act.recompute / tp + redone),
                       head_forward=int(head_f / tp + head_in), head_backward=int(head_b / tp + head_in),
-                      autocast_cache=int(act.autocast_cache / tp), backward_transient=int(act.backward_transient / tp))
+                      autocast_cache=int(act.autocast_cache / tp), backward_transient=int(act.backward_transient / tp),
+                      block_input=int(act.block_input / tp))
         notes.append(f"tensor parallel {tp}: matrices, embedding and head split {tp} ways; sequence-parallel "
                      "activations; vocab-parallel logits")
     if cp > 1:

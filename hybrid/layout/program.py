@@ -132,6 +132,10 @@ class Backward:
     outputs of forwards whose own backward has ended."""
     reduced: frozenset = frozenset()
     """Of `done`, the stages whose gradients the schedule has reduced (their last backward ran)."""
+    received: int = 0
+    """Of `live`, those of a stage that receives its input (all but the first stage): their input
+    is the stage's receive buffer (torch's PipelineStage._retrieve_recv_activations hands the
+    forward the buffer itself)."""
 
 
 def backward_moments(split: StageSplit, rank: int) -> tuple[Backward, ...]:
@@ -151,7 +155,8 @@ def backward_moments(split: StageSplit, rank: int) -> tuple[Backward, ...]:
             # a send made before this step and not yet dropped, whose tensor nothing else keeps
             sends = sum(1 for i, t in enumerate(program[:j]) if t.sends and j <= t.released
                         and (t.kind == "B" or ends[t.stage, t.mb] < j))
-            out.append(Backward(s.stage, len(live), frozenset(done), sends, frozenset(reduced)))
+            received = sum(1 for stage, _ in live if stage != 0)
+            out.append(Backward(s.stage, len(live), frozenset(done), sends, frozenset(reduced), received))
             live.discard((s.stage, s.mb))
             done.add(s.stage)
     return tuple(out)

@@ -30,6 +30,9 @@ def test_interleaved_order_is_torchs(pp, m):
         # each backward holds its own chunk-micro-batch and every one forwarded and not yet differentiated
         moments = backward_moments(split, rank)
         assert len(moments) == m * v and moments[-1].live == 1 and moments[0].done == frozenset()
+        # every stage but the first receives its input: all of a later rank's chunk-micro-batches, not
+        # rank 0's of stage 0 (in flight at its first backward, beside its own of stage pp)
+        assert all(b.received == b.live for b in moments) if rank else moments[0].received < moments[0].live
 
 
 @pytest.mark.parametrize("pp,m", [(2, 3), (4, 10), (4, 25), (4, 24), (8, 100)])

@@ -14,7 +14,8 @@ per-op, layer:N and pipeline moments the estimate priced otherwise than torch ru
 kept by selective checkpointing; ZeRO-2's gradient partition and ZeRO-3's reuse distance under
 checkpointing; interleaved ranks' two stages, sends and FSDP actions (layout/program.py); a ZeRO-3 job's
 F.linear left in place for the next job of a launch; gloo's worker thread freeing a collective's tensors
-late (runtime/mesh.released).
+late (runtime/mesh.released); a checkpointed stage's received input counted as a block input beside its
+receive buffer.
 """
 import pytest
 

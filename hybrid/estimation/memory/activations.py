@@ -43,6 +43,10 @@ class ActivationTerms:
     """Bytes one block's backward holds at the MLP's beyond what the block saved: the gradients of
     its f-wide tensors and the down projection's weight gradient (0 where not modelled: MoE blocks,
     read stacks, compiled blocks)."""
+    block_input: int = 0
+    """Of per_layer, a checkpointed block's input, which torch.utils.checkpoint saves as the tensor
+    itself (on a pipeline stage's first block, the stage's receive buffer); 0 without checkpointing
+    (nothing keeps the input) and where not modelled (compiled blocks)."""
 
 
 def mlp_backward_transient(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> float:
@@ -599,11 +603,15 @@ def activation_terms(d: DecoderConfig, spec: TrainSpec, autocast: bool) -> Activ
         cache = 2 * (d.block_matmul_params * blocks / d.layers + d.vocab * d.hidden)
         if blocks < d.layers:
             recompute += 2 * d.block_matmul_params / d.layers
-    modelled = not (d.stack or d.moe or getattr(spec, "compile", False) or (d.style == "gpt2" and d.gelu == "new"))
+    # every checkpointing mode checkpoints a stage's first block (layer:N: each piece's blocks 0, N, 2N...:
+    # runtime/activation_checkpoint.py), which keeps its input whole
+    compiled = getattr(spec, "compile", False)
+    block_input = (F32 if autocast else c) * d.hidden * T if ckpt != "none" and not compiled else 0
+    modelled = not (d.stack or d.moe or compiled or (d.style == "gpt2" and d.gelu == "new"))
     transient = mlp_backward_transient(d, spec, autocast or adapters_autocast) if modelled else 0
     return ActivationTerms(per_layer=int(per_layer), recompute=int(recompute), head_forward=int(head_fwd),
                            head_backward=int(head_bwd), autocast_cache=int(cache), layers=d.layers,
-                           backward_transient=int(transient))
+                           backward_transient=int(transient), block_input=int(block_input))
 
 
 LOSS_CHUNKS = 8

@@ -176,14 +176,19 @@ def step_moments(sh: Share, place, act: ActivationTerms,
         # others on its earlier chunk (a last-stage chunk-micro-batch's backward follows its forward in
         # torch's order), so they keep that chunk's output
         held = boundary(sh) if st.virtual > 1 or not st.last else act.head_forward
+        # a received micro-batch's first block keeps the stage's receive buffer as its input, which
+        # receive_buffers counts: not again in its activations
+        rin = act.block_input
         for name in ("loss", "blocks"):
             # the last stage's output is the logits: in head_backward for the micro-batch whose loss
             # backward runs
             mine = 0 if st.last and name == "loss" else out
-            first = dict(moments[name], grads=0, activations=acts + held * (st.in_flight - 1) + mine)
+            first = dict(moments[name], grads=0,
+                         activations=acts - rin * st.received + held * (st.in_flight - 1) + mine)
             # ... and an earlier backward's whole embedding gradient (a stage differentiates it last)
-            later = dict(moments[name], grads=moments[name]["grads"] + extra, activations=act.per_layer
-                         * st.later_layers + held * max(st.later - 1, 0) + mine + sent)
+            later = dict(moments[name], grads=moments[name]["grads"] + extra,
+                         activations=(act.per_layer * st.later_layers - rin * (0 if st.first else st.later)
+                                      + held * max(st.later - 1, 0) + mine + sent))
             # one micro-batch a step has no later backward (no gradient accumulated before it)
             options = [first, later] if st.later else [first]
             if st.backwards:                # interleaved: each backward of the rank's program, as it holds
@@ -201,7 +206,7 @@ def step_moments(sh: Share, place, act: ActivationTerms,
             # sum and the MLP norm's output, which the block holds while its MLP runs (a tp rank's shards:
             # the traced pp 2 x tp 2 first stage)
             whole = spec.bytes.compute * spec.tokens * st.boundary_elements
-            moments["forward"] = dict(grads=0, activations=acts + out * st.in_flight,
+            moments["forward"] = dict(grads=0, activations=acts - rin * st.received + out * st.in_flight,
                                       temporaries=whole * (2 + 4 / sh.tp), buffers=place.buffers_start)
     moments["grads"]["grads"] += extra
     ends = [act.recompute + unit_grads] if st is not None else []     # a stage's backward ends in its first block
@@ -213,7 +218,7 @@ def step_moments(sh: Share, place, act: ActivationTerms,
         # of them), with every gradient (and, under FSDP, every block's parameters gathered since
         # that backward) present
         moments["grads"]["activations"] = (act.per_layer * (st.in_flight_layers - st.blocks) + stage_output(sh)
-                                           + held * (st.in_flight - 1))
+                                           - rin * max(st.received - 1, 0) + held * (st.in_flight - 1))
     recv = receive_buffers(sh)
     for parts in moments.values():
         parts["buffers"] += recv
@@ -226,12 +231,13 @@ def _interleaved(parts: dict, b, sh: Share, act, name: str, extra: int, held: in
     head_backward at its loss), the gradients of the stages whose backward ran before (as they accumulate,
     or, once the schedule reduced them, as the step keeps them: `reduced`, the placement's shards; with
     the first stage's, its whole embedding gradient) and the boundary tensors the schedule's sends still
-    hold (layout/program.backward_moments)."""
+    hold (layout/program.backward_moments); a received chunk-micro-batch's first block input is its stage's
+    receive buffer (receive_buffers), not counted again."""
     st = sh.stage
     mine = 0 if b.last and name == "loss" else stage_output(sh) if b.last else boundary(sh)
     acts = act.per_layer * st.in_flight_layers * b.live // max(st.in_flight, 1)
     return dict(parts, grads=round(parts["grads"] * b.grads + reduced * b.reduced) + (extra if b.embedding else 0),
-                activations=acts + held * (b.live - 1) + mine + b.sends * boundary(sh))
+                activations=acts - act.block_input * b.received + held * (b.live - 1) + mine + b.sends * boundary(sh))
 
 
 def trained_fraction(profile: ModelProfile, spec: TrainSpec) -> float:
