@@ -43,8 +43,10 @@ class StageShare:
     pending_sends: int = 0
     """Input gradients of earlier backwards still held at a later backward by the schedule's send ops:
     torch's Schedule1F1B keeps a backward's send ops in a variable it rebinds after the next backward
-    (1; measured live on 2 gloo ranks), GPipe's are released once sent (0); 0 on the first stage, which
-    sends none, and for interleaved (priced by `backwards`)."""
+    (1; measured live on 2 gloo ranks); GPipe keeps every send to the step's end (layout/program.py), but
+    an earlier micro-batch's held output is far smaller than the activations its backward freed, so its
+    later backwards never peak (0); 0 on the first stage, which sends none, and for interleaved (priced
+    by `backwards`)."""
     backwards: tuple = ()
     """Interleaved: each backward of the rank's step as torch's runtime schedule runs it
     (BackwardShare, from layout/program.backward_moments); () for the single-stage schedules."""
