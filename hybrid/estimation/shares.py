@@ -107,10 +107,17 @@ def _backwards(profile: ModelProfile, pipeline, rank: int) -> tuple:
     if pipeline.schedule != "interleaved" or profile.decoder is None:
         return ()
     whole = _stages_params(profile, pipeline, pipeline.rank_stages(rank))
+    fracs: dict = {}
+
     def frac(stages) -> float:
-        return _stages_params(profile, pipeline, stages) / whole if stages else 0.0
-    return tuple(BackwardShare(b.stage == pipeline.stages - 1, b.live, frac(b.done - b.reduced), frac(b.reduced),
-                               0 in b.done, b.sends, b.received) for b in backward_moments(pipeline, rank))
+        if stages not in fracs:
+            fracs[stages] = _stages_params(profile, pipeline, stages) / whole if stages else 0.0
+        return fracs[stages]
+    # equal moments priced once (a step of m micro-batches repeats a handful of them), in program order
+    moments = dict.fromkeys((b.stage == pipeline.stages - 1, b.live, b.done - b.reduced, b.reduced, 0 in b.done,
+                             b.sends, b.received) for b in backward_moments(pipeline, rank))
+    return tuple(BackwardShare(last, live, frac(unreduced), frac(reduced), embedding, sends, received)
+                 for last, live, unreduced, reduced, embedding, sends, received in moments)
 
 
 def stage_share(profile: ModelProfile, pipeline, rank: int) -> ModelProfile:

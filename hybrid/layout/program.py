@@ -71,14 +71,15 @@ def _lowered(compute: list[Step], m: int, fsdp: bool) -> list[Step]:
     out: list[Step] = []
     active: list[int] = []
     done: dict[int, int] = {}
+    # the next MAX_ACTIVE_STAGES distinct stages from each action on, built from the end (linear in the step)
+    ahead: list[list[int]] = [[] for _ in compute]
+    nxt: list[int] = []
+    for i in range(len(compute) - 1, -1, -1):
+        nxt = ([compute[i].stage] + [t for t in nxt if t != compute[i].stage])[:MAX_ACTIVE_STAGES]
+        ahead[i] = nxt
     for i, s in enumerate(compute):
         if fsdp:
-            upcoming: list[int] = []
-            for t in compute[i:]:
-                if t.stage not in upcoming:
-                    upcoming.append(t.stage)
-                if len(upcoming) == MAX_ACTIVE_STAGES:
-                    break
+            upcoming = ahead[i]
             for stage in [a for a in active if a not in upcoming]:
                 active.remove(stage)
                 out.append(Step("reshard", stage))
@@ -142,21 +143,31 @@ def backward_moments(split: StageSplit, rank: int) -> tuple[Backward, ...]:
     """Each backward of pipeline rank `rank`'s step (rank_program) with what is held while it runs."""
     program = rank_program(split, rank)
     ends = {(s.stage, s.mb): i for i, s in enumerate(program) if s.kind == "B"}
+    # a send's tensor is held by the send alone from after the step that made it (a backward's input
+    # gradient) or after its forward's own backward (an output, kept by fwd_cache until then) through the
+    # step after which the schedule drops it: +1 / -1 at the ends of that interval, summed as the step runs
+    change = [0] * (len(program) + 2)
+    for i, t in enumerate(program):
+        if t.sends:
+            start = i + 1 if t.kind == "B" else ends[t.stage, t.mb] + 1
+            if start <= t.released:
+                change[start] += 1
+                change[t.released + 1] -= 1
     live: set = set()
     done: set = set()
     reduced: set = set()
     out = []
+    sends = received = 0
     for j, s in enumerate(program):
+        sends += change[j]
         if s.kind == "reduce":
             reduced.add(s.stage)
         elif s.kind == "F":
             live.add((s.stage, s.mb))
+            received += s.stage != 0
         elif s.kind == "B":
-            # a send made before this step and not yet dropped, whose tensor nothing else keeps
-            sends = sum(1 for i, t in enumerate(program[:j]) if t.sends and j <= t.released
-                        and (t.kind == "B" or ends[t.stage, t.mb] < j))
-            received = sum(1 for stage, _ in live if stage != 0)
             out.append(Backward(s.stage, len(live), frozenset(done), sends, frozenset(reduced), received))
             live.discard((s.stage, s.mb))
+            received -= s.stage != 0
             done.add(s.stage)
     return tuple(out)
