@@ -194,10 +194,8 @@ def step_moments(sh: Share, place, act: ActivationTerms,
             if st.backwards:                # interleaved: each backward of the rank's program, as it holds
                 # a reduced stage's gradients are what the step keeps of them (its shards; none on the GPU
                 # under CPU offload): grads_end + grads_step, as the step moment counts them
-                options = [_interleaved(moments[name], b, sh, act, name, extra, held,
-                                        place.grads_end + place.grads_step)
-                           for b in st.backwards
-                           if b.last or name != "loss" or not st.last]
+                options = [_interleaved(moments[name], sh, act, name, extra, held, place.grads_end + place.grads_step,
+                                        [b for b in st.backwards if b.last or name != "loss" or not st.last])]
             moments[name] = max(options, key=lambda parts: sum(parts.values()))
         if not st.last and sh.tp > 1:
             # a stage without the head can peak at its last warm-up forward's end: every in-flight micro-batch's
@@ -225,8 +223,10 @@ def step_moments(sh: Share, place, act: ActivationTerms,
     return moments
 
 
-def _interleaved(parts: dict, b, sh: Share, act, name: str, extra: int, held: int, reduced: float) -> dict:
-    """A moment of one backward `b` (shares.BackwardShare) of an interleaved rank: the activations of its
+def _interleaved(parts: dict, sh: Share, act, name: str, extra: int, held: int, reduced: float, backwards) -> dict:
+    """The largest moment of the backwards (shares.BackwardShare) of an interleaved rank, the first of equal
+    ones (a 405B step has a thousand: each priced as two numbers, the moment built once). One backward's
+    moment: the activations of its
     live chunk-micro-batches, each other one's stage output, its own (the logits of a last-stage one, in
     head_backward at its loss), the gradients of the stages whose backward ran before (as they accumulate,
     or, once the schedule reduced them, as the step keeps them: `reduced`, the placement's shards; with
@@ -234,10 +234,17 @@ def _interleaved(parts: dict, b, sh: Share, act, name: str, extra: int, held: in
     hold (layout/program.backward_moments); a received chunk-micro-batch's first block input is its stage's
     receive buffer (receive_buffers), not counted again."""
     st = sh.stage
-    mine = 0 if b.last and name == "loss" else stage_output(sh) if b.last else boundary(sh)
-    acts = act.per_layer * st.in_flight_layers * b.live // max(st.in_flight, 1)
-    return dict(parts, grads=round(parts["grads"] * b.grads + reduced * b.reduced) + (extra if b.embedding else 0),
-                activations=acts - act.block_input * b.received + held * (b.live - 1) + mine + b.sends * boundary(sh))
+    edge, out = boundary(sh), stage_output(sh)
+    rest = sum(v for k, v in parts.items() if k not in ("grads", "activations"))
+    best, top = None, None
+    for b in backwards:
+        mine = 0 if b.last and name == "loss" else out if b.last else edge
+        acts = act.per_layer * st.in_flight_layers * b.live // max(st.in_flight, 1)
+        grads = round(parts["grads"] * b.grads + reduced * b.reduced) + (extra if b.embedding else 0)
+        activations = acts - act.block_input * b.received + held * (b.live - 1) + mine + b.sends * edge
+        if top is None or rest + grads + activations > top:
+            best, top = (grads, activations), rest + grads + activations
+    return dict(parts, grads=best[0], activations=best[1])
 
 
 def trained_fraction(profile: ModelProfile, spec: TrainSpec) -> float:
