@@ -51,6 +51,14 @@ def layer_every(mode: str) -> int | None:
     return int(mode.split(":", 1)[1]) if mode.startswith("layer:") else None
 
 
+def recomputed_blocks(mode: str, blocks: int) -> list[bool]:
+    """Per block, whether checkpointing mode `mode` reruns its forward in backward: every block under
+    full, selective and op, blocks 0, N, 2N... under layer:N (torchtitan's ac_freq), none under none.
+    The runtime checkpoints these (runtime/activation_checkpoint.py) and the estimate prices them."""
+    every = layer_every(mode)
+    return [mode != "none" and (every is None or i % every == 0) for i in range(blocks)]
+
+
 MOE_IMBALANCE = 1.25
 """Tokens the busiest expert-parallel rank receives over the mean (tokens x top_k / ep per rank
 of an ep group): the headroom MoE training recipes give their experts. Switch Transformer

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..config.spec import recomputed_blocks
 from ..errors import HybridError
 from ..config.cluster import HOST_STEP_RATE, PCIE_BW
 from ..layout.dims import validate_shard_size
@@ -47,15 +48,6 @@ def over_bucket(p, bucket: int) -> int:
     return largest if largest > bucket else 0
 
 
-def recomputed(spec, blocks: int) -> list[bool]:
-    """Per block, whether backward reruns its forward (activation checkpointing: full, selective and op
-    checkpoint every block, layer:N blocks 0, N, 2N...; runtime/activation_checkpoint.py)."""
-    from ..config.spec import layer_every
-    mode = spec.activation_checkpointing
-    every = layer_every(mode)
-    return [mode != "none" and (every is None or i % every == 0) for i in range(blocks)]
-
-
 def stage3_gathered(p, s, spec, persist: int, prefetch: int) -> tuple[float, float]:
     """(at the forward/backward turn, at the start of the blocks' backward) the elements ZeRO-3 holds gathered,
     persistent ones aside (they are whole parameters). DeepSpeed's PartitionedParameterCoordinator, once its
@@ -79,7 +71,7 @@ def stage3_gathered(p, s, spec, persist: int, prefetch: int) -> tuple[float, flo
     block = B - (persistent_params(p, persist) - d.hidden) / L      # a block's gathered elements: norms persist
     head = d.vocab * d.hidden                   # lm_head's weight (the token embedding where tied)
     others = p.params - L * B - d.hidden - head      # position embeddings, and the token embedding if untied
-    rerun = recomputed(spec, L)
+    rerun = recomputed_blocks(spec.activation_checkpointing, L)
     between, kept = 2 * (head + d.hidden), 0    # from the last block on: what lies between its uses
     for i in reversed(range(L)):
         if between + B >= R:

@@ -83,7 +83,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
         return 0
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
-    from ..config.spec import layer_every
+    from ..config.spec import recomputed_blocks
     blocks = find_blocks(model)[1]
     if not blocks:
         raise HybridError(f"activation checkpointing {mode!r} needs repeated blocks to recompute, and "
@@ -95,9 +95,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
         context_fn = _op_context
     else:
         context_fn = noop_context_fn
-    every = layer_every(mode)
-    if every is not None:
-        blocks = [b for i, b in enumerate(blocks) if i % every == 0]
+    blocks = [b for b, redone in zip(blocks, recomputed_blocks(mode, len(blocks))) if redone]
     for block in blocks:
         inner = block.forward
 
